@@ -1,0 +1,581 @@
+"""A compressed KV cache: a fixed-capacity pytree that a ``jax.jit`` decode loop carries.
+
+Layout of one row (one sequence) of one layer, for K and for V separately::
+
+    positions  0 .. s-1          s .. s+c-1                  s+c .. len-1
+               sink tokens       compressed blocks           raw recent tokens
+               (raw, s = sinks)  (codec codes, c = n_comp)   (residual window + the
+                                                              unfinished codec block)
+
+``n_comp = floor(max(0, len - s - W) / block) * block`` with ``W`` the residual window
+and ``block`` the codec's ``block_tokens``: a token is compressed once it is more than
+``W`` tokens old *and* its block is complete (KIVI key groups). So the raw region holds
+at most ``W + block - 1`` tokens and every array has a fixed shape under ``jit``.
+
+Layers are grouped into *segments*: maximal runs of consecutive layers that share a
+(K codec, V codec) pair. A per-layer policy such as "keep K raw on the first and last
+layer" therefore stores those layers' K as bf16 and the rest as codes, with no wasted
+arrays; :func:`scan_layers` runs one ``lax.scan`` per segment.
+
+Storage is head-major (``[B, K, S, ...]``) so that one kv head's codes are contiguous
+for the fused kernels. Model code passes K/V token-major, ``[B, T, K, D]``.
+
+Bad input. An append that would exceed ``max_len`` raises ``ValueError`` when the lengths
+are concrete; under ``jit`` the tokens past capacity are dropped (never written over
+other tokens) and the row's ``overflowed`` flag is set. Non-finite K/V are stored as
+finite numbers (NaN -> 0, Inf -> largest finite) and the row's ``nonfinite`` flag is set.
+:func:`check` raises ``ValueError`` on either flag; generation and evaluation call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.codec import Codec, codes_nbytes, parse_codec, parse_kv
+
+_ROLE_IDS = {"k": 0, "v": 1}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """What a cache stores and how: codecs, residual window, sinks, per-layer policy.
+
+    Attributes:
+        k, v: codecs (or spec strings) for keys and values.
+        residual_window: the ``W`` most recent tokens stay raw.
+        sink_tokens: the first tokens of every row stay raw (attention sinks).
+        raw_k_layers, raw_v_layers: layers (negative indices count from the end) whose
+            K or V is stored uncompressed with ``raw_codec``.
+        raw_codec: the codec for raw layers (default ``bf16``).
+    """
+
+    k: Codec | str
+    v: Codec | str
+    residual_window: int = 0
+    sink_tokens: int = 0
+    raw_k_layers: tuple[int, ...] = ()
+    raw_v_layers: tuple[int, ...] = ()
+    raw_codec: Codec | str = "bf16"
+
+    def __post_init__(self):
+        for name in ("k", "v", "raw_codec"):
+            object.__setattr__(self, name, parse_codec(getattr(self, name)))
+        for name in ("residual_window", "sink_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int | np.integer) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        for name in ("raw_k_layers", "raw_v_layers"):
+            object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+
+    @classmethod
+    def from_specs(
+        cls, codec: str | None = None, *, k: str | None = None, v: str | None = None, **kw
+    ) -> CacheConfig:
+        """Build from ``--codec SPEC`` or ``--k SPEC --v SPEC`` (see :func:`parse_kv`)."""
+        k_codec, v_codec = parse_kv(codec, k=k, v=v)
+        return cls(k=k_codec, v=v_codec, **kw)
+
+    def layer_codecs(self, num_layers: int) -> list[tuple[Codec, Codec]]:
+        """The (K codec, V codec) of every layer after the per-layer policy."""
+        def normalize(layers, what):
+            out = set()
+            for i in layers:
+                j = i + num_layers if i < 0 else i
+                if not 0 <= j < num_layers:
+                    raise ValueError(f"{what} names layer {i}, model has {num_layers} layers")
+                out.add(j)
+            return out
+
+        raw_k = normalize(self.raw_k_layers, "raw_k_layers")
+        raw_v = normalize(self.raw_v_layers, "raw_v_layers")
+        return [
+            (self.raw_codec if i in raw_k else self.k, self.raw_codec if i in raw_v else self.v)
+            for i in range(num_layers)
+        ]
+
+
+def _register(cls, data: tuple[str, ...], meta: tuple[str, ...]):
+    return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+
+
+@functools.partial(
+    _register,
+    data=("codes", "params", "raw", "sink", "nonfinite"),
+    meta=("codec", "window", "sinks", "max_len"),
+)
+@dataclasses.dataclass(frozen=True)
+class Store:
+    """K (or V) of a run of layers. Leading axes ``[L, B, K]`` (``L`` absent in a layer view).
+
+    codes: codec codes, leaves ``[L, B, K, NB, ...]`` for ``NB`` block slots.
+    params: codec parameters, leaves ``[L, K, ...]``.
+    raw: ``[L, B, K, R, D]`` recent tokens, position-ordered from the first uncompressed.
+    sink: ``[L, B, K, sinks, D]``.
+    nonfinite: ``[L, B]`` set when a row received NaN/Inf.
+    """
+
+    codes: Any
+    params: Any
+    raw: jax.Array
+    sink: jax.Array
+    nonfinite: jax.Array
+    codec: Codec
+    window: int
+    sinks: int
+    max_len: int
+
+    @property
+    def block(self) -> int:
+        return self.codec.block_tokens
+
+    @property
+    def slots(self) -> int:
+        """Compressed block slots per (row, head)."""
+        return max(0, self.max_len - self.sinks - self.window) // self.block
+
+    @property
+    def raw_capacity(self) -> int:
+        return self.window + self.block - 1
+
+    def counts(self, lengths: jax.Array):
+        """Per row: (valid sink tokens, compressed tokens, raw tokens)."""
+        n_sink = jnp.minimum(lengths, self.sinks)
+        n_comp = _compressed_tokens(lengths, self.sinks, self.window, self.block)
+        return n_sink, n_comp, lengths - n_sink - n_comp
+
+
+def _compressed_tokens(lengths, sinks, window, block):
+    eligible = jnp.maximum(lengths - sinks - window, 0)
+    return eligible // block * block
+
+
+@functools.partial(_register, data=("k", "v"), meta=("start", "stop"))
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """K and V storage of layers ``start .. stop-1`` (a *layer view* when sliced to one)."""
+
+    k: Store
+    v: Store
+    start: int
+    stop: int
+
+
+@functools.partial(
+    _register, data=("segments", "lengths", "overflowed"), meta=("config", "num_layers")
+)
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The whole cache: segments of layers, per-row lengths and overflow flags."""
+
+    segments: tuple[Segment, ...]
+    lengths: jax.Array
+    overflowed: jax.Array
+    config: CacheConfig
+    num_layers: int
+
+    @property
+    def max_len(self) -> int:
+        return self.segments[0].k.max_len
+
+    @property
+    def batch(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def layer(self, i: int) -> Segment:
+        """The layer view of layer ``i`` (leading ``L`` axis removed)."""
+        seg = self._segment_of(i)
+        return jax.tree.map(lambda a: a[i - seg.start], seg)
+
+    def with_layer(self, i: int, view: Segment) -> KVCache:
+        """A cache whose layer ``i`` is replaced by ``view``."""
+        seg = self._segment_of(i)
+        new = jax.tree.map(lambda a, b: a.at[i - seg.start].set(b), seg, view)
+        segs = tuple(new if s is seg else s for s in self.segments)
+        return dataclasses.replace(self, segments=segs)
+
+    def _segment_of(self, i: int) -> Segment:
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer {i} out of range 0..{self.num_layers - 1}")
+        return next(s for s in self.segments if s.start <= i < s.stop)
+
+
+def init_cache(
+    key: jax.Array,
+    config: CacheConfig,
+    *,
+    num_layers: int,
+    batch: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_len: int,
+    dtype: Any = jnp.bfloat16,
+) -> KVCache:
+    """An empty cache for ``batch`` rows of up to ``max_len`` tokens.
+
+    Codec parameters are drawn per (layer, kv head, K|V) from ``key``; raw tokens
+    (window, sinks, raw layers' storage excluded) are kept in ``dtype``.
+    """
+    for name, value in (("num_layers", num_layers), ("batch", batch),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("max_len", max_len)):
+        if not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if config.sink_tokens > max_len:
+        raise ValueError(f"sink_tokens={config.sink_tokens} exceeds max_len={max_len}")
+    per_layer = config.layer_codecs(num_layers)
+    for k_codec, v_codec in set(per_layer):
+        k_codec.check_head_dim(head_dim)
+        v_codec.check_head_dim(head_dim)
+
+    segments, start = [], 0
+    while start < num_layers:
+        stop = start
+        while stop < num_layers and per_layer[stop] == per_layer[start]:
+            stop += 1
+        stores = {}
+        for role, codec in zip(("k", "v"), per_layer[start], strict=True):
+            stores[role] = _empty_store(
+                key, codec, role, range(start, stop), config, batch, num_kv_heads,
+                head_dim, max_len, dtype,
+            )
+        segments.append(Segment(k=stores["k"], v=stores["v"], start=start, stop=stop))
+        start = stop
+    return KVCache(
+        segments=tuple(segments),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        overflowed=jnp.zeros((batch,), bool),
+        config=config,
+        num_layers=num_layers,
+    )
+
+
+def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_len, dtype):
+    params = jax.tree.map(
+        lambda *a: jnp.stack(a),
+        *[
+            jax.tree.map(
+                lambda *h: jnp.stack(h),
+                *[
+                    codec.init(_param_key(key, layer, head, role), head_dim)
+                    for head in range(heads)
+                ],
+            )
+            for layer in layers
+        ],
+    )
+    store = Store(
+        codes=None, params=params, raw=None, sink=None, nonfinite=None, codec=codec,
+        window=config.residual_window, sinks=config.sink_tokens, max_len=max_len,
+    )
+    n = len(layers)
+    # the shapes of the codes come from encoding one dummy block
+    template = jax.eval_shape(
+        lambda p, x: _encode_heads(codec, p, x),
+        jax.tree.map(lambda a: a[0], params),
+        jax.ShapeDtypeStruct((batch, heads, store.block, head_dim), jnp.float32),
+    )
+    codes = jax.tree.map(
+        lambda s: jnp.zeros((n, batch, heads, store.slots, *s.shape[3:]), s.dtype), template
+    )
+    return dataclasses.replace(
+        store,
+        codes=codes,
+        raw=jnp.zeros((n, batch, heads, store.raw_capacity, head_dim), dtype),
+        sink=jnp.zeros((n, batch, heads, config.sink_tokens, head_dim), dtype),
+        nonfinite=jnp.zeros((n, batch), bool),
+    )
+
+
+def _param_key(key, layer, head, role):
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, layer), head),
+                              _ROLE_IDS[role])
+
+
+def _encode_heads(codec: Codec, params, x):
+    """``x[B, K, T, D]`` -> codes leaves ``[B, K, T // block, ...]`` with per-head params."""
+    return jax.vmap(codec.encode, in_axes=(0, 1), out_axes=1)(params, x)
+
+
+def decode_heads(codec: Codec, params, codes, dtype=jnp.float32):
+    """Codes leaves ``[B, K, NB, ...]`` -> ``[B, K, NB * block, D]``."""
+    return jax.vmap(lambda p, c: codec.decode(p, c, dtype), in_axes=(0, 1), out_axes=1)(
+        params, codes
+    )
+
+
+# -- appending ---------------------------------------------------------------------------
+
+
+@functools.partial(_register, data=("start", "valid"), meta=())
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One append: per row, the length before it (``start``) and the new valid tokens."""
+
+    start: jax.Array
+    valid: jax.Array
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        """``[B, T]`` absolute positions of the chunk's tokens."""
+        return self.start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+
+
+def make_step(cache: KVCache, num_tokens: int, valid: jax.Array | None = None) -> Step:
+    """The :class:`Step` for appending a chunk of ``num_tokens`` (``valid[B]`` of them real).
+
+    Raises ``ValueError`` when the chunk cannot fit (always for a chunk longer than
+    ``max_len``; for concrete lengths whenever a row would overflow).
+    """
+    if num_tokens > cache.max_len:
+        raise ValueError(f"chunk of {num_tokens} tokens exceeds cache capacity {cache.max_len}")
+    if valid is None:
+        valid = jnp.full((cache.batch,), num_tokens, jnp.int32)
+    valid = jnp.asarray(valid, jnp.int32)
+    if valid.shape != (cache.batch,):
+        raise ValueError(f"valid must have shape ({cache.batch},), got {valid.shape}")
+    if not isinstance(valid, jax.core.Tracer) and not isinstance(cache.lengths, jax.core.Tracer):
+        if bool(jnp.any((valid < 0) | (valid > num_tokens))):
+            raise ValueError(f"valid counts must be in 0..{num_tokens}")
+        end = np.asarray(cache.lengths) + np.asarray(valid)
+        if (end > cache.max_len).any():
+            rows = np.nonzero(end > cache.max_len)[0].tolist()
+            raise ValueError(
+                f"cache overflow: rows {rows} would hold {end.max()} tokens, "
+                f"capacity is {cache.max_len}"
+            )
+    return Step(start=cache.lengths, valid=valid)
+
+
+@jax.jit
+def commit(cache: KVCache, step: Step) -> KVCache:
+    """Advance the lengths after every layer has appended ``step``'s chunk."""
+    end = step.start + step.valid
+    return dataclasses.replace(
+        cache,
+        lengths=jnp.minimum(end, cache.max_len),
+        overflowed=cache.overflowed | (end > cache.max_len),
+    )
+
+
+@jax.jit
+def append(layer: Segment, k: jax.Array, v: jax.Array, step: Step) -> Segment:
+    """Append a chunk ``k, v [B, T, K, D]`` to a layer view; returns the new view.
+
+    Only the tokens that leave the raw region are encoded (for a one-token decode step,
+    at most one codec block), and the compressed slots already written are never read.
+    """
+    if k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"k and v must both be [B, T, K, D], got {k.shape} and {v.shape}")
+    return dataclasses.replace(
+        layer, k=_append_store(layer.k, k, step), v=_append_store(layer.v, v, step)
+    )
+
+
+def _rows_set(buf, idx, val):
+    """Per row ``b``: ``buf[b][:, idx[b]] = val[b]``, dropping out-of-range indices."""
+    idx = jnp.broadcast_to(idx, (buf.shape[0], idx.shape[-1]))
+    return jax.vmap(lambda bb, ii, vv: bb.at[:, ii].set(vv, mode="drop"))(buf, idx, val)
+
+
+def _rows_take(buf, idx):
+    """Per row ``b``: ``buf[b][:, idx[b]]`` (indices clipped into range)."""
+    idx = jnp.broadcast_to(idx, (buf.shape[0], idx.shape[-1]))
+    if buf.shape[2] == 0:
+        return jnp.zeros((*buf.shape[:2], idx.shape[-1], *buf.shape[3:]), buf.dtype)
+    return jax.vmap(lambda bb, ii: jnp.take(bb, ii, axis=1, mode="clip"))(buf, idx)
+
+
+def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
+    batch, num_tokens, heads, head_dim = x.shape
+    if store.raw.shape[:2] != (batch, heads) or store.raw.shape[-1] != head_dim:
+        raise ValueError(
+            f"chunk [B={batch}, K={heads}, D={head_dim}] does not match the cache "
+            f"[B={store.raw.shape[0]}, K={store.raw.shape[1]}, D={store.raw.shape[-1]}]"
+        )
+    x = jnp.swapaxes(x, 1, 2)  # [B, K, T, D]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    is_new = t[None, :] < step.valid[:, None]
+    finite = jnp.all(jnp.isfinite(x), axis=(1, 3)) | ~is_new
+    nonfinite = store.nonfinite | ~jnp.all(finite, axis=1)
+    # every token is rounded to the raw dtype before it is encoded, so a token encodes
+    # the same whether it reaches the codec straight from a chunk or through the window
+    raw_x = jnp.nan_to_num(jnp.nan_to_num(x, nan=0.0).astype(store.raw.dtype), nan=0.0)
+    x = raw_x.astype(jnp.float32)
+
+    # sinks: chunk tokens whose position is below `sinks`
+    pos = step.positions(num_tokens)
+    sink_idx = jnp.where(is_new & (pos < store.sinks), pos, store.sinks)
+    sink = _rows_set(store.sink, sink_idx, raw_x) if store.sinks else store.sink
+
+    # the non-sink stream: raw tokens already held, then this chunk's non-sink tokens
+    end = step.start + step.valid
+    old_n_sink, old_n_comp, old_raw = store.counts(step.start)
+    new_n_comp = _compressed_tokens(end, store.sinks, store.window, store.block)
+    skip = jnp.clip(store.sinks - step.start, 0, step.valid)
+    staged_len = store.raw_capacity + num_tokens
+    i = jnp.arange(staged_len, dtype=jnp.int32)[None, :]
+    from_raw = i < old_raw[:, None]
+    chunk_idx = i - old_raw[:, None] + skip[:, None]
+    staged = jnp.where(
+        from_raw[:, None, :, None],
+        _rows_take(store.raw.astype(jnp.float32), jnp.minimum(i, store.raw_capacity - 1)),
+        _rows_take(x, chunk_idx),
+    )  # [B, K, R + T, D] in position order; exact raw values, encoded from float32
+
+    # encode only as many tokens as can possibly leave the raw region in this step
+    block = store.block
+    max_new = block * ((num_tokens + block - 1) // block)
+    codes = store.codes
+    if max_new and store.slots:
+        encoded = _encode_heads(store.codec, store.params, staged[:, :, :max_new])
+        j = jnp.arange(max_new // block, dtype=jnp.int32)[None, :]
+        n_new_blocks = (new_n_comp - old_n_comp) // block
+        slot = jnp.where(j < n_new_blocks[:, None], old_n_comp[:, None] // block + j, store.slots)
+        codes = jax.tree.map(lambda buf, val: _rows_set(buf, slot, val), store.codes, encoded)
+
+    # the new raw region starts at the first token that stays uncompressed
+    moved = (new_n_comp - old_n_comp)[:, None]
+    r = jnp.arange(store.raw_capacity, dtype=jnp.int32)[None, :]
+    new_raw_count = end - jnp.minimum(end, store.sinks) - new_n_comp
+    raw = _rows_take(staged.astype(store.raw.dtype), moved + r)
+    raw = jnp.where((r < new_raw_count[:, None])[:, None, :, None], raw, 0).astype(store.raw.dtype)
+    del old_n_sink
+    return dataclasses.replace(store, codes=codes, raw=raw, sink=sink, nonfinite=nonfinite)
+
+
+# -- reading -----------------------------------------------------------------------------
+
+
+def token_parts(store: Store, lengths: jax.Array):
+    """The three regions of a layer view's store with their absolute positions.
+
+    Returns ``[(kind, payload, positions[B, n], valid[B, n]), ...]`` for kind in
+    ``("sink", "codes", "raw")``; ``payload`` is a dense ``[B, K, n, D]`` array for the raw
+    regions and the codes pytree (``n = slots * block``) for the compressed one.
+    """
+    n_sink, n_comp, n_raw = store.counts(lengths)
+    batch = lengths.shape[0]
+    sink_pos = jnp.broadcast_to(jnp.arange(store.sinks, dtype=jnp.int32), (batch, store.sinks))
+    comp_j = jnp.arange(store.slots * store.block, dtype=jnp.int32)[None, :]
+    comp_pos = jnp.broadcast_to(store.sinks + comp_j, (batch, comp_j.shape[1]))
+    raw_i = jnp.arange(store.raw_capacity, dtype=jnp.int32)[None, :]
+    return [
+        ("sink", store.sink, sink_pos, sink_pos < n_sink[:, None]),
+        ("codes", store.codes, comp_pos, comp_j < n_comp[:, None]),
+        ("raw", store.raw, (store.sinks + n_comp)[:, None] + raw_i, raw_i < n_raw[:, None]),
+    ]
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def dense(store: Store, lengths: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """All stored tokens of a layer view's store, decoded, in position order.
+
+    ``[B, K, max_len, D]``; slots at or beyond a row's length are zero.
+    """
+    batch, heads = store.raw.shape[:2]
+    out = jnp.zeros((batch, heads, store.max_len, store.raw.shape[-1]), dtype)
+    for kind, payload, pos, valid in token_parts(store, lengths):
+        if pos.shape[1] == 0:
+            continue
+        if kind == "codes":
+            values = decode_heads(store.codec, store.params, payload, dtype)
+        else:
+            values = payload
+        out = _rows_set(out, jnp.where(valid, pos, store.max_len), values.astype(dtype))
+    return out
+
+
+def check(cache: KVCache) -> None:
+    """Raise ``ValueError`` if any row overflowed or received NaN/Inf (eager only)."""
+    over = np.asarray(cache.overflowed)
+    if over.any():
+        raise ValueError(
+            f"cache overflow: rows {np.nonzero(over)[0].tolist()} received more than "
+            f"{cache.max_len} tokens; the excess was dropped"
+        )
+    bad = np.zeros(cache.batch, bool)
+    for seg in cache.segments:
+        for store in (seg.k, seg.v):
+            bad |= np.asarray(store.nonfinite).any(axis=0)
+    if bad.any():
+        raise ValueError(
+            f"non-finite K/V: rows {np.nonzero(bad)[0].tolist()} received NaN or Inf "
+            "(stored as finite numbers)"
+        )
+
+
+# -- layer iteration ---------------------------------------------------------------------
+
+
+def scan_layers(
+    body: Callable[[Any, Any, Segment], tuple[Any, Segment]],
+    carry: Any,
+    cache: KVCache,
+    xs: Any = None,
+) -> tuple[Any, KVCache]:
+    """Run ``body(carry, xs_i, layer_view) -> (carry, layer_view)`` over all layers.
+
+    ``xs`` is a pytree with a leading layer axis (e.g. stacked layer weights); it is
+    sliced per segment and each segment runs as one ``lax.scan``.
+    """
+    new_segments = []
+    for seg in cache.segments:
+        seg_xs = jax.tree.map(lambda a, seg=seg: a[seg.start : seg.stop], xs)
+
+        def step(c, inputs):
+            x_i, view = inputs
+            c, view = body(c, x_i, view)
+            return c, view
+
+        carry, new_seg = jax.lax.scan(step, carry, (seg_xs, seg))
+        new_segments.append(new_seg)
+    return carry, dataclasses.replace(cache, segments=tuple(new_segments))
+
+
+# -- accounting --------------------------------------------------------------------------
+
+
+def memory_bytes(cache: KVCache) -> int:
+    """Bytes of every array the cache holds (codes, raw regions, codec params, lengths)."""
+    return int(sum(leaf.nbytes for leaf in jax.tree.leaves(cache)))
+
+
+def stored_bits(cache: KVCache) -> dict[str, float]:
+    """Bits the cache spends on the tokens it holds now, measured from its arrays.
+
+    Per-slot costs are the arrays' bytes divided by their slot counts; the occupied
+    slots (compressed blocks, raw window, sinks, raw layers) are then summed over rows,
+    layers, heads and K/V. Codec parameters are a per-model constant and are excluded
+    (see :func:`memory_bytes`). Returns ``bits``, ``elements`` and ``bits_per_element``,
+    plus the same for ``k`` and ``v`` alone.
+    """
+    lengths = np.asarray(cache.lengths, np.int64)
+    totals = {"k": [0.0, 0], "v": [0.0, 0]}
+    for seg in cache.segments:
+        for role in ("k", "v"):
+            store = getattr(seg, role)
+            n_layers, batch, heads = store.raw.shape[:3]
+            head_dim = store.raw.shape[-1]
+            n_sink, n_comp, n_raw = (np.asarray(a, np.int64) for a in store.counts(lengths))
+            per_row_bits = 0.0
+            if store.slots:
+                block_bytes = codes_nbytes(store.codes) / (n_layers * batch * heads * store.slots)
+                per_row_bits = 8 * block_bytes * (n_comp // store.block)
+            token_bytes = store.raw.dtype.itemsize * head_dim
+            per_row_bits = per_row_bits + 8 * token_bytes * (n_raw + n_sink)
+            totals[role][0] += float(np.sum(per_row_bits)) * n_layers * heads
+            totals[role][1] += int(lengths.sum()) * n_layers * heads * head_dim
+    bits = totals["k"][0] + totals["v"][0]
+    elements = totals["k"][1] + totals["v"][1]
+    out = {"bits": bits, "elements": elements,
+           "bits_per_element": bits / elements if elements else float("nan")}
+    for role in ("k", "v"):
+        b, e = totals[role]
+        out[f"{role}_bits_per_element"] = b / e if e else float("nan")
+    return out

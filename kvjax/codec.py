@@ -1,0 +1,265 @@
+"""The codec protocol, the codec registry and the spec-string grammar.
+
+A codec turns key or value vectors of one attention head into really packed codes.
+It is a frozen, keyword-only dataclass (hashable, so it can be a static ``jax.jit``
+argument) and carries no arrays. Everything data-independent that a codec needs
+(codebooks, sign flips, rotations) comes from :meth:`Codec.init` as a pytree of arrays.
+
+Shapes. ``encode`` takes ``x[..., T, D]``: the vectors of *one* kv head, tokens on the
+second-to-last axis. Token-wise codecs treat every leading axis alike; codecs that
+quantize across tokens (KIVI keys) group along the token axis in blocks of
+:attr:`Codec.block_tokens`. The returned codes are a dict of arrays whose leading axes
+are ``[..., T // block_tokens]`` (one entry per block), so a cache can store them in
+fixed block slots. The cache calls ``init``/``encode``/``decode`` once per
+(layer, kv head, K|V) through ``jax.vmap``; a codec never sees the head axis.
+
+Spec strings. One grammar serves the CLI, sweeps and results files::
+
+    name[:opt,opt,...]      e.g.  bf16   fp8   int:4   kivi:2,g32   kivi:2,g32,token
+
+Options are positional values or ``<letter(s)><value>`` flags; each codec's
+``from_options`` documents its own. ``parse_codec(codec.spec)`` returns an equal codec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Codes = dict[str, jax.Array]
+Params = Any
+
+
+class CodecError(ValueError):
+    """A codec spec or an input that a codec cannot represent."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Codec:
+    """Base class of every codec. Subclasses override the ``_encode``/``decode`` pair."""
+
+    #: registry name, the part of the spec before ``:``
+    name: ClassVar[str] = ""
+    #: tokens quantized together; the cache keeps an unfinished block raw
+    block_tokens: ClassVar[int] = 1
+    #: False for codecs that store vectors unchanged (bf16); the cache treats them as raw
+    lossy: ClassVar[bool] = True
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def from_options(cls, options: list[str]) -> Codec:
+        """Build from the comma-separated options of a spec string."""
+        if options:
+            raise CodecError(f"codec '{cls.name}' takes no options, got {options}")
+        return cls()
+
+    @property
+    def spec(self) -> str:
+        """The canonical spec string: ``parse_codec(c.spec) == c``."""
+        return self.name
+
+    def value_codec(self) -> Codec:
+        """The codec that V uses when one spec names a K/V pair (``--codec SPEC``)."""
+        return self
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise :class:`CodecError` when this codec cannot encode vectors of ``head_dim``."""
+        if not isinstance(head_dim, int | np.integer) or head_dim < 1:
+            raise CodecError(f"{self.spec}: head_dim must be a positive int, got {head_dim!r}")
+
+    # -- the protocol -------------------------------------------------------------
+    def init(self, key: jax.Array, head_dim: int) -> Params:
+        """Seeded, data-independent parameters for one (layer, kv head, K|V)."""
+        del key
+        self.check_head_dim(head_dim)
+        return {}
+
+    def encode(self, params: Params, x: jax.Array) -> Codes:
+        """Packed codes of ``x[..., T, D]`` (``T`` a multiple of ``block_tokens``).
+
+        Non-finite input: outside ``jit`` this raises :class:`CodecError`; under ``jit``
+        (where values cannot be inspected) NaN is encoded as 0 and +-Inf as the largest
+        finite float32, so the output stays finite; the cache records such rows
+        (see :func:`kvjax.cache.check`).
+        """
+        x = self._check_input(x)
+        return self._encode(params, x)
+
+    def _encode(self, params: Params, x: jax.Array) -> Codes:
+        raise NotImplementedError
+
+    def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
+        """Reconstruct ``x_hat[..., T, D]`` from codes. The reference path: kernels agree."""
+        raise NotImplementedError
+
+    def scores(self, params: Params, q: jax.Array, codes: Codes) -> jax.Array:
+        """Inner products ``q[..., Q, D] . k_hat[..., S, D] -> [..., Q, S]`` in float32.
+
+        The default reconstructs then multiplies; codecs with an estimator of their own
+        (QJL) or a query-side rotation override it.
+        """
+        k_hat = self.decode(params, codes, jnp.float32)
+        return jnp.einsum("...qd,...sd->...qs", q.astype(jnp.float32), k_hat)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Stored bits per vector element by formula (metadata included)."""
+        raise NotImplementedError
+
+    # -- helpers ------------------------------------------------------------------
+    def _check_input(self, x: jax.Array) -> jax.Array:
+        if x.ndim < 2:
+            raise CodecError(f"{self.spec}: expected x[..., T, D], got shape {x.shape}")
+        self.check_head_dim(int(x.shape[-1]))
+        if x.shape[-2] % self.block_tokens:
+            raise CodecError(
+                f"{self.spec}: token axis {x.shape[-2]} is not a multiple of the "
+                f"block of {self.block_tokens} tokens"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise CodecError(f"{self.spec}: expected floating input, got {x.dtype}")
+        if not isinstance(x, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(x))):
+            raise CodecError(f"{self.spec}: input contains NaN or Inf")
+        return sanitize(x)
+
+
+def sanitize(x: jax.Array) -> jax.Array:
+    """Replace NaN by 0 and +-Inf by the largest finite float32 (computed in float32)."""
+    return jnp.nan_to_num(x.astype(jnp.float32), nan=0.0)
+
+
+def codes_nbytes(codes: Codes) -> int:
+    """Bytes of every stored array of a codes pytree."""
+    return int(sum(leaf.nbytes for leaf in jax.tree.leaves(codes)))
+
+
+def measured_bits_per_element(codes: Codes, num_elements: int) -> float:
+    """Bits per element measured from the bytes of the stored arrays."""
+    if num_elements <= 0:
+        raise ValueError("num_elements must be positive")
+    return 8.0 * codes_nbytes(codes) / num_elements
+
+
+# -- registry and spec grammar ------------------------------------------------------
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make a codec reachable by its ``name`` in spec strings."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise TypeError(f"codec name '{cls.name}' is taken by {_REGISTRY[cls.name].__name__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered() -> Mapping[str, type[Codec]]:
+    """Name -> codec class of every registered codec."""
+    _load_builtin_codecs()
+    return dict(_REGISTRY)
+
+
+def _load_builtin_codecs() -> None:
+    import kvjax.codecs  # noqa: F401  (registers on import)
+
+
+def parse_codec(spec: str | Codec) -> Codec:
+    """A codec from a spec string such as ``int:4`` (a codec passes through)."""
+    if isinstance(spec, Codec):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise CodecError(f"empty codec spec; valid codecs: {', '.join(sorted(registered()))}")
+    name, _, rest = spec.strip().partition(":")
+    registry = registered()
+    if name not in registry:
+        raise CodecError(
+            f"unknown codec '{name}' in spec '{spec}'; valid codecs: {', '.join(sorted(registry))}"
+        )
+    options = [o.strip() for o in rest.split(",")] if rest else []
+    if any(not o for o in options):
+        raise CodecError(f"empty option in codec spec '{spec}'")
+    return registry[name].from_options(options)
+
+
+def parse_kv(
+    codec: str | Codec | None = None,
+    *,
+    k: str | Codec | None = None,
+    v: str | Codec | None = None,
+) -> tuple[Codec, Codec]:
+    """The (K codec, V codec) pair from ``--codec`` or from ``--k`` and ``--v``.
+
+    One spec for both uses the codec for K and its :meth:`Codec.value_codec` for V
+    (KIVI quantizes keys per channel and values per token). ``k``/``v`` override.
+    """
+    if codec is None and (k is None or v is None):
+        if k is None and v is None:
+            raise CodecError("give a codec spec, or both a K spec and a V spec")
+        if codec is None:
+            raise CodecError("give both a K spec and a V spec (or one spec for both)")
+    base = parse_codec(codec) if codec is not None else None
+    k_codec = parse_codec(k) if k is not None else base
+    v_codec = parse_codec(v) if v is not None else base.value_codec()
+    return k_codec, v_codec
+
+
+# -- option parsing shared by codecs -------------------------------------------------
+
+
+def parse_int(value: str, what: str, spec: str, lo: int, hi: int) -> int:
+    """An int option in ``[lo, hi]`` or a :class:`CodecError` that says what is valid."""
+    try:
+        out = int(value)
+    except ValueError:
+        raise CodecError(
+            f"{spec}: {what} must be an integer in {lo}..{hi}, got '{value}'"
+        ) from None
+    if not lo <= out <= hi:
+        raise CodecError(f"{spec}: {what} must be in {lo}..{hi}, got {out}")
+    return out
+
+
+def check_range(value: int, what: str, codec_name: str, lo: int, hi: int) -> None:
+    """Validate a dataclass field at construction."""
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or not lo <= value <= hi:
+        raise CodecError(f"{codec_name}: {what} must be an int in {lo}..{hi}, got {value!r}")
+
+
+def split_flags(options: list[str], spec: str, known: dict[str, Callable[[str], Any]]):
+    """Split ``['4', 'g32', 'token']`` into positional values and ``{prefix: value}``.
+
+    ``known`` maps a flag prefix (``'g'``) or a bare word (``'token'``) to a converter.
+    Unknown options raise :class:`CodecError` listing the known ones.
+    """
+    positional, flags = [], {}
+    for opt in options:
+        if opt in known:
+            flags[opt] = known[opt](opt)
+            continue
+        prefix = opt.rstrip("0123456789.")
+        if prefix and prefix in known and len(prefix) < len(opt):
+            flags[prefix] = known[prefix](opt[len(prefix) :])
+        elif not prefix:
+            positional.append(opt)
+        else:
+            raise CodecError(
+                f"{spec}: unknown option '{opt}'; known: {', '.join(sorted(known)) or 'none'}"
+            )
+    return positional, flags
+
+
+def fp16_scale_bits(head_dim: int, count: int = 1) -> float:
+    """Bits per element of ``count`` fp16 numbers stored per vector of ``head_dim``."""
+    return 16.0 * count / head_dim
+
+
+def packed_words(num_codes: int, bits: int) -> int:
+    """uint32 words that hold ``num_codes`` codes of ``bits`` bits packed densely."""
+    return math.ceil(num_codes * bits / 32)

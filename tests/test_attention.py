@@ -1,0 +1,127 @@
+"""Reference attention over the compressed cache vs plain dense attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import cache as kc
+from kvjax.attention import attend, decode_attention, dense_attention
+
+
+def _bf16_exact(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    return jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _lossless(sinks=0, window=0):
+    return kc.CacheConfig(k="bf16", v="bf16", residual_window=window, sink_tokens=sinks)
+
+
+def _run_chunks(config, k, v, q, chunks, valids, *, max_len, sliding_window=None):
+    """Append chunk by chunk; return each chunk's attention output and the cache."""
+    batch, _, heads, head_dim = k.shape
+    cache = kc.init_cache(jax.random.key(0), config, num_layers=1, batch=batch,
+                          num_kv_heads=heads, head_dim=head_dim, max_len=max_len,
+                          dtype=jnp.float32)
+    outs, pos = [], 0
+    for n, valid in zip(chunks, valids, strict=True):
+        step = kc.make_step(cache, n, jnp.array(valid))
+        view = kc.append(cache.layer(0), k[:, pos:pos + n], v[:, pos:pos + n], step)
+        outs.append(attend(q[:, pos:pos + n], view, step, sliding_window=sliding_window))
+        cache = kc.commit(cache.with_layer(0, view), step)
+        pos += n
+    return outs, cache
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("sinks,window", [(0, 0), (2, 3)])
+def test_lossless_cache_attention_equals_dense(group, sinks, window):
+    rng = np.random.default_rng(group)
+    heads, head_dim, total = 2, 16, 23
+    k = _bf16_exact(rng, (1, total, heads, head_dim))
+    v = _bf16_exact(rng, (1, total, heads, head_dim))
+    q = jnp.asarray(rng.standard_normal((1, total, heads * group, head_dim)), jnp.float32)
+    chunks = [5, 1, 9, 1, 7]
+    outs, _ = _run_chunks(_lossless(sinks, window), k, v, q, chunks, [[n] for n in chunks],
+                          max_len=29)
+    got = jnp.concatenate(outs, axis=1)
+    want = dense_attention(q, k, v, q_positions=jnp.arange(total)[None],
+                           kv_lengths=jnp.array([total]))
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+
+
+def test_ragged_rows_and_empty_rows():
+    rng = np.random.default_rng(7)
+    heads, head_dim = 1, 8
+    k = _bf16_exact(rng, (3, 6, heads, head_dim))
+    v = _bf16_exact(rng, (3, 6, heads, head_dim))
+    q = jnp.asarray(rng.standard_normal((3, 6, 4, head_dim)), jnp.float32)
+    outs, cache = _run_chunks(_lossless(), k, v, q, [6], [[6, 3, 0]], max_len=8)
+    out = np.asarray(outs[0])
+    assert np.isfinite(out).all()
+    assert not out[2].any()  # a row with nothing stored attends to nothing
+    for b, n in ((0, 6), (1, 3)):
+        want = dense_attention(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n],
+                               q_positions=jnp.arange(n)[None], kv_lengths=jnp.array([n]))
+        np.testing.assert_allclose(out[b:b + 1, :n], want, atol=2e-6, rtol=2e-6)
+    # one decode token per row after the ragged prefill
+    step = kc.make_step(cache, 1)
+    kn = _bf16_exact(rng, (3, 1, heads, head_dim))
+    view = kc.append(cache.layer(0), kn, kn, step)
+    qn = jnp.asarray(rng.standard_normal((3, 4, head_dim)), jnp.float32)
+    dec = decode_attention(qn, view, step)
+    assert np.isfinite(np.asarray(dec)).all()
+    np.testing.assert_allclose(dec, attend(qn[:, None], view, step)[:, 0])
+    full_k = jnp.concatenate([k[2:3, :0], kn[2:3]], axis=1)
+    np.testing.assert_allclose(  # the empty row now holds exactly one token
+        dec[2], jnp.broadcast_to(full_k[0, 0, 0], (4, head_dim)), atol=1e-6)
+
+
+def test_sliding_window_matches_dense():
+    rng = np.random.default_rng(8)
+    k = _bf16_exact(rng, (2, 12, 2, 8))
+    v = _bf16_exact(rng, (2, 12, 2, 8))
+    q = jnp.asarray(rng.standard_normal((2, 12, 4, 8)), jnp.float32)
+    outs, _ = _run_chunks(_lossless(window=2), k, v, q, [7, 5], [[7, 7], [5, 5]],
+                          max_len=12, sliding_window=4)
+    want = dense_attention(q, k, v, q_positions=jnp.broadcast_to(jnp.arange(12), (2, 12)),
+                           kv_lengths=jnp.array([12, 12]), sliding_window=4)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("spec,tol", [("int:8", 0.02), ("int:4", 0.3), ("fp8", 0.1),
+                                      ("kivi:4,g4", 0.3)])
+def test_quantized_attention_is_close_and_improves_with_a_window(spec, tol):
+    rng = np.random.default_rng(9)
+    k = _bf16_exact(rng, (1, 32, 2, 32))
+    v = _bf16_exact(rng, (1, 32, 2, 32))
+    q = jnp.asarray(3 * rng.standard_normal((1, 1, 4, 32)), jnp.float32)
+    want = dense_attention(q, k, v, q_positions=jnp.array([[31]]), kv_lengths=jnp.array([32]))
+    errs = []
+    for window in (0, 16):
+        config = kc.CacheConfig.from_specs(spec, residual_window=window)
+        cache = kc.init_cache(jax.random.key(0), config, num_layers=1, batch=1,
+                              num_kv_heads=2, head_dim=32, max_len=32, dtype=jnp.float32)
+        cache = kc.commit(cache.with_layer(0, kc.append(cache.layer(0), k[:, :31], v[:, :31],
+                                                        kc.make_step(cache, 31))),
+                          kc.make_step(cache, 31))
+        step = kc.make_step(cache, 1)
+        view = kc.append(cache.layer(0), k[:, 31:], v[:, 31:], step)
+        got = attend(q, view, step)
+        errs.append(float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)))
+    assert 0 < errs[0] < tol
+    assert errs[1] < errs[0]
+
+
+def test_bad_impl_head_dim_and_group():
+    cache = kc.init_cache(jax.random.key(0), _lossless(), num_layers=1, batch=1,
+                          num_kv_heads=2, head_dim=8, max_len=4)
+    step = kc.make_step(cache, 1)
+    view = kc.append(cache.layer(0), jnp.ones((1, 1, 2, 8)), jnp.ones((1, 1, 2, 8)), step)
+    with pytest.raises(ValueError, match="impl"):
+        attend(jnp.ones((1, 1, 2, 8)), view, step, impl="magic")
+    with pytest.raises(ValueError, match="head_dim"):
+        attend(jnp.ones((1, 1, 2, 4)), view, step)
+    with pytest.raises(ValueError, match="kv heads"):
+        attend(jnp.ones((1, 1, 3, 8)), view, step)
