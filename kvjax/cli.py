@@ -109,7 +109,10 @@ def format_probe_table(rows: list[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (2 with a one-line reason on bad input)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help, or a usage error already printed
+        return int(exit_.code or 0)
     try:
         if args.command == "codecs":
             return _cmd_codecs()

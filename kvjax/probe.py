@@ -15,7 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import attend, dense_attention
-from kvjax.cache import CacheConfig, Step, append, commit, dense, init_cache, make_step, stored_bits
+from kvjax.cache import (
+    CacheConfig,
+    Step,
+    append,
+    check,
+    commit,
+    dense,
+    init_cache,
+    make_step,
+    stored_bits,
+)
 from kvjax.codec import Codec, measured_bits_per_element
 
 
@@ -81,6 +91,7 @@ def probe(
     step = make_step(cache, tokens)
     layer = append(cache.layer(0), kb, vb, step)
     cache = commit(cache.with_layer(0, layer), step)
+    check(cache)
 
     measured = []
     for codec, x, store in ((k_codec, kb, layer.k), (v_codec, vb, layer.v)):
