@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import Segment, Step, Store, dense, token_parts
+from kvjax.codec import EXACT
 
 IMPLS = ("reference",)
 
@@ -58,7 +59,7 @@ def softmax_combine(scores: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Arr
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(logits - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bkrs,bksd->bkrd", p, v.astype(jnp.float32))
+    out = jnp.einsum("bkrs,bksd->bkrd", p, v.astype(jnp.float32), precision=EXACT)
     return out / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
 
 
@@ -73,7 +74,8 @@ def _key_scores(store: Store, qg: jax.Array, lengths: jax.Array):
                 store.params, qg, payload
             )
         else:
-            s = jnp.einsum("bkrd,bksd->bkrs", qg, payload.astype(jnp.float32))
+            keys = payload.astype(jnp.float32)
+            s = jnp.einsum("bkrd,bksd->bkrs", qg, keys, precision=EXACT)
         scores.append(s)
         positions.append(pos)
         valid.append(ok)
@@ -153,7 +155,7 @@ def dense_attention(
     qg = group_queries(q.astype(jnp.float32), heads)
     kt = jnp.swapaxes(k, 1, 2).astype(jnp.float32)
     vt = jnp.swapaxes(v, 1, 2)
-    scores = jnp.einsum("bkrd,bksd->bkrs", qg, kt) * scale
+    scores = jnp.einsum("bkrd,bksd->bkrs", qg, kt, precision=EXACT) * scale
     s = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, :]
     group = qg.shape[2] // num_tokens
     p = jnp.tile(q_positions, (1, group))[:, :, None]

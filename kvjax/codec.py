@@ -35,6 +35,9 @@ import numpy as np
 Codes = dict[str, jax.Array]
 Params = Any
 
+#: float32 matmuls of the reference paths: GPUs would otherwise use TF32 by default
+EXACT = jax.lax.Precision.HIGHEST
+
 
 class CodecError(ValueError):
     """A codec spec or an input that a codec cannot represent."""
@@ -105,7 +108,8 @@ class Codec:
         (QJL) or a query-side rotation override it.
         """
         k_hat = self.decode(params, codes, jnp.float32)
-        return jnp.einsum("...qd,...sd->...qs", q.astype(jnp.float32), k_hat)
+        q = q.astype(jnp.float32)
+        return jnp.einsum("...qd,...sd->...qs", q, k_hat, precision=EXACT)
 
     def bits_per_element(self, head_dim: int) -> float:
         """Stored bits per vector element by formula (metadata included)."""
@@ -239,13 +243,19 @@ def split_flags(options: list[str], spec: str, known: dict[str, Callable[[str], 
     Unknown options raise :class:`CodecError` listing the known ones.
     """
     positional, flags = [], {}
+
+    def put(flag, value):
+        if flag in flags:
+            raise CodecError(f"{spec}: option '{flag}' given twice")
+        flags[flag] = value
+
     for opt in options:
         if opt in known:
-            flags[opt] = known[opt](opt)
+            put(opt, known[opt](opt))
             continue
         prefix = opt.rstrip("0123456789.")
         if prefix and prefix in known and len(prefix) < len(opt):
-            flags[prefix] = known[prefix](opt[len(prefix) :])
+            put(prefix, known[prefix](opt[len(prefix) :]))
         elif not prefix:
             positional.append(opt)
         else:

@@ -26,7 +26,7 @@ from kvjax.cache import (
     make_step,
     stored_bits,
 )
-from kvjax.codec import Codec, measured_bits_per_element
+from kvjax.codec import EXACT, Codec, measured_bits_per_element
 
 
 def gaussian_kv(seed: int, tokens: int, heads: int, head_dim: int) -> tuple[np.ndarray, ...]:
@@ -108,8 +108,8 @@ def probe(
                             kv_lengths=jnp.array([tokens]))
     approx = attend(q, layer, Step(start=jnp.array([tokens - 1]), valid=jnp.array([1])))
     qh = q[0, 0].reshape(heads, queries, head_dim)
-    ip = jnp.einsum("hqd,thd->hqt", qh, kb[0])
-    ip_hat = jnp.einsum("hqd,thd->hqt", qh, k_hat[0])
+    ip = jnp.einsum("hqd,thd->hqt", qh, kb[0], precision=EXACT)
+    ip_hat = jnp.einsum("hqd,thd->hqt", qh, k_hat[0], precision=EXACT)
     return {
         "head_dim": head_dim,
         "tokens": tokens,

@@ -130,9 +130,6 @@ class KiviCodec(Codec):
             positional, flags = split_flags(options, spec, {"g": group, "token": token})
         except CodecError as err:
             raise CodecError(f"{err}; usage: {_USAGE}") from None
-        # split_flags keeps the last of repeated flags; a repeat is a typo, not a choice
-        if len(positional) + len(flags) != len(options):
-            raise CodecError(f"{spec}: an option is repeated; usage: {_USAGE}")
         return cls(
             bits=parse_bits(positional, spec, _USAGE),
             group=flags.get("g", DEFAULT_GROUP),
