@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import Codec, codes_nbytes, parse_codec, parse_kv
+from kvjax.codec import Codec, codes_nbytes, parse_codec, parse_kv, round_to_dtype
 
 _ROLE_IDS = {"k": 0, "v": 1}
 
@@ -405,8 +405,10 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
     nonfinite = store.nonfinite | ~jnp.all(finite, axis=1)
     # every token is rounded to the raw dtype before it is encoded, so a token encodes
     # the same whether it reaches the codec straight from a chunk or through the window
-    raw_x = jnp.nan_to_num(jnp.nan_to_num(x, nan=0.0).astype(store.raw.dtype), nan=0.0)
-    x = raw_x.astype(jnp.float32)
+    limit = float(jnp.finfo(store.raw.dtype).max)
+    x = jnp.clip(jnp.nan_to_num(x.astype(jnp.float32), nan=0.0), -limit, limit)
+    x = round_to_dtype(x, store.raw.dtype)
+    raw_x = x.astype(store.raw.dtype)
 
     # sinks: chunk tokens whose position is below `sinks`
     pos = step.positions(num_tokens)

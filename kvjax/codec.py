@@ -92,7 +92,10 @@ class Codec:
         (see :func:`kvjax.cache.check`).
         """
         x = self._check_input(x)
-        return self._encode(params, x)
+        # the barrier makes the codes real even when encode and decode share a program:
+        # without it XLA may fold a narrowing cast and its widening inverse into nothing
+        # (excess precision, applied on GPU), and a fused round trip would not quantize
+        return jax.lax.optimization_barrier(self._encode(params, x))
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         raise NotImplementedError
@@ -135,6 +138,22 @@ class Codec:
 def sanitize(x: jax.Array) -> jax.Array:
     """Replace NaN by 0 and +-Inf by the largest finite float32 (computed in float32)."""
     return jnp.nan_to_num(x.astype(jnp.float32), nan=0.0)
+
+
+def round_to_dtype(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` rounded to the nearest value of the float ``dtype``, returned as float32.
+
+    A value that a codec both stores narrow (fp16 scales, bf16 raw tokens) and computes
+    with must be rounded explicitly: XLA may drop an ``f32 -> f16 -> f32`` round trip
+    (``xla_allow_excess_precision``, which it applies on GPU), so ``x.astype(f16)`` used
+    inside the same program could differ from what is stored. ``reduce_precision``
+    cannot be elided. The result casts to ``dtype`` exactly; ``dtype``'s subnormals flush
+    to zero, so callers keep stored scales at or above ``finfo(dtype).smallest_normal``.
+    """
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(
+        x.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant
+    )
 
 
 def codes_nbytes(codes: Codes) -> int:

@@ -118,6 +118,15 @@ def assert_codes_equal(a, b):
         np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=name)
 
 
+FP16_TINY = np.float32(np.finfo(np.float16).smallest_normal)
+
+
+def flush_fp16(x):
+    """Round to fp16 with its subnormals flushed to zero, as stored scales are."""
+    r = np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+    return np.where(np.abs(r) < FP16_TINY, np.float32(0) * r, r)
+
+
 def element_grid(codec, codes, shape):
     """The stored fp16 (scale, zero) of every element of ``x[shape]``, expanded from the
     documented layout without the codec's own decode."""
@@ -167,8 +176,10 @@ def test_integer_codecs_match_numpy_reference(spec, d):
     codes = {k: v[idx] for k, v in codes.items()}
     levels = 2**codec.bits - 1
     lo, hi = element_ranges(codec, x)
-    scale = ((hi - lo) * np.float32(1 / levels)).astype(np.float16).astype(np.float32)
-    zero = lo.astype(np.float16).astype(np.float32)
+    scale = (hi - lo) * np.float32(1 / levels)
+    scale = np.where(scale > 0, np.maximum(scale, FP16_TINY), 0)  # documented floor
+    scale = flush_fp16(scale)
+    zero = flush_fp16(lo)
     stored_scale, stored_zero = element_grid(codec, codes, x.shape)
     np.testing.assert_array_equal(stored_scale, scale)
     np.testing.assert_array_equal(stored_zero, zero)
@@ -189,7 +200,8 @@ def test_integer_codecs_error_within_half_step(spec, d):
     levels = 2**codec.bits - 1
     # interior elements round to the nearest grid point (half a step); the extremes may
     # also be off by the fp16 rounding of the zero and of the scale times the levels
-    slack = 2.0**-10 * (np.abs(zero) + levels * scale) + 1e-6
+    # (a zero in fp16's subnormal range is stored flushed to 0)
+    slack = 2.0**-10 * (np.abs(zero) + levels * scale) + FP16_TINY
     excess = np.abs(x - x_hat) - (scale / 2 + slack)
     assert np.all(excess <= 0), float(np.max(excess))
 

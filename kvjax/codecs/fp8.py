@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import Codec, Codes, Params, register
+from kvjax.codec import Codec, Codes, Params, register, round_to_dtype
 from kvjax.codecs.intn import FP16_MAX, exact_bits, saturate
 
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
@@ -48,11 +48,11 @@ class Fp8Codec(Codec):
         # an explicit reciprocal: XLA would substitute one for a constant divisor under
         # jit only, and the stored scale should not depend on the calling context
         scale = amax * np.float32(1.0 / E4M3_MAX)
-        scale = jnp.clip(scale, SCALE_FLOOR, FP16_MAX).astype(jnp.float16)
+        scale = round_to_dtype(jnp.clip(scale, SCALE_FLOOR, FP16_MAX), jnp.float16)
         # fp16 rounding may have lowered the scale a hair, pushing amax past 448
-        y = jnp.clip(x / scale.astype(jnp.float32), -E4M3_MAX, E4M3_MAX)
+        y = jnp.clip(x / scale, -E4M3_MAX, E4M3_MAX)
         payload = jax.lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8)
-        return {"codes": payload, "scale": scale}
+        return {"codes": payload, "scale": scale.astype(jnp.float16)}
 
     def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
         """The e4m3 values times the per-vector scale, cast to ``dtype``."""

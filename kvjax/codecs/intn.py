@@ -35,12 +35,14 @@ from kvjax.codec import (
     packed_words,
     parse_int,
     register,
+    round_to_dtype,
 )
 from kvjax.packing import pack_bits, unpack_bits
 
 MIN_BITS, MAX_BITS = 2, 8
 #: largest finite fp16: the scale and zero are fp16, so no vector may reach beyond it
 FP16_MAX = float(jnp.finfo(jnp.float16).max)
+FP16_TINY = float(jnp.finfo(jnp.float16).smallest_normal)
 
 
 # -- helpers shared by the scalar codecs (int, kivi, fp8, bf16) ------------------------
@@ -83,7 +85,12 @@ def asymmetric_params(lo: jax.Array, hi: jax.Array, bits: int) -> tuple[jax.Arra
     # instead (XLA does under jit), changing the last bit; multiplying explicitly gives
     # the same scale eagerly, under jit and in a numpy reference
     scale = (hi - lo) * np.float32(1.0 / (2**bits - 1))
-    return scale.astype(jnp.float16), lo.astype(jnp.float16)
+    # a subnormal scale would flush to zero in round_to_dtype: floor it at the smallest
+    # normal fp16 (ranges that small quantize finer than needed, never coarser)
+    scale = jnp.where(scale > 0, jnp.maximum(scale, FP16_TINY), 0.0)
+    scale = round_to_dtype(scale, jnp.float16)
+    zero = round_to_dtype(lo, jnp.float16)
+    return scale.astype(jnp.float16), zero.astype(jnp.float16)
 
 
 def quantize(x: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> jax.Array:
