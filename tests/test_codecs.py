@@ -597,3 +597,14 @@ def test_bad_specs(spec, match):
 def test_bad_fields(make):
     with pytest.raises(CodecError, match=r"must be"):
         make()
+
+
+def test_f32_is_exact_storage():
+    codec = parse_codec("f32")
+    assert codec.spec == "f32" and not codec.lossy
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 80)), jnp.float32)
+    codes = jax.jit(codec.encode)(codec.init(jax.random.key(0), 80), x)
+    np.testing.assert_array_equal(np.asarray(codec.decode({}, codes)), np.asarray(x))
+    assert measured_bits_per_element(codes, x.size) == codec.bits_per_element(80) == 32
+    with pytest.raises(CodecError, match="no options"):
+        parse_codec("f32:2")

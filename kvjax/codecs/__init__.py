@@ -1,8 +1,8 @@
 """Built-in codecs; importing this package registers them."""
 
-from kvjax.codecs.bf16 import Bf16Codec
+from kvjax.codecs.bf16 import Bf16Codec, F32Codec
 from kvjax.codecs.fp8 import Fp8Codec
 from kvjax.codecs.intn import IntCodec
 from kvjax.codecs.kivi import KiviCodec
 
-__all__ = ["Bf16Codec", "Fp8Codec", "IntCodec", "KiviCodec"]
+__all__ = ["Bf16Codec", "F32Codec", "Fp8Codec", "IntCodec", "KiviCodec"]

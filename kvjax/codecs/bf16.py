@@ -42,3 +42,30 @@ class Bf16Codec(Codec):
         """16: no metadata."""
         self.check_head_dim(head_dim)
         return 16.0
+
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class F32Codec(Codec):
+    """Identity storage as float32. Spec ``f32`` (no options).
+
+    The exact cache: model parity tests against float32 references use it, and it is the
+    32-bit end of a bits axis.
+    """
+
+    name: ClassVar[str] = "f32"
+    lossy: ClassVar[bool] = False
+
+    def _encode(self, params: Params, x: jax.Array) -> Codes:
+        del params
+        return {"x": x.astype(jnp.float32)}
+
+    def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
+        """The stored float32 vectors cast to ``dtype``."""
+        del params
+        return codes["x"].astype(dtype)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """32: no metadata."""
+        self.check_head_dim(head_dim)
+        return 32.0

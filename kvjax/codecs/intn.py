@@ -111,6 +111,16 @@ def dequantize(q: jax.Array, scale: jax.Array, zero: jax.Array) -> jax.Array:
     return zero.astype(jnp.float32) + q.astype(jnp.float32) * scale.astype(jnp.float32)
 
 
+def token_codes(q: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> Codes:
+    """The stored arrays of per-token codes ``q[..., T, D]`` with their fp16 metadata."""
+    return {
+        "codes": pack_bits(q, bits),
+        "scale": scale,
+        "zero": zero,
+        "head_dim": head_dim_marker(q),
+    }
+
+
 def exact_bits(bits: int | Fraction, elements: int | Fraction) -> float:
     """``bits / elements`` rounded once from the exact ratio.
 
@@ -171,13 +181,7 @@ class IntCodec(Codec):
         lo = jnp.min(x, axis=-1, keepdims=True)
         hi = jnp.max(x, axis=-1, keepdims=True)
         scale, zero = asymmetric_params(lo, hi, self.bits)
-        q = quantize(x, scale, zero, self.bits)
-        return {
-            "codes": pack_bits(q, self.bits),
-            "scale": scale,
-            "zero": zero,
-            "head_dim": head_dim_marker(x),
-        }
+        return token_codes(quantize(x, scale, zero, self.bits), scale, zero, self.bits)
 
     def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
         """``zero + q * scale`` per vector, cast to ``dtype``."""

@@ -70,11 +70,11 @@ from kvjax.codecs.intn import (
     asymmetric_params,
     dequantize,
     exact_bits,
-    head_dim_marker,
     option_spec,
     parse_bits,
     quantize,
     saturate,
+    token_codes,
 )
 from kvjax.packing import pack_bits, unpack_bits
 
@@ -178,12 +178,7 @@ class KiviCodec(Codec):
         )
         q = quantize(groups, scale[..., None], zero[..., None], self.bits)
         q = q.reshape(*lead, t, size * count)[..., :d]
-        return {
-            "codes": pack_bits(q, self.bits),
-            "scale": scale,
-            "zero": zero,
-            "head_dim": head_dim_marker(x),
-        }
+        return token_codes(q, scale, zero, self.bits)
 
     def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
         """``zero + q * scale`` with each code's (block, channel) or (token, group) pair."""
