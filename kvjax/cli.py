@@ -1,8 +1,11 @@
 """Command line: ``python -m kvjax <command>``.
 
 Commands:
-    codecs   list the registered codecs and their spec grammar
-    probe    measure codecs on seeded Gaussian (or saved) K/V; a table, or JSON
+    codecs     list the registered codecs and their spec grammar
+    probe      measure codecs on seeded Gaussian (or saved) K/V; a table, or JSON
+    generate   generate text with a model whose KV cache uses the given codecs
+
+This is the one module of kvjax that imports ``models`` (lazily, for ``generate``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--npy", metavar="FILE", help="K/V from a .npy [2, T, K, D] or [T, K, D]")
     p.add_argument("--json", action="store_true", help="one JSON object (a list for several)")
+
+    g = sub.add_parser("generate", help="generate text with a compressed KV cache")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--codec", metavar="SPEC", default=None,
+                   help="codec spec for K and V (default: bf16)")
+    g.add_argument("--k", metavar="SPEC", help="K codec spec (with --v)")
+    g.add_argument("--v", metavar="SPEC", help="V codec spec (with --k)")
+    g.add_argument("--model", default=None, metavar="NAME_OR_PATH",
+                   help="registered name, .gguf file or HF checkpoint dir "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--max-new-tokens", type=_positive, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--window", type=int, default=0, help="raw residual window (tokens)")
+    g.add_argument("--sinks", type=int, default=0, help="raw sink tokens")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true",
+                   help="one JSON object: text, tokens, prefill_s, decode_tok_per_s, cache_bytes")
     return parser
 
 
@@ -95,6 +118,49 @@ def _cmd_probe(args) -> int:
     return 0
 
 
+def _cmd_generate(args) -> int:
+    import models
+    from kvjax.cache import CacheConfig
+    from models.generate import generate
+
+    if (args.k is None) != (args.v is None):
+        raise CodecError("--k and --v go together")
+    if args.k is not None and args.codec:
+        raise CodecError("give either --codec or --k/--v, not both")
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty")
+    codec = None if args.k is not None else (args.codec or "bf16")
+    cache_config = CacheConfig.from_specs(
+        codec, k=args.k, v=args.v,
+        residual_window=args.window, sink_tokens=args.sinks,
+    )
+    config, params, tokenizer = models.load(args.model or models.DEFAULT_MODEL)
+    if tokenizer is None:
+        raise ValueError(f"model '{args.model}' has no tokenizer")
+    if args.chat:
+        prompt_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+        )
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    result = generate(
+        params, config, [list(prompt_ids)], cache_config=cache_config,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        seed=args.seed,
+    )
+    tokens = result.tokens[0]
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({
+            "text": text, "tokens": tokens, "prefill_s": result.prefill_s,
+            "decode_tok_per_s": result.decode_tok_per_s, "cache_bytes": result.cache_bytes,
+            "k_codec": cache_config.k.spec, "v_codec": cache_config.v.spec,
+        }))
+    else:
+        print(text)
+    return 0
+
+
 def format_probe_table(rows: list[dict]) -> str:
     """A markdown table of probe results."""
     cols = [("codec", "codec", "{}"), ("bits", "bits_per_element_measured", "{:.3f}"),
@@ -118,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_codecs()
         if args.command == "probe":
             return _cmd_probe(args)
+        if args.command == "generate":
+            return _cmd_generate(args)
     except (ValueError, OSError) as err:  # CodecError is a ValueError
         print(f"kvjax: error: {err}", file=sys.stderr)
         return 2

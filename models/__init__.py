@@ -70,6 +70,6 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16):
             f"'{target}' is neither a .gguf file nor a directory with config.json"
         )
     raise ValueError(
-        f"unknown model '{target}': not a file or directory, and not a known name "
-        f"({', '.join(sorted(REGISTRY))})"
+        f"unknown model '{target}' (no such file or directory); known names: "
+        f"{', '.join(sorted(REGISTRY))}"
     )

@@ -106,6 +106,13 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window = hf.get("sliding_window") if model_type == "mistral" else None
+        if model_type != "mistral" and hf.get("use_sliding_window"):
+            # Qwen2/3 window only some layers (max_window_layers, layer_types); silently
+            # attending fully would give wrong logits past the window
+            raise ValueError(
+                f"{model_type} with use_sliding_window=True (per-layer sliding window) "
+                "is not supported"
+            )
         return cls(
             family=model_type,
             vocab_size=hf["vocab_size"],

@@ -94,3 +94,25 @@ def test_module_entry_point_runs():
     bad = subprocess.run([sys.executable, "-m", "kvjax", "probe", "--codec", "int:1"],
                          capture_output=True, text=True, check=False, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("kvjax: error:")
+
+
+def test_generate_with_the_embedded_model(capsys):
+    args = ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "4"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "Paris" in out["text"] and len(out["tokens"]) == 4
+    assert out["cache_bytes"] > 0 and out["decode_tok_per_s"] > 0 and out["prefill_s"] > 0
+    assert main([*args, "--k", "int:4", "--v", "int:8", "--window", "2"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", "  "], "empty"),
+    (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
+    (["--prompt", "hi", "--codec", "int:1"], "2..8"),
+    (["--prompt", "hi", "--k", "int:4"], "--k and --v"),
+])
+def test_generate_bad_input_exits_2(capsys, args, needle):
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1

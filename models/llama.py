@@ -1,0 +1,278 @@
+"""One llama-like decoder core (Llama 2/3, Qwen2/2.5, Qwen3, Mistral) over a kvjax cache.
+
+Written with Flax **linen**, not NNX: a linen module is a pure function of an explicit
+params pytree, so one :class:`DecoderLayer` can be applied inside the ``lax.scan`` that
+:func:`kvjax.cache.scan_layers` runs over the stacked layer weights and the cache
+segments, with the per-layer slice of the weights as a scanned input. NNX modules are
+stateful objects and would need ``nnx.split``/``nnx.merge`` around every scan body.
+
+Parameters follow the shared layout that both loaders (HF safetensors, GGUF) produce;
+weights are ``[in, out]`` (``y = x @ W``) and every layer leaf is stacked over ``L``::
+
+    embed [V, H]; final_norm [H]; lm_head [H, V] (absent when tied)
+    layers: attn_norm [L, H], wq [L, H, N*D], wk/wv [L, H, K*D], wo [L, N*D, H],
+            bq [L, N*D], bk/bv [L, K*D] (attention_bias), q_norm/k_norm [L, D] (qk_norm),
+            mlp_norm [L, H], w_gate/w_up [L, H, F], w_down [L, F, H]
+
+The names inside :class:`DecoderLayer` are exactly the per-layer names above, so
+``params["layers"]`` sliced at one layer is that module's ``{"params": ...}`` as is.
+
+Q and K use the HF RoPE convention: ``rotate_half`` on the two halves of each head.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention import attend
+from kvjax.cache import CacheConfig, KVCache, Step, append, commit, init_cache, make_step
+from kvjax.cache import scan_layers as _scan_layers
+from models.config import ModelConfig, RopeScaling
+
+Params = dict[str, Any]
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's parameters (no leading ``L``), by layout name."""
+    h, d, f = config.hidden_size, config.head_dim, config.intermediate_size
+    nd, kd = config.num_heads * d, config.num_kv_heads * d
+    shapes = {
+        "attn_norm": (h,),
+        "wq": (h, nd), "wk": (h, kd), "wv": (h, kd), "wo": (nd, h),
+        "mlp_norm": (h,),
+        "w_gate": (h, f), "w_up": (h, f), "w_down": (f, h),
+    }
+    if config.attention_bias:
+        shapes.update(bq=(nd,), bk=(kd,), bv=(kd,))
+    if config.qk_norm:
+        shapes.update(q_norm=(d,), k_norm=(d,))
+    return shapes
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """Shapes of the whole params pytree in the shared layout."""
+    shapes: Params = {
+        "embed": (config.vocab_size, config.hidden_size),
+        "layers": {k: (config.num_layers, *s) for k, s in layer_shapes(config).items()},
+        "final_norm": (config.hidden_size,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+    return shapes
+
+
+def check_params(params: Params, config: ModelConfig) -> None:
+    """Raise ``ValueError`` naming every missing, unexpected or wrongly shaped leaf."""
+    expected = param_shapes(config)
+    problems = []
+
+    def walk(exp, got, prefix):
+        for name in sorted(set(exp) | set(got)):
+            where = f"{prefix}{name}"
+            if name not in got:
+                problems.append(f"missing {where} {exp[name]}")
+            elif name not in exp:
+                problems.append(f"unexpected {where}")
+            elif isinstance(exp[name], dict):
+                walk(exp[name], got[name], where + ".")
+            elif tuple(got[name].shape) != exp[name]:
+                problems.append(f"{where} has shape {tuple(got[name].shape)}, "
+                                f"expected {exp[name]}")
+
+    walk(expected, params, "")
+    if problems:
+        raise ValueError("params do not match the model config: " + "; ".join(problems))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF RMSNorm: normalize in float32, cast back to ``x.dtype``, then scale by ``weight``."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+    """Per-frequency inverse wavelengths ``[D/2]`` (float32), with llama3 scaling if set."""
+    d = config.head_dim
+    exponents = jnp.arange(0, d, 2, dtype=jnp.float32) / d
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: jax.Array, s: RopeScaling) -> jax.Array:
+    # Llama 3.1 stretches only the long wavelengths (those that did not fit in the
+    # original context) by `factor`, keeps the short ones, and blends linearly in
+    # wavelength-ratio space between the two cut-offs.
+    old = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    long_cut = old / s.low_freq_factor
+    short_cut = old / s.high_freq_factor
+    scaled = jnp.where(wavelen > long_cut, inv_freq / s.factor, inv_freq)
+    blend = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - blend) * scaled / s.factor + blend * scaled
+    between = (wavelen >= short_cut) & (wavelen <= long_cut)
+    return jnp.where(between, blended, scaled)
+
+
+def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``cos, sin [B, T, D]`` (float32) for absolute ``positions [B, T]``."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(config)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x [B, T, heads, D]`` by HF's half-split convention; keeps ``x.dtype``."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    return out.astype(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer: GQA attention over a kvjax layer view, then SwiGLU."""
+
+    config: ModelConfig
+
+    def _p(self, name: str) -> jax.Array:
+        # zeros only matter for shape inference; loaders always supply the values
+        return self.param(name, nn.initializers.zeros_init(), layer_shapes(self.config)[name])
+
+    @nn.compact
+    def __call__(self, h: jax.Array, layer_kv, step: Step, cos: jax.Array, sin: jax.Array):
+        """``h [B, T, H]`` -> ``(h, layer_kv)`` after appending this chunk's K/V."""
+        c = self.config
+        b, t, _ = h.shape
+        x = rms_norm(h, self._p("attn_norm"), c.rms_norm_eps)
+        q, k, v = x @ self._p("wq"), x @ self._p("wk"), x @ self._p("wv")
+        if c.attention_bias:
+            q, k, v = q + self._p("bq"), k + self._p("bk"), v + self._p("bv")
+        q = q.reshape(b, t, c.num_heads, c.head_dim)
+        k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, self._p("q_norm"), c.rms_norm_eps)
+            k = rms_norm(k, self._p("k_norm"), c.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        layer_kv = append(layer_kv, k, v, step)
+        o = attend(q, layer_kv, step, sliding_window=c.sliding_window)
+        h = h + o.reshape(b, t, -1).astype(h.dtype) @ self._p("wo")
+
+        x = rms_norm(h, self._p("mlp_norm"), c.rms_norm_eps)
+        mlp = nn.silu(x @ self._p("w_gate")) * (x @ self._p("w_up"))
+        return h + mlp @ self._p("w_down"), layer_kv
+
+
+def hidden_states(
+    params: Params, config: ModelConfig, tokens: jax.Array, cache: KVCache,
+    valid: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Final-normed hidden states ``[B, T, H]`` of a chunk, and the cache holding it."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    if cache.num_layers != config.num_layers:
+        raise ValueError(f"cache has {cache.num_layers} layers, model {config.num_layers}")
+    step = make_step(cache, tokens.shape[1], valid)
+    cos, sin = rope_tables(config, step.positions(tokens.shape[1]))
+    h = jnp.take(params["embed"], tokens, axis=0)
+    layer = DecoderLayer(config)
+
+    def body(h, layer_params, view):
+        return layer.apply({"params": layer_params}, h, view, step, cos, sin)
+
+    h, cache = _scan_layers(body, h, cache, params["layers"])
+    cache = commit(cache, step)
+    return rms_norm(h, params["final_norm"], config.rms_norm_eps), cache
+
+
+def lm_logits(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
+    """Float32 logits ``[..., V]`` of final-normed hidden states ``[..., H]``."""
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    return (h @ head).astype(jnp.float32)
+
+
+def forward(
+    params: Params, config: ModelConfig, tokens: jax.Array, cache: KVCache,
+    valid: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Logits ``[B, T, V]`` (float32) of a chunk ``tokens [B, T]``, and the updated cache.
+
+    Token ``t`` of row ``b`` sits at position ``cache.lengths[b] + t``. ``valid[B]`` (default
+    ``T``) counts each row's real tokens; a right-padded tail is neither stored nor
+    attended to, and its logits are meaningless. Jit with ``static_argnums=1``.
+    """
+    h, cache = hidden_states(params, config, tokens, cache, valid)
+    return lm_logits(params, config, h), cache
+
+
+_jit_forward = jax.jit(forward, static_argnums=1)
+
+
+def new_cache(
+    config: ModelConfig, cache_config: CacheConfig, *, batch: int, max_len: int,
+    dtype: Any = jnp.bfloat16, key: jax.Array | None = None,
+) -> KVCache:
+    """An empty kvjax cache shaped for this model."""
+    return init_cache(
+        jax.random.PRNGKey(0) if key is None else key, cache_config,
+        num_layers=config.num_layers, batch=batch, num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim, max_len=max_len, dtype=dtype,
+    )
+
+
+def logits_no_cache(
+    params: Params, config: ModelConfig, tokens: jax.Array,
+    cache_config: CacheConfig | None = None,
+) -> jax.Array:
+    """Logits ``[B, T, V]`` of one forward over ``tokens`` on a fresh cache of ``T`` slots.
+
+    The cache is the exact float32 one unless ``cache_config`` says otherwise.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    cache_config = cache_config or CacheConfig(k="f32", v="f32")
+    cache = new_cache(config, cache_config, batch=tokens.shape[0], max_len=tokens.shape[1],
+                      dtype=jnp.float32)
+    # an explicit `valid` keeps the jit signature equal to padded-batch calls of forward
+    valid = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    return _jit_forward(params, config, tokens, cache, valid)[0]
+
+
+
+def init_params(key: jax.Array, config: ModelConfig, dtype: Any = jnp.float32) -> Params:
+    """Random params in the shared layout: N(0, 1/fan_in) weights, ~1 norms, small biases."""
+    # one compiled program instead of an eager dispatch (and compile) per leaf shape
+    return _init_params_jit(key, config, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _init_params_jit(key: jax.Array, config: ModelConfig, dtype: Any) -> Params:
+    is_shape = lambda s: isinstance(s, tuple)
+    shapes = param_shapes(config)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
+    sizes = [math.prod(shape) for _, shape in with_paths]
+    # one draw sliced into leaves: a random op per leaf shape compiles far slower on CPU
+    draws = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    leaves, offset = [], 0
+    for (path, shape), size in zip(with_paths, sizes, strict=True):
+        name = jax.tree_util.keystr(path)
+        z = draws[offset : offset + size].reshape(shape)
+        offset += size
+        if "norm" in name:
+            # not exactly 1 so that a swapped or ignored norm weight shows in tests
+            leaf = 1.0 + 0.1 * z
+        elif name.endswith(("'bq']", "'bk']", "'bv']")):
+            leaf = 0.1 * z
+        else:
+            leaf = z * shape[-2] ** -0.5
+        leaves.append(leaf.astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
