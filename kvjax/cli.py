@@ -87,13 +87,17 @@ def _cmd_codecs() -> int:
     return 0
 
 
-def _cmd_probe(args) -> int:
-    from kvjax.probe import gaussian_kv, load_kv, probe
-
+def _check_kv_flags(args) -> None:
     if (args.k is None) != (args.v is None):
         raise CodecError("--k and --v go together")
     if args.k is not None and args.codec:
         raise CodecError("give either --codec or --k/--v, not both")
+
+
+def _cmd_probe(args) -> int:
+    from kvjax.probe import gaussian_kv, load_kv, probe
+
+    _check_kv_flags(args)
     pairs = []
     if args.k is not None:
         k_codec, v_codec = parse_kv(k=args.k, v=args.v)
@@ -123,10 +127,7 @@ def _cmd_generate(args) -> int:
     from kvjax.cache import CacheConfig
     from models.generate import generate
 
-    if (args.k is None) != (args.v is None):
-        raise CodecError("--k and --v go together")
-    if args.k is not None and args.codec:
-        raise CodecError("give either --codec or --k/--v, not both")
+    _check_kv_flags(args)
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     codec = None if args.k is not None else (args.codec or "bf16")

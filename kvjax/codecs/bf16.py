@@ -1,6 +1,7 @@
-"""Uncompressed bfloat16 storage: ``bf16``, the reference point of every bits axis.
+"""Uncompressed storage: ``bf16`` (the reference point of every bits axis) and ``f32``.
 
-Codes of ``x[..., T, D]``: ``{"x": bfloat16[..., T, D]}``; 16 bits per element.
+Codes of ``x[..., T, D]``: ``{"x": bfloat16[..., T, D]}``, 16 bits per element
+(``f32``: float32, 32 bits, the exact cache of parity tests).
 ``lossy`` is False: for bf16 inputs (the models' own K/V) storage is exact, so a cache
 may keep these vectors as its raw window instead of encoding them.
 """
@@ -21,32 +22,46 @@ from kvjax.codecs.intn import saturate
 BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 
 
-@register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Bf16Codec(Codec):
-    """Identity storage as bfloat16. Spec ``bf16`` (no options)."""
+class _IdentityCodec(Codec):
+    """Vectors stored unchanged in ``storage`` dtype (no metadata)."""
 
-    name: ClassVar[str] = "bf16"
     lossy: ClassVar[bool] = False
+    storage: ClassVar[Any] = jnp.float32
+
+    def _store(self, x: jax.Array) -> jax.Array:
+        return x.astype(self.storage)
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         del params
-        return {"x": saturate(x, BF16_MAX, self.spec).astype(jnp.bfloat16)}
+        return {"x": self._store(x)}
 
     def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
-        """The stored bfloat16 vectors cast to ``dtype``."""
+        """The stored vectors cast to ``dtype``."""
         del params
         return codes["x"].astype(dtype)
 
     def bits_per_element(self, head_dim: int) -> float:
-        """16: no metadata."""
+        """The storage dtype's width: no metadata."""
         self.check_head_dim(head_dim)
-        return 16.0
+        return float(8 * jnp.dtype(self.storage).itemsize)
 
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class F32Codec(Codec):
+class Bf16Codec(_IdentityCodec):
+    """Identity storage as bfloat16. Spec ``bf16`` (no options)."""
+
+    name: ClassVar[str] = "bf16"
+    storage: ClassVar[Any] = jnp.bfloat16
+
+    def _store(self, x: jax.Array) -> jax.Array:
+        return saturate(x, BF16_MAX, self.spec).astype(jnp.bfloat16)
+
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class F32Codec(_IdentityCodec):
     """Identity storage as float32. Spec ``f32`` (no options).
 
     The exact cache: model parity tests against float32 references use it, and it is the
@@ -54,18 +69,3 @@ class F32Codec(Codec):
     """
 
     name: ClassVar[str] = "f32"
-    lossy: ClassVar[bool] = False
-
-    def _encode(self, params: Params, x: jax.Array) -> Codes:
-        del params
-        return {"x": x.astype(jnp.float32)}
-
-    def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
-        """The stored float32 vectors cast to ``dtype``."""
-        del params
-        return codes["x"].astype(dtype)
-
-    def bits_per_element(self, head_dim: int) -> float:
-        """32: no metadata."""
-        self.check_head_dim(head_dim)
-        return 32.0
