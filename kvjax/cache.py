@@ -417,7 +417,7 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
 
     # the non-sink stream: raw tokens already held, then this chunk's non-sink tokens
     end = step.start + step.valid
-    old_n_sink, old_n_comp, old_raw = store.counts(step.start)
+    _, old_n_comp, old_raw = store.counts(step.start)
     new_n_comp = _compressed_tokens(end, store.sinks, store.window, store.block)
     skip = jnp.clip(store.sinks - step.start, 0, step.valid)
     staged_len = store.raw_capacity + num_tokens
@@ -447,7 +447,6 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
     new_raw_count = end - jnp.minimum(end, store.sinks) - new_n_comp
     raw = _rows_take(staged.astype(store.raw.dtype), moved + r)
     raw = jnp.where((r < new_raw_count[:, None])[:, None, :, None], raw, 0).astype(store.raw.dtype)
-    del old_n_sink
     return dataclasses.replace(store, codes=codes, raw=raw, sink=sink, nonfinite=nonfinite)
 
 
@@ -555,7 +554,8 @@ def stored_bits(cache: KVCache) -> dict[str, float]:
     slots (compressed blocks, raw window, sinks, raw layers) are then summed over rows,
     layers, heads and K/V. Codec parameters are a per-model constant and are excluded
     (see :func:`memory_bytes`). Returns ``bits``, ``elements`` and ``bits_per_element``,
-    plus the same for ``k`` and ``v`` alone.
+    plus ``k_bits``, ``v_bits`` and the per-element bits of K and V alone (K and V each
+    hold half of ``elements``).
     """
     lengths = np.asarray(cache.lengths, np.int64)
     totals = {"k": [0.0, 0], "v": [0.0, 0]}
@@ -579,5 +579,6 @@ def stored_bits(cache: KVCache) -> dict[str, float]:
            "bits_per_element": bits / elements if elements else float("nan")}
     for role in ("k", "v"):
         b, e = totals[role]
+        out[f"{role}_bits"] = b
         out[f"{role}_bits_per_element"] = b / e if e else float("nan")
     return out

@@ -228,13 +228,9 @@ def _cmd_ppl(args) -> int:
     need = args.windows * args.window_len
     wins = windows(_corpus_tokens(tokenizer, text, need), args.windows, args.window_len)
 
-    # params are a jit argument, not a closure constant: a closure would bake the
-    # weights into the compiled program (about 8x slower to compile on CPU)
-    jit_forward = jax.jit(llama.forward, static_argnums=1)
-
     def run(cc: CacheConfig):
         def forward(tokens, cache, valid):
-            return jit_forward(params, config, tokens, cache, valid)
+            return llama.jit_forward(params, config, tokens, cache, valid)
 
         def new_cache(batch, max_len):
             return llama.new_cache(config, cc, batch=batch, max_len=max_len,

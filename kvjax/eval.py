@@ -75,8 +75,8 @@ def perplexity(
     NLL is summed in float64 on host.
 
     ``forward`` should be a jitted function that takes the model weights as *arguments*
-    (e.g. a closure calling ``jax.jit(llama.forward, static_argnums=1)(params, config,
-    ...)``); it then compiles once per chunk shape. It is deliberately not wrapped in
+    (e.g. a closure calling ``models.llama.jit_forward(params, config, ...)``); it then
+    compiles once per chunk shape. It is deliberately not wrapped in
     another ``jax.jit`` here: jitting a closure over the weights bakes them into the
     program as constants, which made compiles ~8x slower for a 135M model on CPU.
 
@@ -130,10 +130,8 @@ def perplexity(
                 bar.update(1)
         check(cache)
         measured = stored_bits(cache)
-        # K and V hold the same number of elements, so each role has half of them
-        half = measured["elements"] / 2
-        bits["k"] += measured["k_bits_per_element"] * half
-        bits["v"] += measured["v_bits_per_element"] * half
+        bits["k"] += measured["k_bits"]
+        bits["v"] += measured["v_bits"]
         elements += measured["elements"]
     if bar is not None:
         bar.close()

@@ -93,13 +93,12 @@ def probe(
     cache = commit(cache.with_layer(0, layer), step)
     check(cache)
 
-    measured = []
-    for codec, x, store in ((k_codec, kb, layer.k), (v_codec, vb, layer.v)):
-        whole = tokens // codec.block_tokens * codec.block_tokens
-        xh = jnp.swapaxes(x, 1, 2)[:, :, :whole]  # [1, K, T, D]
-        if whole:
-            codes = jax.vmap(codec.encode, in_axes=(0, 1), out_axes=1)(store.params, xh)
-            measured.append(measured_bits_per_element(codes, xh.size))
+    # the cache's slots hold exactly the whole codec blocks of the T tokens, all filled
+    measured = [
+        measured_bits_per_element(store.codes, heads * store.slots * store.block * head_dim)
+        for store in (layer.k, layer.v)
+        if store.slots
+    ]
     k_hat = jnp.swapaxes(dense(layer.k, cache.lengths)[:, :, :tokens], 1, 2)
     v_hat = jnp.swapaxes(dense(layer.v, cache.lengths)[:, :, :tokens], 1, 2)
 

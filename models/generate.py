@@ -224,8 +224,8 @@ def generate(
         decode = _compiled("decode", _decode_jit, (config, max_new_tokens, greedy), dec_args,
                            (1, 2, 3))
         t3 = time.perf_counter()
-        out, cache = decode(params, logits, cache, eos_arr, sample_key,
-                                   temperature_arr, top_p_arr)
+        out, cache = decode(params, logits, cache, eos_arr, sample_key, temperature_arr,
+                            top_p_arr)
         out = np.asarray(jax.block_until_ready(out))
         t4 = time.perf_counter()
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, RopeScaling
+from models.llama import check_params
 
 # GGUF architectures we accept, mapped to a ``ModelConfig.family``. llama.cpp writes Mistral
 # models as "llama"; "mistral" is accepted for writers that use it and read the same way.
@@ -298,13 +299,6 @@ def params_from_gguf(reader, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
                 x = unpermute_qk(x, config.num_kv_heads)
             layers.setdefault(ours, []).append(x.T if ours in _TRANSPOSED else x)
 
-    for ours, xs in layers.items():
-        if len(xs) != config.num_layers:
-            raise ValueError(f"'{ours}' present in {len(xs)} of {config.num_layers} layers")
-    required = {"attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"}
-    if missing := required - layers.keys():
-        raise ValueError(f"GGUF lacks layer tensors for {sorted(missing)}")
-
     params = {
         "embed": cast(take("token_embd.weight")),
         "layers": {k: cast(np.stack(v)) for k, v in layers.items()},
@@ -314,6 +308,7 @@ def params_from_gguf(reader, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
         params["lm_head"] = cast(take("output.weight").T)
     if leftover := sorted(set(by_name) - _IGNORED):
         raise ValueError(f"unexpected GGUF tensors (unsupported variant?): {leftover[:8]}")
+    check_params(params, config)  # missing layer tensors or layers show up here
     return params
 
 

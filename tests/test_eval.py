@@ -17,7 +17,7 @@ CONFIG = ModelConfig(family="llama", vocab_size=96, hidden_size=32, intermediate
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                      max_position_embeddings=64)
 NUM_WINDOWS, WINDOW_LEN = 3, 23
-JIT_FORWARD = jax.jit(llama.forward, static_argnums=1)
+JIT_FORWARD = llama.jit_forward
 
 
 @pytest.fixture(scope="module")

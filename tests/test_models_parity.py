@@ -17,7 +17,7 @@ import transformers
 from kvjax.cache import CacheConfig
 from models.config import ModelConfig
 from models.hf import load_hf_dir, params_from_hf
-from models.llama import forward, init_params, logits_no_cache, new_cache
+from models.llama import init_params, jit_forward, logits_no_cache, new_cache
 
 VOCAB, SEQ, BATCH = 128, 20, 2
 TOL = 1e-4
@@ -122,7 +122,7 @@ def test_chunked_prefill_equals_one_shot(models):
     _, config, params = models["llama"]
     tokens = _tokens()
     one_shot = np.asarray(logits_no_cache(params, config, tokens))
-    step = jax.jit(forward, static_argnums=1)
+    step = jit_forward
     cache = new_cache(config, CacheConfig(k="f32", v="f32"), batch=BATCH, max_len=SEQ,
                       dtype=jnp.float32)
     # chunks of 7, 6, 1, 1, 5 tokens; width-7 chunks with fewer valid tokens are padded
@@ -147,7 +147,7 @@ def test_ragged_batch_rows_equal_single_rows(models):
     padded[1, short:] = 0
     cache = new_cache(config, CacheConfig(k="f32", v="f32"), batch=BATCH, max_len=SEQ,
                       dtype=jnp.float32)
-    logits, cache = jax.jit(forward, static_argnums=1)(
+    logits, cache = jit_forward(
         params, config, jnp.asarray(padded), cache, jnp.asarray([SEQ, short], jnp.int32))
     np.testing.assert_array_equal(np.asarray(cache.lengths), [SEQ, short])
     logits = np.asarray(logits)
