@@ -159,9 +159,7 @@ def _cmd_generate(args) -> int:
     if tokenizer is None:
         raise ValueError(f"model '{args.model}' has no tokenizer")
     if args.chat:
-        prompt_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-        )
+        prompt_ids = models.chat_prompt_ids(tokenizer, args.prompt)
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     result = generate(

@@ -73,3 +73,23 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16):
         f"unknown model '{target}' (no such file or directory); known names: "
         f"{', '.join(sorted(REGISTRY))}"
     )
+
+
+def chat_prompt_ids(tokenizer, user_text: str, answer_prefix: str = "") -> list[int]:
+    """Token ids of one user turn in the model's chat template, ready for the reply.
+
+    ``answer_prefix`` is appended after the assistant header, so generation continues an
+    answer already begun (e.g. ``"The number is"``). Raises ``ValueError`` when the
+    tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model's tokenizer has no chat template")
+    # return_dict=False: recent transformers return a BatchEncoding by default
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_text}], add_generation_prompt=True,
+        return_dict=False,
+    )
+    ids = [int(t) for t in ids]
+    if answer_prefix:
+        ids += [int(t) for t in tokenizer.encode(answer_prefix, add_special_tokens=False)]
+    return ids
