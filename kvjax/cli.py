@@ -5,6 +5,7 @@ Commands:
     probe      measure codecs on seeded Gaussian (or saved) K/V; a table, or JSON
     generate   generate text with a model whose KV cache uses the given codecs
     ppl        perplexity on a real corpus with the given codecs, against a bf16 cache
+    needle     needle-in-a-haystack retrieval accuracy per codec, length and depth
 
 This is the one module of kvjax that imports ``models`` (lazily, for ``generate``).
 """
@@ -97,6 +98,25 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="seed of the codec parameters")
     q.add_argument("--progress", action="store_true", help="a progress bar over chunks")
     q.add_argument("--json", action="store_true", help="one JSON object")
+
+    n = sub.add_parser("needle", help="needle-in-a-haystack retrieval accuracy per codec")
+    n.add_argument("--codec", action="append", metavar="SPEC",
+                   help="codec spec for K and V (repeat for several); bf16 always runs too")
+    n.add_argument("--lengths", type=_positive, nargs="+", default=[512, 1024],
+                   metavar="N", help="prompt lengths in tokens")
+    n.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
+                   metavar="F", help="needle depths, fractions of the haystack")
+    n.add_argument("--trials", type=_positive, default=2,
+                   help="numbers (and haystacks) per length and depth")
+    n.add_argument("--corpus", default="shakespeare", metavar="NAME|PATH",
+                   help="haystack text: shakespeare, austen, or a UTF-8 text file")
+    n.add_argument("--window", type=int, default=0, help="raw residual window (tokens)")
+    n.add_argument("--sinks", type=int, default=0, help="raw sink tokens")
+    n.add_argument("--model", default=None, metavar="NAME_OR_PATH",
+                   help="an instruct model with a chat template (default: SmolLM2-135M-Instruct)")
+    n.add_argument("--seed", type=int, default=0, help="seed of the numbers and codecs")
+    n.add_argument("--progress", action="store_true", help="a progress bar over prompts")
+    n.add_argument("--json", action="store_true", help="one JSON list of every answer")
     return parser
 
 
@@ -180,33 +200,13 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _corpus_tokens(tokenizer, text: str, need: int) -> list[int]:
-    """The first ``need`` token ids of ``text`` (fewer only if the whole text is shorter).
-
-    Corpora are megabytes, so only a growing prefix is tokenized; the prefix is cut at a
-    whitespace so the last word is not split differently than in the full text.
-    """
-    size = max(4096, need * 8)
-    while True:
-        prefix = text[:size]
-        if size < len(text):
-            cut = prefix.rfind(" ")
-            prefix = prefix[:cut] if cut > 0 else prefix
-        ids = list(tokenizer.encode(prefix, add_special_tokens=False))
-        if len(ids) >= need or size >= len(text):
-            return ids
-        size *= 2
-
-
 def _cmd_ppl(args) -> int:
-    import jax
     import jax.numpy as jnp
 
     import models
     from kvjax.cache import CacheConfig
-    from kvjax.data import load_corpus, windows
-    from kvjax.eval import perplexity
-    from models import llama
+    from kvjax.data import load_corpus, tokenize_prefix, windows
+    from models.evaluate import cache_perplexity
 
     _check_kv_flags(args)
     if args.k is None and args.codec is None:
@@ -224,17 +224,11 @@ def _cmd_ppl(args) -> int:
         raise ValueError(f"--window-len {args.window_len} exceeds the model's context of "
                          f"{config.max_position_embeddings} tokens")
     need = args.windows * args.window_len
-    wins = windows(_corpus_tokens(tokenizer, text, need), args.windows, args.window_len)
+    wins = windows(tokenize_prefix(tokenizer, text, need), args.windows, args.window_len)
 
     def run(cc: CacheConfig):
-        def forward(tokens, cache, valid):
-            return llama.jit_forward(params, config, tokens, cache, valid)
-
-        def new_cache(batch, max_len):
-            return llama.new_cache(config, cc, batch=batch, max_len=max_len,
-                                   dtype=jnp.bfloat16, key=jax.random.PRNGKey(args.seed))
-
-        return perplexity(forward, new_cache, wins, chunk=args.chunk, progress=args.progress)
+        return cache_perplexity(params, config, cc, wins, chunk=args.chunk, seed=args.seed,
+                                progress=args.progress)
 
     result = run(cache_config)
     base = run(baseline)
@@ -257,6 +251,34 @@ def _cmd_ppl(args) -> int:
         print("|---|---|---|---|---|")
         print(f"| {row['codec']} | {row['bits_per_element']:.3f} | {row['ppl']:.4f} | "
               f"{row['bf16_ppl']:.4f} | {delta:+.2f} |")
+    return 0
+
+
+def _cmd_needle(args) -> int:
+    import jax.numpy as jnp
+
+    import models
+    from kvjax.cache import CacheConfig
+    from kvjax.data import load_corpus
+    from kvjax.eval.needle import accuracy_table
+    from models.evaluate import needle_cases, needle_retrieval
+
+    specs = list(dict.fromkeys(["bf16", *(args.codec or [])]))
+    configs = [CacheConfig.from_specs(spec, residual_window=args.window,
+                                      sink_tokens=args.sinks) for spec in specs]
+    text = load_corpus(args.corpus)
+    config, params, tokenizer = models.load(args.model or models.DEFAULT_MODEL, jnp.float32)
+    cases = needle_cases(config, tokenizer, text, lengths=args.lengths, depths=args.depths,
+                         trials=args.trials, seed=args.seed)
+    rows = []
+    for spec, cache_config in zip(specs, configs, strict=True):
+        for row in needle_retrieval(params, config, tokenizer, cache_config, cases,
+                                    seed=args.seed, progress=args.progress):
+            rows.append({"codec": spec, **row})
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(accuracy_table(rows))
     return 0
 
 
@@ -287,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "ppl":
             return _cmd_ppl(args)
+        if args.command == "needle":
+            return _cmd_needle(args)
     except (ValueError, OSError) as err:  # CodecError is a ValueError
         print(f"kvjax: error: {err}", file=sys.stderr)
         return 2

@@ -548,6 +548,27 @@ def windows(token_ids, num_windows: int, window_len: int, offset: int = 0) -> np
     return ids[offset:need].reshape(num_windows, window_len).copy()
 
 
+def tokenize_prefix(tokenizer, text: str, need: int) -> list[int]:
+    """The first ``need`` token ids of ``text`` (fewer only if the whole text is shorter).
+
+    Corpora are megabytes and tokenizing all of one takes seconds, so only a growing
+    prefix is tokenized; the prefix is cut at a space so that its last word is not split
+    differently than in the full text. No special tokens are added.
+    """
+    if need < 1:
+        raise ValueError(f"need must be >= 1, got {need}")
+    size = max(4096, need * 8)
+    while True:
+        prefix = text[:size]
+        if size < len(text):
+            cut = prefix.rfind(" ")
+            prefix = prefix[:cut] if cut > 0 else prefix
+        ids = [int(t) for t in tokenizer.encode(prefix, add_special_tokens=False)]
+        if len(ids) >= need or size >= len(text):
+            return ids[:need]
+        size *= 2
+
+
 __all__ = [
     "AUSTEN_NOVELS",
     "CORPUS_NAMES",
@@ -565,5 +586,6 @@ __all__ = [
     "read_austen",
     "read_lazyload_db",
     "read_shakespeare",
+    "tokenize_prefix",
     "windows",
 ]

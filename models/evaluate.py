@@ -1,0 +1,118 @@
+"""The :mod:`kvjax.eval` tasks bound to a model of this package.
+
+``kvjax.eval`` takes the model as callables; these helpers build them from
+``(params, config)`` so the CLI and the experiment scripts run a task in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import CacheConfig
+from kvjax.data import tokenize_prefix
+from kvjax.eval import needle as needle_task
+from kvjax.eval.ppl import PerplexityResult, perplexity
+from models import chat_prompt_ids, llama
+from models.config import ModelConfig
+from models.generate import generate
+
+#: new tokens generated per needle prompt: an 8-digit number is 8 tokens in SmolLM2's
+#: and Llama-3's tokenizers, and a few more show whether the model stopped after it
+NEEDLE_NEW_TOKENS = 12
+
+
+def cache_perplexity(
+    params: llama.Params,
+    config: ModelConfig,
+    cache_config: CacheConfig,
+    windows,
+    *,
+    chunk: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    cache_dtype: Any = jnp.bfloat16,
+    progress: bool = False,
+) -> PerplexityResult:
+    """:func:`kvjax.eval.perplexity` of the model with caches of ``cache_config``.
+
+    Codec parameters are drawn from ``seed``; raw cache regions are stored in
+    ``cache_dtype``. ``windows`` is ``int[num_windows, window_len]``.
+    """
+    if windows.shape[-1] > config.max_position_embeddings:
+        raise ValueError(f"windows of {windows.shape[-1]} tokens exceed the model's context "
+                         f"of {config.max_position_embeddings}")
+
+    def forward(tokens, cache, valid):
+        return llama.jit_forward(params, config, tokens, cache, valid)
+
+    def new_cache(batch, max_len):
+        return llama.new_cache(config, cache_config, batch=batch, max_len=max_len,
+                               dtype=cache_dtype, key=jax.random.PRNGKey(seed))
+
+    return perplexity(forward, new_cache, windows, chunk=chunk, batch_size=batch_size,
+                      progress=progress)
+
+
+def needle_cases(
+    config: ModelConfig,
+    tokenizer,
+    haystack_text: str,
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int = 1,
+    seed: int = 0,
+) -> list[needle_task.NeedleCase]:
+    """Needle prompts in the model's chat template, haystack from ``haystack_text``.
+
+    Raises ``ValueError`` when a length plus the answer's tokens exceeds the model's
+    context, or the model has no tokenizer or chat template.
+    """
+    if tokenizer is None:
+        raise ValueError("the needle task needs the model's tokenizer")
+    limit = config.max_position_embeddings - NEEDLE_NEW_TOKENS
+    too_long = [n for n in lengths if n > limit]
+    if too_long:
+        raise ValueError(f"needle lengths {too_long} exceed the model's context "
+                         f"({config.max_position_embeddings} tokens, {NEEDLE_NEW_TOKENS} "
+                         "kept for the answer)")
+
+    def encode_prompt(text: str, prefix: str) -> list[int]:
+        return chat_prompt_ids(tokenizer, text, prefix)
+
+    # a margin of 64 tokens per trial: re-tokenizing decoded text may need a few more
+    hay = tokenize_prefix(tokenizer, haystack_text, trials * (max(lengths) + 64))
+    return needle_task.make_cases(tokenizer, encode_prompt, hay, lengths=lengths,
+                                  depths=depths, trials=trials, seed=seed)
+
+
+def needle_retrieval(
+    params: llama.Params,
+    config: ModelConfig,
+    tokenizer,
+    cache_config: CacheConfig,
+    cases: Sequence[needle_task.NeedleCase],
+    *,
+    seed: int = 0,
+    batch_size: int | None = None,
+    progress: bool = False,
+) -> list[dict]:
+    """Greedy answers of the model, with caches of ``cache_config``, to needle ``cases``
+    (:func:`needle_cases`), scored by exact match (:func:`kvjax.eval.needle.run_needle`)."""
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        return generate(params, config, prompts, cache_config=cache_config,
+                        max_new_tokens=NEEDLE_NEW_TOKENS, seed=seed).tokens
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return needle_task.run_needle(cases, run, decode, batch_size=batch_size,
+                                  progress=progress)
+
+
+__all__ = ["NEEDLE_NEW_TOKENS", "cache_perplexity", "needle_cases", "needle_retrieval"]
