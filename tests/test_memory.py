@@ -1,13 +1,12 @@
 """Cache memory measured from encoded arrays (kvjax.eval.memory, experiments/memory_table.py)."""
 
-import importlib.util
 import json
-import pathlib
 from fractions import Fraction
 
 import jax
 import pytest
 
+from experiments import memory_table
 from kvjax.cache import CacheConfig, init_cache, memory_bytes
 from kvjax.cli import DEFAULT_PROBE_CODECS
 from kvjax.codec import CodecError, parse_kv
@@ -19,17 +18,6 @@ from kvjax.eval.memory import (
     max_context,
     model_shape,
 )
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _table_module():
-    spec = importlib.util.spec_from_file_location(
-        "memory_table", ROOT / "experiments" / "memory_table.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _dims(name):
@@ -161,7 +149,7 @@ def test_bad_input_is_a_clear_value_error():
 
 
 def test_table_script_prints_the_table(capsys, tmp_path):
-    table = _table_module()
+    table = memory_table
     out_json = tmp_path / "rows.json"
     argv = ["--codec", "int:4", "--model", "smollm2-135m", "--json", str(out_json)]
     assert table.main(argv) == 0
@@ -178,7 +166,7 @@ def test_table_script_prints_the_table(capsys, tmp_path):
 
 
 def test_table_script_rejects_bad_input(capsys):
-    table = _table_module()
+    table = memory_table
     assert table.main(["--codec", "int:4", "--model", "gpt-5"]) == 2
     assert "unknown model 'gpt-5'" in capsys.readouterr().err
     assert table.main(["--codec", "int:4", "--model", "smollm2-135m", "--contexts", "0"]) == 2

@@ -1,0 +1,115 @@
+"""Tests of experiments/sweep.py: resumption, outputs and bad input, with a fake model
+evaluation (the real model runs in ``make demo`` and in test_cli_ppl/test_needle)."""
+
+import csv
+import json
+
+import pytest
+
+from experiments import sweep
+
+
+class FakeEvaluate:
+    """ppl falls with bits; records which configurations were measured."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, config, cache_config, with_needle):
+        self.calls.append(config)
+        bits = 0.5 * (cache_config.k.bits_per_element(64) + cache_config.v.bits_per_element(64))
+        row = {"ppl": 10.0 + 100.0 / bits**2, "nll": 1.0, "tokens": 10,
+               "bits_per_element": bits, "k_bits_per_element": bits,
+               "v_bits_per_element": bits, "seconds": 0.01}
+        if with_needle:
+            rows = [{"length": 64, "prompt_tokens": 64, "depth": d, "trial": 0,
+                     "number": "123456", "answer": " 123456.", "correct": bits > 4}
+                    for d in (0.1, 0.9)]
+            row.update(needle_rows=rows, needle_accuracy=float(bits > 4))
+        return row
+
+
+def run(tmp_path, *args, evaluate=None):
+    evaluate = evaluate or FakeEvaluate()
+    code = sweep.main([*args, "--out", str(tmp_path), "--no-progress"], evaluate=evaluate)
+    return code, evaluate
+
+
+def test_sweep_writes_results_and_resumes(tmp_path, capsys):
+    code, first = run(tmp_path, "--codec", "int:4", "--codec", "int:2/int:8")
+    assert code == 0
+    assert first.calls == ["bf16", "int:4", "int:2/int:8"]   # bf16 always, first
+    out = capsys.readouterr().out
+    run_dir = tmp_path / "smollm2_135m-shakespeare-8x256-seed0"
+    assert str(run_dir / "pareto.png") in out
+    files = sorted(p.name for p in (run_dir / "configs").iterdir())
+    assert len(files) == 3 and all(f.endswith(".json") for f in files)
+    stored = json.loads((run_dir / "configs" / f"{sweep.config_slug('int:4')}.json").read_text())
+    for key in ("config", "family", "model", "corpus", "windows", "window_len", "seed",
+                "git", "ppl", "bits_per_element", "seconds", "wall_seconds"):
+        assert key in stored, key
+    assert stored["family"] == "int" and stored["k_codec"] == stored["v_codec"] == "int:4"
+    assert (run_dir / "pareto.png").stat().st_size > 10_000
+    with open(run_dir / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["config"] for r in rows] == ["bf16", "int:4", "int:2/int:8"]
+    assert float(rows[0]["delta_pct"]) == 0.0
+    table = (run_dir / "summary.md").read_text()
+    assert table.splitlines()[2].startswith("| `bf16` | 16.000")
+
+    # a second run measures only the new configuration
+    code, second = run(tmp_path, "--codec", "int:4", "--codec", "int:3")
+    assert code == 0 and second.calls == ["int:3"]
+    # other settings are another run; --force redoes everything
+    _, third = run(tmp_path, "--codec", "int:4", "--window", "16")
+    assert third.calls == ["bf16", "int:4"]
+    _, forced = run(tmp_path, "--codec", "int:4", "--force")
+    assert forced.calls == ["bf16", "int:4"]
+
+
+def test_needle_results_join_the_sweep(tmp_path, capsys):
+    run(tmp_path, "--codec", "int:2")
+    # results without needle answers are redone when the needle is asked for
+    _, second = run(tmp_path, "--codec", "int:2", "--needle")
+    assert second.calls == ["bf16", "int:2"]
+    out = capsys.readouterr().out
+    assert "| `int:2` | 2.500 (2.50, 2.50) |" in out and "needle retrieval" in out
+    run_dir = tmp_path / "smollm2_135m-shakespeare-8x256-seed0"
+    assert "| bf16 | 64 | 1.00 | 1.00 | 1.00 |" in (run_dir / "needle.md").read_text()
+    _, third = run(tmp_path, "--codec", "int:2", "--needle")
+    assert third.calls == []
+
+
+def test_a_broken_result_file_is_redone(tmp_path):
+    run(tmp_path, "--codec", "int:4")
+    path = (tmp_path / "smollm2_135m-shakespeare-8x256-seed0" / "configs"
+            / f"{sweep.config_slug('int:4')}.json")
+    path.write_text("{not json")
+    _, again = run(tmp_path, "--codec", "int:4")
+    assert again.calls == ["int:4"]
+
+
+def test_pareto_front():
+    rows = [{"config": c, "bits_per_element": b, "ppl": p}
+            for c, b, p in [("a", 2, 100), ("b", 3, 120), ("c", 4, 50), ("d", 4, 60),
+                            ("e", 16, 49)]]
+    assert [r["config"] for r in sweep.pareto_front(rows)] == ["a", "c", "e"]
+
+
+def test_family_and_slug():
+    assert sweep.family("kivi:2,g32") == "kivi"
+    assert sweep.family("int:4/int:2") == "int/int"
+    assert sweep.config_slug("kivi:2,g32") != sweep.config_slug("kivi:2_g32")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--codec", "int:1"], "2..8"),
+    (["--codec", "nope:3"], "nope"),
+    (["--codec", "int:4/int:4/int:4"], "KSPEC/VSPEC"),
+    (["--windows", "0"], "--windows"),
+])
+def test_bad_input_exits_2_before_any_evaluation(tmp_path, capsys, args, message):
+    code, evaluate = run(tmp_path, *args)
+    assert code == 2 and evaluate.calls == []
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
