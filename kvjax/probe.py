@@ -50,12 +50,16 @@ def _relative_mse(x, x_hat):
     return float(jnp.sum((x - x_hat) ** 2) / jnp.maximum(jnp.sum(x**2), 1e-30))
 
 
-def _mean_cosine(x, x_hat):
+def row_cosine(x: jax.Array, x_hat: jax.Array) -> jax.Array:
+    """Cosine of each vector of ``x[..., D]`` with its reconstruction; traceable under jit."""
     num = jnp.sum(x * x_hat, -1)
     den = jnp.linalg.norm(x, axis=-1) * jnp.linalg.norm(x_hat, axis=-1)
     # a zero vector reconstructed as zero is a perfect reconstruction
-    cos = jnp.where(den > 0, num / jnp.maximum(den, 1e-30), jnp.where(num == 0, 1.0, 0.0))
-    return float(jnp.mean(cos))
+    return jnp.where(den > 0, num / jnp.maximum(den, 1e-30), jnp.where(num == 0, 1.0, 0.0))
+
+
+def _mean_cosine(x, x_hat):
+    return float(jnp.mean(row_cosine(x, x_hat)))
 
 
 def probe(
