@@ -286,7 +286,8 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def model_evaluator(settings: Settings, *, progress: bool = False) -> Evaluate:
+def model_evaluator(settings: Settings, *, needle_batch: int | None = None,
+                    progress: bool = False) -> Evaluate:
     """Load the model and corpus once; return the function that measures one config."""
     import jax.numpy as jnp
 
@@ -316,7 +317,7 @@ def model_evaluator(settings: Settings, *, progress: bool = False) -> Evaluate:
         row = dataclasses.asdict(result)
         if with_needle:
             answers = needle_retrieval(params, config, tokenizer, cache_config, cases,
-                                       seed=settings.seed)
+                                       seed=settings.seed, batch_size=needle_batch)
             row["needle_rows"] = answers
             row["needle_accuracy"] = sum(a["correct"] for a in answers) / len(answers)
         return row
@@ -344,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--needle-lengths", type=int, nargs="+", default=[512, 1024])
     p.add_argument("--needle-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     p.add_argument("--needle-trials", type=int, default=2)
+    p.add_argument("--needle-batch", type=int, default=None,
+                   help="needle prompts per generate call (default: all of one length); "
+                        "the reference attention holds [batch, heads, length, length] scores")
     p.add_argument("--out", type=Path, default=REPO / "results" / "sweep")
     p.add_argument("--force", action="store_true", help="redo finished configurations")
     p.add_argument("--no-progress", action="store_true")
@@ -361,8 +365,10 @@ def main(argv: Sequence[str] | None = None, evaluate: Evaluate | None = None) ->
         for name in ("windows", "window_len"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if args.needle and (args.needle_trials < 1 or min(args.needle_lengths) < 1):
-            raise ValueError("--needle-trials and --needle-lengths must be >= 1")
+        if args.needle and min(args.needle_trials, *args.needle_lengths,
+                               args.needle_batch or 1) < 1:
+            raise ValueError("--needle-trials, --needle-lengths and --needle-batch must be "
+                             ">= 1")
         configs = list(PRESETS[args.preset]) if args.preset else []
         configs += args.codec or []
         if not configs:
@@ -378,7 +384,7 @@ def main(argv: Sequence[str] | None = None, evaluate: Evaluate | None = None) ->
         for config in configs:
             parse_config(config, settings)   # bad specs fail before the model loads
         if evaluate is None:
-            evaluate = model_evaluator(settings)
+            evaluate = model_evaluator(settings, needle_batch=args.needle_batch)
         rows, run_dir = run_sweep(configs, settings, args.out, evaluate, force=args.force,
                                   progress=not args.no_progress)
     except (ValueError, OSError) as err:

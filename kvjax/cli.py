@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="an instruct model with a chat template (default: SmolLM2-135M-Instruct)")
     n.add_argument("--seed", type=int, default=0, help="seed of the numbers and codecs")
+    n.add_argument("--batch-size", type=_positive, default=None,
+                   help="prompts per generate call (default: all of one length)")
     n.add_argument("--progress", action="store_true", help="a progress bar over prompts")
     n.add_argument("--json", action="store_true", help="one JSON list of every answer")
     return parser
@@ -273,7 +275,8 @@ def _cmd_needle(args) -> int:
     rows = []
     for spec, cache_config in zip(specs, configs, strict=True):
         for row in needle_retrieval(params, config, tokenizer, cache_config, cases,
-                                    seed=args.seed, progress=args.progress):
+                                    seed=args.seed, batch_size=args.batch_size,
+                                    progress=args.progress):
             rows.append({"codec": spec, **row})
     if args.json:
         print(json.dumps(rows))
