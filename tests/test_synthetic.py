@@ -81,6 +81,7 @@ def test_summary_shapes_and_std():
     assert len(r["per_seed"]["mse"]) == SMALL["seeds"]
     assert r["mse"] == pytest.approx(np.mean(r["per_seed"]["mse"]))
     assert r["mse_std"] == pytest.approx(np.std(r["per_seed"]["mse"]))
+    assert r["mse_median"] == pytest.approx(np.median(r["per_seed"]["mse"]))
     assert r["codec"] == "int:4" and r["keys"] == 64
 
 
