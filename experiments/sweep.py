@@ -289,22 +289,15 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str) -> None:
 def model_evaluator(settings: Settings, *, needle_batch: int | None = None,
                     progress: bool = False) -> Evaluate:
     """Load the model and corpus once; return the function that measures one config."""
-    import jax.numpy as jnp
+    from models.evaluate import (
+        cache_perplexity,
+        load_model_and_windows,
+        needle_cases,
+        needle_retrieval,
+    )
 
-    import models
-    from kvjax.data import load_corpus, tokenize_prefix, windows
-    from models.evaluate import cache_perplexity, needle_cases, needle_retrieval
-
-    text = load_corpus(settings.corpus)
-    config, params, tokenizer = models.load(settings.model, jnp.float32)
-    if tokenizer is None:
-        raise ValueError(f"model '{settings.model}' has no tokenizer")
-    if settings.window_len > config.max_position_embeddings:
-        raise ValueError(f"--window-len {settings.window_len} exceeds the model's context "
-                         f"of {config.max_position_embeddings} tokens")
-    need = settings.windows * settings.window_len
-    wins = windows(tokenize_prefix(tokenizer, text, need), settings.windows,
-                   settings.window_len)
+    config, params, tokenizer, text, wins = load_model_and_windows(
+        settings.model, settings.corpus, settings.windows, settings.window_len)
     cases = None
     if settings.needle_trials:
         cases = needle_cases(config, tokenizer, text, lengths=settings.needle_lengths,

@@ -203,30 +203,20 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_ppl(args) -> int:
-    import jax.numpy as jnp
-
     import models
     from kvjax.cache import CacheConfig
-    from kvjax.data import load_corpus, tokenize_prefix, windows
-    from models.evaluate import cache_perplexity
+    from models.evaluate import cache_perplexity, load_model_and_windows
 
     _check_kv_flags(args)
     if args.k is None and args.codec is None:
         raise ValueError("give --codec SPEC or --k SPEC --v SPEC")
+    # bad specs fail before the corpus and the model are loaded
     cache_kw = {"residual_window": args.window, "sink_tokens": args.sinks}
     cache_config = CacheConfig.from_specs(args.codec, k=args.k, v=args.v, **cache_kw)
     baseline = CacheConfig.from_specs("bf16", **cache_kw)
     model_name = args.model or models.DEFAULT_MODEL
-    # validate cheap things before the corpus and the model are loaded
-    text = load_corpus(args.corpus)
-    config, params, tokenizer = models.load(model_name, jnp.float32)
-    if tokenizer is None:
-        raise ValueError(f"model '{model_name}' has no tokenizer")
-    if args.window_len > config.max_position_embeddings:
-        raise ValueError(f"--window-len {args.window_len} exceeds the model's context of "
-                         f"{config.max_position_embeddings} tokens")
-    need = args.windows * args.window_len
-    wins = windows(tokenize_prefix(tokenizer, text, need), args.windows, args.window_len)
+    config, params, _, _, wins = load_model_and_windows(model_name, args.corpus,
+                                                        args.windows, args.window_len)
 
     def run(cc: CacheConfig):
         return cache_perplexity(params, config, cc, wins, chunk=args.chunk, seed=args.seed,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import CacheConfig
-from kvjax.data import tokenize_prefix
+from kvjax.data import load_corpus, tokenize_prefix, windows
 from kvjax.eval import needle as needle_task
 from kvjax.eval.ppl import PerplexityResult, perplexity
 from models import chat_prompt_ids, llama
@@ -23,6 +23,26 @@ from models.generate import generate
 #: new tokens generated per needle prompt: an 8-digit number is 8 tokens in SmolLM2's
 #: and Llama-3's tokenizers, and a few more show whether the model stopped after it
 NEEDLE_NEW_TOKENS = 12
+
+
+def load_model_and_windows(model: str, corpus: str, num_windows: int, window_len: int):
+    """``(config, params, tokenizer, text, windows)`` for a perplexity run.
+
+    The model is loaded in float32; ``windows`` is ``int[num_windows, window_len]`` cut
+    from the start of the tokenized corpus. Raises ``ValueError`` for a model without a
+    tokenizer, windows longer than its context, or a corpus too short.
+    """
+    import models
+
+    text = load_corpus(corpus)
+    config, params, tokenizer = models.load(model, jnp.float32)
+    if tokenizer is None:
+        raise ValueError(f"model '{model}' has no tokenizer")
+    if window_len > config.max_position_embeddings:
+        raise ValueError(f"windows of {window_len} tokens exceed the model's context of "
+                         f"{config.max_position_embeddings} tokens")
+    ids = tokenize_prefix(tokenizer, text, num_windows * window_len)
+    return config, params, tokenizer, text, windows(ids, num_windows, window_len)
 
 
 def cache_perplexity(
@@ -115,4 +135,10 @@ def needle_retrieval(
                                   progress=progress)
 
 
-__all__ = ["NEEDLE_NEW_TOKENS", "cache_perplexity", "needle_cases", "needle_retrieval"]
+__all__ = [
+    "NEEDLE_NEW_TOKENS",
+    "cache_perplexity",
+    "load_model_and_windows",
+    "needle_cases",
+    "needle_retrieval",
+]

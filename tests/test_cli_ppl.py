@@ -30,6 +30,7 @@ def test_ppl_real_model_on_shakespeare(capsys):
     ([], "--codec"),
     (["--k", "int:4"], "--k and --v"),
     (["--codec", "int:1"], "2..8"),
+    (["--codec", "int:4", "--window-len", "9000"], "context"),
 ])
 def test_ppl_bad_input_exits_2(capsys, args, needle):
     assert main(["ppl", *args]) == 2
