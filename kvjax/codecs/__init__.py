@@ -4,5 +4,6 @@ from kvjax.codecs.bf16 import Bf16Codec, F32Codec
 from kvjax.codecs.fp8 import Fp8Codec
 from kvjax.codecs.intn import IntCodec
 from kvjax.codecs.kivi import KiviCodec
+from kvjax.codecs.saw import SawCodec
 
-__all__ = ["Bf16Codec", "F32Codec", "Fp8Codec", "IntCodec", "KiviCodec"]
+__all__ = ["Bf16Codec", "F32Codec", "Fp8Codec", "IntCodec", "KiviCodec", "SawCodec"]
