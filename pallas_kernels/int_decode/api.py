@@ -1,0 +1,160 @@
+"""Layer-level decode attention over an ``int:N`` / SAW cache with the fused kernel.
+
+:func:`decode_attention` takes one decode query per row and a layer view of a
+:mod:`kvjax.cache` whose K and V are stored by :class:`~kvjax.codecs.IntCodec` or
+:class:`~kvjax.codecs.SawCodec` codes. The kernel reads the coded region; the raw regions
+(sinks, and the residual window with the unfinished block) are a few dozen bf16 tokens
+and are attended in jnp; the partial softmaxes are merged exactly. :func:`why_not`
+says, in one line, why a configuration cannot use the kernel (``None`` when it can), so
+callers fall back to the reference with that message.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import Segment
+from kvjax.codecs import IntCodec, SawCodec
+from kvjax.packing import is_planar
+from pallas_kernels.int_decode.kernel import MIN_DOT, codes_partial
+from pallas_kernels.int_decode.reference import (
+    NEG,
+    codes_partial_reference,
+    dense_partial,
+    merge_partials,
+    normalize,
+)
+
+#: bit widths whose planar packing puts whole dims in each bit slot of a 32-bit word
+KERNEL_BITS = (2, 4, 8)
+#: programs to aim for when choosing the split count: a few waves of an H200's 132 SMs
+TARGET_PROGRAMS = 528
+
+
+def why_not(layer: Segment, num_queries: int, sliding_window: int | None) -> str | None:
+    """Why the fused kernel cannot serve this call (``None``: it can)."""
+    k, v = layer.k.codec, layer.v.codec
+    head_dim = layer.k.raw.shape[-1]
+    if num_queries != 1:
+        return f"it decodes one query token per row, got {num_queries}"
+    if sliding_window is not None:
+        return "it has no sliding window"
+    for role, codec in (("K", k), ("V", v)):
+        if not isinstance(codec, IntCodec | SawCodec):
+            return f"{role} uses '{codec.spec}', not int:N or saw"
+    if k.bits != v.bits:
+        return f"K and V bit widths differ ({k.bits} vs {v.bits})"
+    if k.bits not in KERNEL_BITS:
+        return f"{k.bits}-bit codes are not planar-packed (kernel bits: {KERNEL_BITS})"
+    if head_dim < MIN_DOT or head_dim & (head_dim - 1) or not is_planar(head_dim, k.bits):
+        return f"head_dim {head_dim} is not a power of two >= {MIN_DOT}"
+    return None
+
+
+def _rotation(codec, params) -> jax.Array | None:
+    """``R [K, D, D]`` with stored vectors ``R x`` (SAW), or None for plain int:N."""
+    if not isinstance(codec, SawCodec):
+        return None
+    head_dim = params["signs"].shape[-1]
+    eye = jnp.eye(head_dim, dtype=jnp.float32)
+    # rotate() maps rows x to (R x)^T, so rotating the identity gives R^T
+    return jax.vmap(lambda p: codec.rotate(p, eye).T)(params)
+
+
+def _meta(codes) -> tuple[jax.Array, jax.Array, jax.Array]:
+    # [B, K, S, 1] -> [B, K, S]: drops a unit axis, no copy
+    return codes["codes"], codes["scale"][..., 0], codes["zero"][..., 0]
+
+
+def default_splits(batch: int, heads: int, slots: int, block_s: int) -> int:
+    """Splits of the cache length so ``batch * heads * splits`` fills the GPU."""
+    want = max(1, math.ceil(TARGET_PROGRAMS / (batch * heads)))
+    return max(1, min(want, math.ceil(slots / block_s)))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "block_s", "splits", "num_warps", "num_stages", "interpret",
+                     "use_kernel"),
+)
+def decode_attention(
+    q: jax.Array,
+    layer: Segment,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+    block_s: int = 64,
+    splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+    use_kernel: bool = True,
+) -> jax.Array:
+    """Attention of one decode query per row, ``q [B, N, D] -> [B, N, D]``.
+
+    ``layer`` is a layer view that already holds the query's own token (append, then
+    attend) and ``lengths [B]`` its rows' token counts. ``interpret`` defaults to True off
+    GPU (Pallas interpret mode); ``use_kernel=False`` computes the coded region with the
+    pure-jnp reference instead (same merge), the specification the kernel is tested
+    against. Raises ``ValueError`` with :func:`why_not`'s reason when the kernel does not
+    apply.
+    """
+    reason = why_not(layer, 1, None)
+    if reason is not None:
+        raise ValueError(f"int_decode kernel does not apply: {reason}")
+    batch, num_heads, head_dim = q.shape
+    k_store, v_store = layer.k, layer.v
+    heads = k_store.raw.shape[1]
+    group = num_heads // heads
+    sm_scale = head_dim**-0.5 if scale is None else scale
+    qg = q.astype(jnp.float32).reshape(batch, heads, group, head_dim)
+    n_sink, n_comp, n_raw = k_store.counts(lengths)
+
+    k_codes, k_scale, k_zero = _meta(k_store.codes)
+    v_codes, v_scale, v_zero = _meta(v_store.codes)
+    rotation = _rotation(k_store.codec, k_store.params)
+    bits = k_store.codec.bits
+    if k_codes.shape[2] == 0:
+        # a residual window as long as the cache: nothing is ever coded
+        coded = (jnp.zeros_like(qg), jnp.full(qg.shape[:-1], NEG, jnp.float32),
+                 jnp.zeros(qg.shape[:-1], jnp.float32))
+    elif use_kernel:
+        words = k_codes.shape[-1]
+        # matrix instructions need 16 rows; narrower slots use the broadcast path
+        rows = max(MIN_DOT, group) if words >= MIN_DOT else group
+        rows = 1 << (rows - 1).bit_length()
+        q_rows = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+        n_splits = splits or default_splits(batch, heads, k_codes.shape[2], block_s)
+        if interpret is None:
+            interpret = jax.default_backend() != "gpu"
+        o, m, l = codes_partial(
+            q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp, rotation,
+            bits=bits, sm_scale=sm_scale, block_s=block_s, splits=n_splits,
+            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        )
+        coded = merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
+    else:
+        coded = codes_partial_reference(
+            qg, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp, bits=bits,
+            sm_scale=sm_scale, rotation=rotation,
+        )
+    v_rotation = _rotation(v_store.codec, v_store.params)
+    if v_rotation is not None:
+        # values were stored as R v: the coded partial's output is R o, rotate it back
+        o, m, l = coded
+        coded = (jnp.einsum("bkge,ked->bkgd", o, v_rotation, precision=jax.lax.Precision.HIGHEST),
+                 m, l)
+
+    parts = [coded]
+    sink_ok = jnp.arange(k_store.sinks)[None, :] < n_sink[:, None]
+    raw_ok = jnp.arange(k_store.raw_capacity)[None, :] < n_raw[:, None]
+    if k_store.sinks:
+        parts.append(dense_partial(qg, k_store.sink, v_store.sink, sink_ok, sm_scale=sm_scale))
+    if k_store.raw_capacity:
+        parts.append(dense_partial(qg, k_store.raw, v_store.raw, raw_ok, sm_scale=sm_scale))
+    out = normalize(*merge_partials(parts))
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

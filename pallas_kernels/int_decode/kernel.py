@@ -1,0 +1,210 @@
+"""Pallas kernel: decode attention read straight from packed INT-N codes (flash-decoding).
+
+Grid ``(B, K, splits)``: one program per (row, kv head, slice of the cache). A program
+holds *all* query heads of its kv head (GQA: every code word is read once, not once per
+query head), walks its slice in blocks of ``block_s`` tokens with an online softmax, and
+writes a partial ``(o, m, l)`` that :func:`reference.merge_partials` combines exactly
+across slices and with the raw regions of the cache.
+
+The planar packing of :mod:`kvjax.packing` is what makes this cheap: bit slot ``j`` of the
+``W`` words of a token holds dims ``j*W .. (j+1)*W - 1``, so one shift and mask yields a
+contiguous ``[block_s, W]`` tile of codes and the query is consumed in matching ``[G, W]``
+column slices of its ref; no value is ever sliced, gathered or concatenated (the Triton
+lowering supports none of these). Scores use ``q . k_hat = scale * (q . c) + zero * sum(q)``
+and the output ``sum_s p_s (zero_s + scale_s c_s)``, so codes are never dequantized
+elementwise: the integer codes go into float16 matmuls exactly as they are.
+
+For SAW keys the query is rotated inside the kernel (``q R^T`` one slot of columns at a
+time, from the ``[D, D]`` matrix of its kv head), so the rotated keys are never
+un-rotated and no separate pass touches the query.
+
+Operands of the dots are float16 (``OPERAND``), accumulation float32; the reference
+is exact float32, and the tests state the tolerance. Dots of ``W < 16``
+columns (e.g. INT4 at head dim 64) are too narrow for Triton's matrix instructions and
+run as broadcast multiply-adds in float32 on the same float16-rounded operands.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NEG = float(jnp.finfo(jnp.float32).min)
+#: the smallest matrix-instruction tile edge of the Triton lowering
+MIN_DOT = 16
+#: matmul operand type: codes (< 2**8) are exact in it, and its 10-bit mantissa keeps
+#: the rounded query and probabilities within ~5e-4 relative (bfloat16: ~4e-3) at the
+#: same tensor-core speed; accumulation is float32
+OPERAND = jnp.float16
+
+
+def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a [M, K] @ b[N, K]^T`` in float32 from float16 operands."""
+    if min(a.shape[0], a.shape[1], b.shape[0]) >= MIN_DOT:
+        return plgpu.dot(a.astype(OPERAND), b.astype(OPERAND), trans_b=True)
+    a32 = a.astype(OPERAND).astype(jnp.float32)
+    b32 = b.astype(OPERAND).astype(jnp.float32)
+    return jnp.sum(a32[:, None, :] * b32[None, :, :], axis=-1)
+
+
+def _dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a [M, K] @ b[K, N]`` in float32 from float16 operands."""
+    if min(a.shape[0], a.shape[1], b.shape[1]) >= MIN_DOT:
+        return plgpu.dot(a.astype(OPERAND), b.astype(OPERAND))
+    a32 = a.astype(OPERAND).astype(jnp.float32)
+    b32 = b.astype(OPERAND).astype(jnp.float32)
+    return jnp.sum(a32[:, :, None] * b32[None, :, :], axis=1)
+
+
+def _kernel(n_ref, q_ref, *refs, bits, words, block_s, split_len, sm_scale, rotated):
+    if rotated:
+        rot_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
+    else:
+        kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
+    slots = 32 // bits
+    mask = jnp.uint32((1 << bits) - 1)
+    rows = q_ref.shape[0]
+
+    # the query, one [rows, W] column slot at a time (rotated for SAW keys)
+    if rotated:
+        q = q_ref[...].astype(jnp.float32)
+        q_slots = [
+            plgpu.dot(q, rot_ref[pl.ds(j * words, words), :], trans_b=True,
+                      precision=jax.lax.Precision.HIGHEST)
+            if min(rows, words) >= MIN_DOT else
+            jnp.sum(q[:, None, :] * rot_ref[pl.ds(j * words, words), :][None, :, :], axis=-1)
+            for j in range(slots)
+        ]
+    else:
+        q_slots = [q_ref[:, pl.ds(j * words, words)].astype(jnp.float32)
+                   for j in range(slots)]
+    q_slots = [qj.astype(OPERAND).astype(jnp.float32) for qj in q_slots]
+    q_sum = sum(jnp.sum(qj, axis=1) for qj in q_slots)
+
+    n = n_ref[0]
+    start = pl.program_id(2) * split_len
+    stop = jnp.minimum(start + split_len, n)
+    trips = jnp.maximum(pl.cdiv(stop - start, block_s), 0)
+
+    def body(i, carry):
+        o_slots, m_prev, l_prev = carry
+        t0 = start + i * block_s
+        ok = (t0 + jnp.arange(block_s)) < stop
+        tile = pl.ds(t0, block_s)
+        kc = plgpu.load(kc_ref.at[tile, :], mask=ok[:, None], other=0)
+        ks = plgpu.load(ks_ref.at[tile], mask=ok, other=0).astype(jnp.float32)
+        kz = plgpu.load(kz_ref.at[tile], mask=ok, other=0).astype(jnp.float32)
+        dots = None
+        for j in range(slots):
+            c = ((kc >> jnp.uint32(j * bits)) & mask).astype(jnp.float32)
+            d = _dot_nt(q_slots[j], c)
+            dots = d if dots is None else dots + d
+        s = (dots * ks[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale
+        s = jnp.where(ok[None, :], s, NEG)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.where(ok[None, :], jnp.exp(s - m_next[:, None]), 0.0)
+        l_next = l_prev * correction + jnp.sum(p, axis=1)
+
+        vc = plgpu.load(vc_ref.at[tile, :], mask=ok[:, None], other=0)
+        vs = plgpu.load(vs_ref.at[tile], mask=ok, other=0).astype(jnp.float32)
+        vz = plgpu.load(vz_ref.at[tile], mask=ok, other=0).astype(jnp.float32)
+        pv = p * vs[None, :]
+        pz = jnp.sum(p * vz[None, :], axis=1)[:, None]
+        out = []
+        for j in range(slots):
+            c = ((vc >> jnp.uint32(j * bits)) & mask).astype(jnp.float32)
+            out.append(o_slots[j] * correction[:, None] + _dot_nn(pv, c) + pz)
+        return tuple(out), m_next, l_next
+
+    init = (
+        tuple(jnp.zeros((rows, words), jnp.float32) for _ in range(slots)),
+        jnp.full((rows,), NEG, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    o_slots, m, l = jax.lax.fori_loop(0, trips, body, init)
+    for j in range(slots):
+        o_ref[:, pl.ds(j * words, words)] = o_slots[j]
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("bits", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
+                     "interpret"),
+)
+def codes_partial(
+    q: jax.Array,
+    k_codes: jax.Array,
+    k_scale: jax.Array,
+    k_zero: jax.Array,
+    v_codes: jax.Array,
+    v_scale: jax.Array,
+    v_zero: jax.Array,
+    n_comp: jax.Array,
+    rotation: jax.Array | None = None,
+    *,
+    bits: int,
+    sm_scale: float,
+    block_s: int = 64,
+    splits: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-split partial softmaxes over the coded tokens (see the module docstring).
+
+    Shapes as :func:`reference.codes_partial_reference`, except ``q [B, K, R, D]`` with
+    ``R`` query rows per kv head already padded to what the kernel needs (a power of two,
+    at least 16 when ``W >= 16``; :mod:`api` does this). Returns ``o [B, K, splits, R,
+    D]``, ``m, l [B, K, splits, R]`` (float32).
+    """
+    batch, heads, rows, head_dim = q.shape
+    slots_total = k_codes.shape[2]
+    words = k_codes.shape[3]
+    split_len = pl.cdiv(pl.cdiv(slots_total, splits), block_s) * block_s
+    rotated = rotation is not None
+    kernel = functools.partial(
+        _kernel, bits=bits, words=words, block_s=block_s, split_len=split_len,
+        sm_scale=sm_scale, rotated=rotated,
+    )
+    row = lambda b, h, j: (b,)
+    per_head = lambda b, h, j: (b, h, 0)
+    per_head_2d = lambda b, h, j: (b, h, 0, 0)
+    in_specs = [
+        pl.BlockSpec((1,), row),
+        pl.BlockSpec((None, None, rows, head_dim), per_head_2d),
+    ]
+    args = [n_comp.astype(jnp.int32), q.astype(jnp.float32)]
+    if rotated:
+        in_specs.append(pl.BlockSpec((None, head_dim, head_dim), lambda b, h, j: (h, 0, 0)))
+        args.append(rotation.astype(jnp.float32))
+    code_spec = pl.BlockSpec((None, None, slots_total, words), per_head_2d)
+    meta_spec = pl.BlockSpec((None, None, slots_total), per_head)
+    in_specs += [code_spec, meta_spec, meta_spec, code_spec, meta_spec, meta_spec]
+    args += [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, heads, splits, rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, splits, rows), jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, j: (b, h, j, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+    ]
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="int_decode_attention",
+    )(*args)

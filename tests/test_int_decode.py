@@ -1,0 +1,201 @@
+"""The fused INT-N decode-attention kernel (Pallas, interpret mode on CPU) against its
+pure-jnp reference, and its layer-level entry point against kvjax's reference attention.
+
+Tolerance: the kernel rounds its matmul operands (the query, and the probabilities times
+the value scales) to float16 and accumulates in float32, so it differs from the exact
+reference by about 1e-3 of the output's magnitude; outputs here are O(1), and the
+tolerance below is 3e-3 absolute. A kernel that drops or repeats a block of tokens, or
+mixes up two query heads, misses by far more (tested).
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import cache as kc
+from kvjax.attention import attend
+from kvjax.codecs import IntCodec, SawCodec
+from pallas_kernels.int_decode import api
+from pallas_kernels.int_decode.kernel import codes_partial
+from pallas_kernels.int_decode.reference import (
+    codes_partial_reference,
+    merge_partials,
+    normalize,
+)
+
+ATOL = 3e-3
+#: compiled on a GPU, Pallas interpret mode elsewhere
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def coded(codec, params, x):
+    codes = codec.encode(params, x)
+    return codes["codes"], codes["scale"][..., 0], codes["zero"][..., 0]
+
+
+def random_case(batch, heads, group, slots, head_dim, bits, saw_block=None, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (batch, heads, group, head_dim))
+    k = jax.random.normal(keys[1], (batch, heads, slots, head_dim))
+    v = jax.random.normal(keys[2], (batch, heads, slots, head_dim))
+    rotation = None
+    if saw_block:
+        saw = SawCodec(block=saw_block, bits=bits, signs=True)
+        params = saw.init(keys[3], head_dim)
+        k_arrays = coded(saw, params, k)
+        r = saw.rotate(params, jnp.eye(head_dim)).T
+        rotation = jnp.broadcast_to(r, (heads, head_dim, head_dim))
+    else:
+        k_arrays = coded(IntCodec(bits=bits), None, k)
+    return q, k_arrays, coded(IntCodec(bits=bits), None, v), rotation
+
+
+def run_kernel(q, k_arrays, v_arrays, n_comp, rotation, *, bits, block_s, splits):
+    group = q.shape[2]
+    words = k_arrays[0].shape[-1]
+    rows = max(16, group) if words >= 16 else group
+    rows = 1 << (rows - 1).bit_length()
+    q_rows = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    o, m, l = codes_partial(q_rows, *k_arrays, *v_arrays, n_comp, rotation, bits=bits,
+                            sm_scale=q.shape[-1] ** -0.5, block_s=block_s, splits=splits,
+                            interpret=INTERPRET)
+    return normalize(*merge_partials((o[..., :group, :], m[..., :group], l[..., :group]),
+                                     axis=2))
+
+
+def run_reference(q, k_arrays, v_arrays, n_comp, rotation, *, bits):
+    return normalize(*codes_partial_reference(q, *k_arrays, *v_arrays, n_comp, bits=bits,
+                                              sm_scale=q.shape[-1] ** -0.5,
+                                              rotation=rotation))
+
+
+@pytest.mark.parametrize(
+    "batch,heads,group,slots,head_dim,bits,saw,block_s,splits,lengths",
+    [
+        # int4 at D=128 (16 words: matrix path), GQA 4, ragged rows, 3 splits
+        (3, 2, 4, 70, 128, 4, None, 16, 3, [70, 23, 0]),
+        # GQA 1 and 7, lengths not multiples of the block
+        (1, 1, 1, 37, 128, 4, None, 16, 2, [37]),
+        (2, 1, 7, 41, 128, 8, None, 16, 2, [41, 17]),
+        # narrow slots (W = 8): the broadcast path (int4 at D=64, int2 at D=128)
+        (2, 2, 3, 33, 64, 4, None, 16, 2, [33, 5]),
+        (1, 1, 4, 29, 128, 2, None, 16, 1, [29]),
+        # SAW: the query rotated inside the kernel
+        (2, 2, 4, 50, 128, 4, 32, 16, 2, [50, 31]),
+        (1, 1, 4, 24, 64, 8, 64, 16, 1, [24]),
+    ],
+)
+def test_kernel_matches_reference(batch, heads, group, slots, head_dim, bits, saw, block_s,
+                                  splits, lengths):
+    q, k_arrays, v_arrays, rotation = random_case(batch, heads, group, slots, head_dim, bits,
+                                                  saw)
+    n_comp = jnp.array(lengths, jnp.int32)
+    got = run_kernel(q, k_arrays, v_arrays, n_comp, rotation, bits=bits, block_s=block_s,
+                     splits=splits)
+    want = run_reference(q, k_arrays, v_arrays, n_comp, rotation, bits=bits)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    # an empty row attends to nothing: zeros, like the reference
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert np.all(np.asarray(got[b]) == 0)
+
+
+def test_tolerance_catches_a_dropped_block():
+    q, k_arrays, v_arrays, _ = random_case(1, 1, 4, 48, 128, 4)
+    full = run_reference(q, k_arrays, v_arrays, jnp.array([48]), None, bits=4)
+    short = run_reference(q, k_arrays, v_arrays, jnp.array([32]), None, bits=4)
+    assert np.max(np.abs(np.asarray(full - short))) > 10 * ATOL
+
+
+def build_layer(codec_k, codec_v, *, lengths, window, sinks, heads, head_dim, seed=1):
+    """A one-layer cache after a prefill of ``lengths`` tokens and one decode append."""
+    batch = len(lengths)
+    max_len = max(lengths) + 1
+    config = kc.CacheConfig(k=codec_k, v=codec_v, residual_window=window, sink_tokens=sinks)
+    cache = kc.init_cache(jax.random.key(seed), config, num_layers=1, batch=batch,
+                          num_kv_heads=heads, head_dim=head_dim, max_len=max_len,
+                          dtype=jnp.bfloat16)
+    keys = jax.random.split(jax.random.key(seed + 1), 4)
+    total = max(lengths)
+    k = jax.random.normal(keys[0], (batch, total + 1, heads, head_dim))
+    v = jax.random.normal(keys[1], (batch, total + 1, heads, head_dim))
+    step = kc.make_step(cache, total, jnp.array(lengths))
+    view = kc.append(cache.layer(0), k[:, :total], v[:, :total], step)
+    cache = kc.commit(cache.with_layer(0, view), step)
+    step = kc.make_step(cache, 1)
+    view = kc.append(cache.layer(0), k[:, total:], v[:, total:], step)
+    return view, step, keys[2]
+
+
+@pytest.mark.parametrize(
+    "spec_k,spec_v,window,sinks,lengths,group",
+    [
+        ("int:4", "int:4", 0, 0, [45, 12], 4),       # no raw region but the decode token
+        ("int:4", "int:4", 8, 2, [45, 3], 4),        # sinks + window; row 1 all raw
+        ("saw:h64,signs", "int:4", 16, 0, [60, 30], 7),
+        ("saw:h32,kv", "saw:h32,kv", 4, 0, [33], 1),  # rotated V, rotated back
+        ("int:8", "int:8", 64, 0, [40], 4),          # window holds everything
+    ],
+)
+def test_layer_decode_matches_reference_attention(spec_k, spec_v, window, sinks, lengths,
+                                                  group):
+    heads, head_dim = 2, 128
+    view, step, qkey = build_layer(spec_k, spec_v, lengths=lengths, window=window,
+                                   sinks=sinks, heads=heads, head_dim=head_dim)
+    q = jax.random.normal(qkey, (len(lengths), 1, heads * group, head_dim))
+    want = attend(q, view, step)[:, 0]
+    lengths_now = step.start + step.valid
+    got = api.decode_attention(q[:, 0], view, lengths_now, block_s=16, splits=2,
+                               interpret=INTERPRET)
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    spec_path = api.decode_attention(q[:, 0], view, lengths_now, use_kernel=False)
+    np.testing.assert_allclose(spec_path, want, atol=2e-5)
+
+
+def test_attend_pallas_dispatch_and_fallback():
+    heads, head_dim = 1, 128
+    view, step, qkey = build_layer("int:4", "int:4", lengths=[20], window=0, sinks=0,
+                                   heads=heads, head_dim=head_dim)
+    q = jax.random.normal(qkey, (1, 1, 4, head_dim))
+    want = attend(q, view, step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the kernel applies: no fallback warning
+        got = attend(q, view, step, impl="pallas")
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    view3, step3, _ = build_layer("int:3", "int:3", lengths=[20], window=0, sinks=0,
+                                  heads=heads, head_dim=head_dim)
+    with pytest.warns(UserWarning, match="not planar-packed"):
+        got3 = attend(q, view3, step3, impl="pallas")
+    np.testing.assert_array_equal(got3, attend(q, view3, step3))
+
+
+@pytest.mark.parametrize("spec_k,spec_v,head_dim,kw,reason", [
+    ("kivi:2,g32", "int:4", 128, {}, "not int:N or saw"),
+    ("int:4", "fp8", 128, {}, "not int:N or saw"),
+    ("int:4", "int:8", 128, {}, "bit widths differ"),
+    ("int:3", "int:3", 128, {}, "not planar-packed"),
+    ("int:4", "int:4", 80, {}, "power of two"),
+    ("int:4", "int:4", 128, {"num_queries": 2}, "one query token"),
+    ("int:4", "int:4", 128, {"sliding_window": 8}, "sliding window"),
+])
+def test_why_not(spec_k, spec_v, head_dim, kw, reason):
+    config = kc.CacheConfig(k=spec_k, v=spec_v)
+    cache = kc.init_cache(jax.random.key(0), config, num_layers=1, batch=1, num_kv_heads=1,
+                          head_dim=head_dim, max_len=64)
+    got = api.why_not(cache.layer(0), kw.get("num_queries", 1), kw.get("sliding_window"))
+    assert reason in got
+    with pytest.raises(ValueError, match="does not apply"):
+        if "num_queries" in kw or "sliding_window" in kw:
+            raise ValueError(f"int_decode kernel does not apply: {got}")
+        api.decode_attention(jnp.zeros((1, 1, head_dim)), cache.layer(0), jnp.array([1]))
+
+
+def test_default_splits():
+    assert api.default_splits(1, 8, 32768, 64) == 66
+    assert api.default_splits(32, 8, 32768, 64) == 3
+    assert api.default_splits(64, 8, 32768, 64) == 2
+    assert api.default_splits(1, 8, 100, 64) == 2
