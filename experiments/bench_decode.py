@@ -90,14 +90,13 @@ def unpack_int4_bf16(codes, scale, zero, head_dim):
     return jnp.swapaxes(x.astype(jnp.bfloat16), 1, 2)
 
 
-def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stages, peak):
+def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stages, peak,
+                variants=()):
     num_heads, heads, head_dim = SHAPES[name]
     group = num_heads // heads
     key = jax.random.key(0)
     kq, kk, kv, kr = jax.random.split(key, 4)
     q = jax.random.normal(kq, (batch, num_heads, head_dim), jnp.float32)
-    rows = 1 << (max(16, group) - 1).bit_length() if head_dim * 4 // 32 >= 16 else \
-        1 << (group - 1).bit_length()
     splits = default_splits(batch, heads, slots, block_s)
     results = {}
 
@@ -136,12 +135,17 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
     rotation = jnp.broadcast_to(
         saw.rotate(saw.init(kr, head_dim), jnp.eye(head_dim)).T, (heads, head_dim, head_dim))
 
-    def fused(q, kc, ks, kz, vc, vs, vz, n, rot=None):
+    def fused(q, kc, ks, kz, vc, vs, vz, n, rot=None, layout="bytes", block_s=block_s,
+              num_warps=num_warps, num_stages=num_stages):
+        width = head_dim * 4 // (8 if layout == "bytes" else 32)
+        rows = max(16, group) if width >= 16 else group
+        rows = 1 << (rows - 1).bit_length()
         qg = q.reshape(batch, heads, group, head_dim)
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+        n_splits = default_splits(batch, heads, slots, block_s)
         o, m, l = codes_partial(qg, kc, ks, kz, vc, vs, vz, n, rot, bits=4,
-                                sm_scale=head_dim**-0.5, block_s=block_s, splits=splits,
-                                num_warps=num_warps, num_stages=num_stages)
+                                sm_scale=head_dim**-0.5, block_s=block_s, splits=n_splits,
+                                num_warps=num_warps, num_stages=num_stages, layout=layout)
         out = normalize(*merge_partials((o[..., :group, :], m[..., :group], l[..., :group]),
                                         axis=2))
         return out.reshape(batch, num_heads, head_dim)
@@ -150,6 +154,16 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
                         code_bytes)
     results["saw"] = (*timed(lambda q, *a: fused(q, *a, rot=rotation),
                              (q, *k_arrays, *v_arrays, n_comp), inner, repeats), code_bytes)
+    for variant in variants:
+        layout, bs, warps, stages = variant.split(":")
+        kw = {"layout": layout, "block_s": int(bs), "num_warps": int(warps),
+              "num_stages": int(stages)}
+        try:
+            results[f"fused[{variant}]"] = (
+                *timed(lambda q, *a, kw=kw: fused(q, *a, **kw),
+                       (q, *k_arrays, *v_arrays, n_comp), inner, repeats), code_bytes)
+        except Exception as err:  # report, keep benchmarking the other variants
+            print(f"  {variant} failed: {str(err).splitlines()[0][:160]}", file=sys.stderr)
     return {"shape": name, "batch": batch, "slots": slots, "splits": splits,
             "block_s": block_s, "floor_ms": 1e3 * code_bytes / (peak * 1e9),
             "paths": {k: {"compile_s": c, "ms": 1e3 * t, "bytes": b,
@@ -180,9 +194,12 @@ def main(argv=None) -> int:
     p.add_argument("--block-s", type=int, default=64)
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=2)
+    p.add_argument("--json", type=Path)
     p.add_argument("--peak-gbs", type=float, default=4240.0,
                    help="device-to-device copy bandwidth measured on the H200")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--variant", action="append", default=[],
+                   metavar="LAYOUT:BLOCK_S:WARPS:STAGES",
+                   help="extra kernel configurations to time, e.g. gather:128:8:3")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_decode: needs a GPU (cuDNN and the compiled kernel)", file=sys.stderr)
@@ -193,7 +210,7 @@ def main(argv=None) -> int:
         for batch, slots in grid:
             rows.append(bench_shape(shape, batch, slots, args.inner, args.repeats,
                                     args.block_s, args.num_warps, args.num_stages,
-                                    args.peak_gbs))
+                                    args.peak_gbs, args.variant))
             print(table(rows[-1:]).splitlines()[-5:], file=sys.stderr)
     print(table(rows))
     if args.json:

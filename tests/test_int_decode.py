@@ -18,8 +18,9 @@ import pytest
 from kvjax import cache as kc
 from kvjax.attention import attend
 from kvjax.codecs import IntCodec, SawCodec
+from kvjax.packing import unpack_bits
 from pallas_kernels.int_decode import api
-from pallas_kernels.int_decode.kernel import codes_partial
+from pallas_kernels.int_decode.kernel import byte_permutation, byte_view, codes_partial
 from pallas_kernels.int_decode.reference import (
     codes_partial_reference,
     merge_partials,
@@ -53,13 +54,16 @@ def random_case(batch, heads, group, slots, head_dim, bits, saw_block=None, seed
     return q, k_arrays, coded(IntCodec(bits=bits), None, v), rotation
 
 
-def run_kernel(q, k_arrays, v_arrays, n_comp, rotation, *, bits, block_s, splits):
+def run_kernel(q, k_arrays, v_arrays, n_comp, rotation, *, bits, block_s, splits,
+               layout="bytes"):
     group = q.shape[2]
-    words = k_arrays[0].shape[-1]
-    rows = max(16, group) if words >= 16 else group
+    # the widest matmul operand column count: bytes or words per token
+    width = k_arrays[0].shape[-1] * (4 if layout == "bytes" else 1)
+    rows = max(16, group) if width >= 16 else group
     rows = 1 << (rows - 1).bit_length()
     q_rows = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     o, m, l = codes_partial(q_rows, *k_arrays, *v_arrays, n_comp, rotation, bits=bits,
+                            layout=layout,
                             sm_scale=q.shape[-1] ** -0.5, block_s=block_s, splits=splits,
                             interpret=INTERPRET)
     return normalize(*merge_partials((o[..., :group, :], m[..., :group], l[..., :group]),
@@ -88,13 +92,14 @@ def run_reference(q, k_arrays, v_arrays, n_comp, rotation, *, bits):
         (1, 1, 4, 24, 64, 8, 64, 16, 1, [24]),
     ],
 )
+@pytest.mark.parametrize("layout", ["bytes", "words"])
 def test_kernel_matches_reference(batch, heads, group, slots, head_dim, bits, saw, block_s,
-                                  splits, lengths):
+                                  splits, lengths, layout):
     q, k_arrays, v_arrays, rotation = random_case(batch, heads, group, slots, head_dim, bits,
                                                   saw)
     n_comp = jnp.array(lengths, jnp.int32)
     got = run_kernel(q, k_arrays, v_arrays, n_comp, rotation, bits=bits, block_s=block_s,
-                     splits=splits)
+                     splits=splits, layout=layout)
     want = run_reference(q, k_arrays, v_arrays, n_comp, rotation, bits=bits)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, atol=ATOL)
@@ -102,6 +107,19 @@ def test_kernel_matches_reference(batch, heads, group, slots, head_dim, bits, sa
     for b, n in enumerate(lengths):
         if n == 0:
             assert np.all(np.asarray(got[b]) == 0)
+
+
+@pytest.mark.parametrize("head_dim,bits", [(128, 4), (64, 4), (128, 2), (64, 8), (256, 2)])
+def test_byte_permutation_matches_unpacking(head_dim, bits):
+    codes = jax.random.bits(jax.random.key(3), (5, head_dim * bits // 32), jnp.uint32)
+    dims = np.asarray(unpack_bits(codes, bits, head_dim))
+    as_bytes = np.asarray(byte_view(codes))
+    perm = byte_permutation(head_dim, bits)
+    per_byte = 8 // bits
+    planes = np.concatenate([(as_bytes >> (bits * j)) & ((1 << bits) - 1)
+                             for j in range(per_byte)], axis=-1)
+    np.testing.assert_array_equal(planes, dims[:, perm])
+    assert sorted(perm) == list(range(head_dim))
 
 
 def test_tolerance_catches_a_dropped_block():
@@ -163,7 +181,8 @@ def test_attend_pallas_dispatch_and_fallback():
     q = jax.random.normal(qkey, (1, 1, 4, head_dim))
     want = attend(q, view, step)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")   # the kernel applies: no fallback warning
+        # the kernel applies: no fallback warning
+        warnings.simplefilter("error", UserWarning)
         got = attend(q, view, step, impl="pallas")
     np.testing.assert_allclose(got, want, atol=ATOL)
     view3, step3, _ = build_layer("int:3", "int:3", lengths=[20], window=0, sinks=0,

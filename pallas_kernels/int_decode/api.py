@@ -123,10 +123,8 @@ def decode_attention(
         coded = (jnp.zeros_like(qg), jnp.full(qg.shape[:-1], NEG, jnp.float32),
                  jnp.zeros(qg.shape[:-1], jnp.float32))
     elif use_kernel:
-        words = k_codes.shape[-1]
-        # matrix instructions need 16 rows; narrower slots use the broadcast path
-        rows = max(MIN_DOT, group) if words >= MIN_DOT else group
-        rows = 1 << (rows - 1).bit_length()
+        # matrix instructions need 16 rows (and power-of-two tiles)
+        rows = 1 << (max(MIN_DOT, group) - 1).bit_length()
         q_rows = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
         n_splits = splits or default_splits(batch, heads, k_codes.shape[2], block_s)
         if interpret is None:

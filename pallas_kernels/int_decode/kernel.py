@@ -30,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -40,6 +41,31 @@ MIN_DOT = 16
 #: the rounded query and probabilities within ~5e-4 relative (bfloat16: ~4e-3) at the
 #: same tensor-core speed; accumulation is float32
 OPERAND = jnp.float16
+#: "bytes": the packed words read as bytes (``8 / bits`` matmuls of ``D * bits / 8``
+#: columns per block); "words": as uint32 (``32 / bits`` matmuls of ``W`` columns)
+LAYOUTS = ("bytes", "words")
+
+
+def byte_view(codes: jax.Array) -> jax.Array:
+    """``uint32[..., W]`` packed words as ``uint8[..., 4 W]`` (little-endian bytes)."""
+    b = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    return b.reshape(*codes.shape[:-1], 4 * codes.shape[-1])
+
+
+def byte_permutation(head_dim: int, bits: int) -> np.ndarray:
+    """Which dim each kernel column holds when planar words are read as bytes.
+
+    Word ``w`` slot ``i`` holds dim ``i * W + w`` (:mod:`kvjax.packing`); byte ``k`` of
+    the word holds slots ``k * c .. k * c + c - 1`` (``c = 8 / bits`` codes per byte).
+    Column ``j * nb + b`` (bit plane ``j`` of byte ``b = 4 w + k``, ``nb = 4 W``) is
+    therefore dim ``(k * c + j) * W + w``.
+    """
+    words = head_dim * bits // 32
+    per_byte = 8 // bits
+    nb = 4 * words
+    b = np.arange(nb)
+    w, k = b // 4, b % 4
+    return np.concatenate([(k * per_byte + j) * words + w for j in range(per_byte)])
 
 
 def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -65,8 +91,9 @@ def _kernel(n_ref, q_ref, *refs, bits, words, block_s, split_len, sm_scale, rota
         rot_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
     else:
         kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
-    slots = 32 // bits
-    mask = jnp.uint32((1 << bits) - 1)
+    container = kc_ref.dtype
+    slots = 8 * jnp.dtype(container).itemsize // bits
+    mask = jnp.asarray((1 << bits) - 1, container)
     rows = q_ref.shape[0]
 
     # the query, one [rows, W] column slot at a time (rotated for SAW keys)
@@ -100,7 +127,7 @@ def _kernel(n_ref, q_ref, *refs, bits, words, block_s, split_len, sm_scale, rota
         kz = plgpu.load(kz_ref.at[tile], mask=ok, other=0).astype(jnp.float32)
         dots = None
         for j in range(slots):
-            c = ((kc >> jnp.uint32(j * bits)) & mask).astype(jnp.float32)
+            c = ((kc >> jnp.asarray(j * bits, container)) & mask).astype(jnp.float32)
             d = _dot_nt(q_slots[j], c)
             dots = d if dots is None else dots + d
         s = (dots * ks[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale
@@ -117,7 +144,7 @@ def _kernel(n_ref, q_ref, *refs, bits, words, block_s, split_len, sm_scale, rota
         pz = jnp.sum(p * vz[None, :], axis=1)[:, None]
         out = []
         for j in range(slots):
-            c = ((vc >> jnp.uint32(j * bits)) & mask).astype(jnp.float32)
+            c = ((vc >> jnp.asarray(j * bits, container)) & mask).astype(jnp.float32)
             out.append(o_slots[j] * correction[:, None] + _dot_nn(pv, c) + pz)
         return tuple(out), m_next, l_next
 
@@ -136,7 +163,7 @@ def _kernel(n_ref, q_ref, *refs, bits, words, block_s, split_len, sm_scale, rota
 @functools.partial(
     jax.jit,
     static_argnames=("bits", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret"),
+                     "interpret", "layout"),
 )
 def codes_partial(
     q: jax.Array,
@@ -156,6 +183,7 @@ def codes_partial(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    layout: str = "bytes",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-split partial softmaxes over the coded tokens (see the module docstring).
 
@@ -169,6 +197,17 @@ def codes_partial(
     words = k_codes.shape[3]
     split_len = pl.cdiv(pl.cdiv(slots_total, splits), block_s) * block_s
     rotated = rotation is not None
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    perm = None
+    if layout == "bytes":
+        k_codes, v_codes = byte_view(k_codes), byte_view(v_codes)
+        words = k_codes.shape[3]
+        perm = byte_permutation(head_dim, bits)
+        if rotation is not None:
+            rotation = rotation[:, perm, :]
+        else:
+            q = q[..., perm]
     kernel = functools.partial(
         _kernel, bits=bits, words=words, block_s=block_s, split_len=split_len,
         sm_scale=sm_scale, rotated=rotated,
@@ -198,7 +237,7 @@ def codes_partial(
         pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
         pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
     ]
-    return pl.pallas_call(
+    o, m, l = pl.pallas_call(
         kernel,
         grid=(batch, heads, splits),
         in_specs=in_specs,
@@ -208,3 +247,6 @@ def codes_partial(
         interpret=interpret,
         name="int_decode_attention",
     )(*args)
+    if perm is not None:
+        o = o[..., np.argsort(perm)]
+    return o, m, l
