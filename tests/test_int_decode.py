@@ -213,6 +213,12 @@ def test_why_not(spec_k, spec_v, head_dim, kw, reason):
         api.decode_attention(jnp.zeros((1, 1, head_dim)), cache.layer(0), jnp.array([1]))
 
 
+def test_default_blocking():
+    assert api.default_blocking(32, 8, None, None) == (128, 3)
+    assert api.default_blocking(1, 8, None, None) == (64, 2)
+    assert api.default_blocking(1, 8, 32, 4) == (32, 4)
+
+
 def test_default_splits():
     assert api.default_splits(1, 8, 32768, 64) == 66
     assert api.default_splits(32, 8, 32768, 64) == 3

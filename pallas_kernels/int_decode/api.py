@@ -70,6 +70,15 @@ def _meta(codes) -> tuple[jax.Array, jax.Array, jax.Array]:
     return codes["codes"], codes["scale"][..., 0], codes["zero"][..., 0]
 
 
+def default_blocking(batch: int, heads: int, block_s: int | None,
+                     num_stages: int | None) -> tuple[int, int]:
+    """Tokens per block and pipeline stages, as measured best on the H200
+    (docs/kernels.md): 128 tokens and 3 stages once ``batch * heads`` programs fill the
+    GPU on their own, 64 and 2 when the split-K programs of few rows do."""
+    wide = batch * heads >= 128
+    return (block_s or (128 if wide else 64)), (num_stages or (3 if wide else 2))
+
+
 def default_splits(batch: int, heads: int, slots: int, block_s: int) -> int:
     """Splits of the cache length so ``batch * heads * splits`` fills the GPU."""
     want = max(1, math.ceil(TARGET_PROGRAMS / (batch * heads)))
@@ -87,10 +96,10 @@ def decode_attention(
     lengths: jax.Array,
     *,
     scale: float | None = None,
-    block_s: int = 64,
+    block_s: int | None = None,
     splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool | None = None,
     use_kernel: bool = True,
 ) -> jax.Array:
@@ -100,8 +109,9 @@ def decode_attention(
     attend) and ``lengths [B]`` its rows' token counts. ``interpret`` defaults to True off
     GPU (Pallas interpret mode); ``use_kernel=False`` computes the coded region with the
     pure-jnp reference instead (same merge), the specification the kernel is tested
-    against. Raises ``ValueError`` with :func:`why_not`'s reason when the kernel does not
-    apply.
+    against. ``block_s``, ``splits`` and ``num_stages`` default to
+    :func:`default_blocking` and :func:`default_splits`. Raises ``ValueError`` with
+    :func:`why_not`'s reason when the kernel does not apply.
     """
     reason = why_not(layer, 1, None)
     if reason is not None:
@@ -126,13 +136,14 @@ def decode_attention(
         # matrix instructions need 16 rows (and power-of-two tiles)
         rows = 1 << (max(MIN_DOT, group) - 1).bit_length()
         q_rows = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+        block_s, stages = default_blocking(batch, heads, block_s, num_stages)
         n_splits = splits or default_splits(batch, heads, k_codes.shape[2], block_s)
         if interpret is None:
             interpret = jax.default_backend() != "gpu"
         o, m, l = codes_partial(
             q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp, rotation,
             bits=bits, sm_scale=sm_scale, block_s=block_s, splits=n_splits,
-            num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+            num_warps=num_warps, num_stages=stages, interpret=interpret,
         )
         coded = merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
     else:

@@ -6,22 +6,28 @@ query head), walks its slice in blocks of ``block_s`` tokens with an online soft
 writes a partial ``(o, m, l)`` that :func:`reference.merge_partials` combines exactly
 across slices and with the raw regions of the cache.
 
-The planar packing of :mod:`kvjax.packing` is what makes this cheap: bit slot ``j`` of the
-``W`` words of a token holds dims ``j*W .. (j+1)*W - 1``, so one shift and mask yields a
-contiguous ``[block_s, W]`` tile of codes and the query is consumed in matching ``[G, W]``
-column slices of its ref; no value is ever sliced, gathered or concatenated (the Triton
-lowering supports none of these). Scores use ``q . k_hat = scale * (q . c) + zero * sum(q)``
-and the output ``sum_s p_s (zero_s + scale_s c_s)``, so codes are never dequantized
-elementwise: the integer codes go into float16 matmuls exactly as they are.
+Codes are read as they are stored and never dequantized elementwise. With
+``q . k_hat = scale * (q . c) + zero * sum(q)`` and the output
+``sum_s p_s (zero_s + scale_s c_s)``, the integer codes go straight into float16
+matmuls (exact below ``2**11``). The packed uint32 words are read as bytes
+(``LAYOUTS``: "bytes", the default): bit plane ``j`` of a ``[block_s, D * bits / 8]``
+byte tile, one shift and mask away, is a full-width operand, so a block costs
+``8 / bits`` matmuls per role; the query's columns are permuted to the dims those
+planes hold (:func:`byte_permutation`) and the output's back, outside the loop. Reading
+whole uint32 words ("words") instead gives ``32 / bits`` matmuls of ``W`` columns per
+role and measured 3.6x slower on the H200 (docs/kernels.md). No value is ever sliced,
+gathered or concatenated inside the kernel (the Triton lowering supports none of these):
+the query is consumed in column slices of its ref.
 
 For SAW keys the query is rotated inside the kernel (``q R^T`` one slot of columns at a
 time, from the ``[D, D]`` matrix of its kv head), so the rotated keys are never
 un-rotated and no separate pass touches the query.
 
 Operands of the dots are float16 (``OPERAND``), accumulation float32; the reference
-is exact float32, and the tests state the tolerance. Dots of ``W < 16``
-columns (e.g. INT4 at head dim 64) are too narrow for Triton's matrix instructions and
-run as broadcast multiply-adds in float32 on the same float16-rounded operands.
+is exact float32, and the tests state the tolerance. Dots of fewer than 16 columns
+(the "words" layout of INT4 at head dim 64) are too narrow for Triton's matrix
+instructions and run as broadcast multiply-adds in float32 on the same float16-rounded
+operands.
 """
 
 from __future__ import annotations
