@@ -104,14 +104,10 @@ def _kernel(n_ref, q_ref, *refs, bits, words, block_s, split_len, sm_scale, rota
 
     # the query, one [rows, W] column slot at a time (rotated for SAW keys)
     if rotated:
-        q = q_ref[...].astype(jnp.float32)
-        q_slots = [
-            plgpu.dot(q, rot_ref[pl.ds(j * words, words), :], trans_b=True,
-                      precision=jax.lax.Precision.HIGHEST)
-            if min(rows, words) >= MIN_DOT else
-            jnp.sum(q[:, None, :] * rot_ref[pl.ds(j * words, words), :][None, :, :], axis=-1)
-            for j in range(slots)
-        ]
+        # float16 operands like every other matmul here: the rotated query is rounded
+        # to float16 right after anyway, and a float32 product costs several passes
+        q = q_ref[...]
+        q_slots = [_dot_nt(q, rot_ref[pl.ds(j * words, words), :]) for j in range(slots)]
     else:
         q_slots = [q_ref[:, pl.ds(j * words, words)].astype(jnp.float32)
                    for j in range(slots)]
@@ -228,7 +224,7 @@ def codes_partial(
     args = [n_comp.astype(jnp.int32), q.astype(jnp.float32)]
     if rotated:
         in_specs.append(pl.BlockSpec((None, head_dim, head_dim), lambda b, h, j: (h, 0, 0)))
-        args.append(rotation.astype(jnp.float32))
+        args.append(rotation.astype(OPERAND))
     code_spec = pl.BlockSpec((None, None, slots_total, words), per_head_2d)
     meta_spec = pl.BlockSpec((None, None, slots_total), per_head)
     in_specs += [code_spec, meta_spec, meta_spec, code_spec, meta_spec, meta_spec]
