@@ -26,8 +26,10 @@ from kvjax.codec import EXACT
 
 #: "reference": this module's jnp attention; "pallas": the fused decode kernel of
 #: :mod:`pallas_kernels.int_decode` where it applies (one query token per row over
-#: int:N / SAW codes), else the reference with a warning that says why
-IMPLS = ("reference", "pallas")
+#: int:N / SAW codes), else the reference with a warning that says why; "auto": the
+#: kernel on a GPU backend where it applies, silently the reference otherwise (prefill
+#: chunks and other codecs are expected there), which is what models use
+IMPLS = ("reference", "pallas", "auto")
 
 
 def _check_impl(impl: str) -> None:
@@ -35,19 +37,15 @@ def _check_impl(impl: str) -> None:
         raise ValueError(f"unknown attention impl '{impl}'; available: {', '.join(IMPLS)}")
 
 
-def default_impl() -> str:
-    """``"pallas"`` on a GPU backend, ``"reference"`` elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
-
-
-def _pallas_decode(q, layer, lengths, scale, sliding_window):
-    """The fused kernel's output, or None (with a warning) when it does not apply."""
+def _pallas_decode(q, layer, lengths, scale, sliding_window, *, warn: bool):
+    """The fused kernel's output, or None when it does not apply (warned if ``warn``)."""
     from pallas_kernels.int_decode import api
 
     reason = api.why_not(layer, q.shape[1], sliding_window)
     if reason is not None:
-        warnings.warn(f"impl='pallas': the int_decode kernel does not apply ({reason}); "
-                      "using the reference attention", stacklevel=3)
+        if warn:
+            warnings.warn(f"impl='pallas': the int_decode kernel does not apply ({reason}); "
+                          "using the reference attention", stacklevel=3)
         return None
     return api.decode_attention(q[:, 0], layer, lengths, scale=scale)[:, None]
 
@@ -126,7 +124,7 @@ def attend(
     ``step`` is the :class:`~kvjax.cache.Step` of that append. ``scale`` defaults to
     ``D ** -0.5``; ``sliding_window`` limits each query to its last ``w`` positions
     (Mistral). Queries past a row's valid count get well-defined but meaningless output.
-    ``impl="pallas"`` uses the fused decode kernel where it applies (:data:`IMPLS`).
+    ``impl`` picks the fused decode kernel where it applies (:data:`IMPLS`).
     Returns ``[B, T, N, D]`` in ``q.dtype``.
     """
     _check_impl(impl)
@@ -136,8 +134,9 @@ def attend(
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {layer.k.raw.shape[-1]}")
     scale = head_dim**-0.5 if scale is None else scale
     lengths = jnp.minimum(step.start + step.valid, layer.k.max_len)
-    if impl == "pallas":
-        fused = _pallas_decode(q, layer, lengths, scale, sliding_window)
+    if impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu"):
+        fused = _pallas_decode(q, layer, lengths, scale, sliding_window,
+                               warn=impl == "pallas")
         if fused is not None:
             return fused.astype(q.dtype)
     qg = group_queries(q.astype(jnp.float32), heads)

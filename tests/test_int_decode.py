@@ -190,6 +190,16 @@ def test_attend_pallas_dispatch_and_fallback():
     with pytest.warns(UserWarning, match="not planar-packed"):
         got3 = attend(q, view3, step3, impl="pallas")
     np.testing.assert_array_equal(got3, attend(q, view3, step3))
+    # "auto" never warns: on a CPU it is the reference itself, on a GPU the kernel
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        auto = attend(q, view3, step3, impl="auto")
+        auto4 = attend(q, view, step, impl="auto")
+    np.testing.assert_array_equal(auto, got3)
+    if INTERPRET:
+        np.testing.assert_array_equal(auto4, want)
+    else:
+        np.testing.assert_allclose(auto4, want, atol=ATOL)
 
 
 @pytest.mark.parametrize("spec_k,spec_v,head_dim,kw,reason", [
