@@ -38,10 +38,14 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "demo": (
         "bf16", "fp8", "int:8", "int:6", "int:5", "int:4", "int:3", "int:2",
         "kivi:8,g32", "kivi:4,g32", "kivi:3,g32", "kivi:2,g32",
+        "saw:h64", "saw:h64,b3", "saw:h64,b2",
     ),
     "int": ("bf16", "int:8", "int:7", "int:6", "int:5", "int:4", "int:3", "int:2"),
     "kivi": ("bf16", "kivi:8,g32", "kivi:4,g32", "kivi:3,g32", "kivi:2,g32",
              "kivi:4,g64", "kivi:2,g64", "kivi:2,g128"),
+    # SAW rotation blocks, sign flips and rotated V at 4 bits, vs plain int:4 (D = 64)
+    "saw": ("bf16", "int:4", "saw:h16", "saw:h32", "saw:h64", "saw:h64,signs",
+            "saw:h64,kv", "saw:h64,b8", "saw:h64,b3", "saw:h64,b2", "int:3", "int:2"),
 }
 
 #: JSON fields that must match for a stored result to count as done
