@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--window", type=int, default=0, help="raw residual window (tokens)")
     g.add_argument("--sinks", type=int, default=0, help="raw sink tokens")
+    g.add_argument("--prefill-chunk", type=_positive, default=None, metavar="C",
+                   help="feed the prompt C tokens at a time (long prompts)")
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true",
@@ -187,7 +189,7 @@ def _cmd_generate(args) -> int:
     result = generate(
         params, config, [list(prompt_ids)], cache_config=cache_config,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        seed=args.seed,
+        seed=args.seed, prefill_chunk=args.prefill_chunk,
     )
     tokens = result.tokens[0]
     text = tokenizer.decode(tokens, skip_special_tokens=True)

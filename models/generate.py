@@ -175,6 +175,7 @@ def generate(
     eos_token_ids: Sequence[int] | None = None,
     max_len: int | None = None,
     cache_dtype: Any = jnp.bfloat16,
+    prefill_chunk: int | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt, batched.
 
@@ -184,11 +185,17 @@ def generate(
     to disable), which is not included in the output. ``max_len`` (default: longest
     prompt + ``max_new_tokens``) is the cache capacity; raw cache tokens are stored in
     ``cache_dtype``. Codec parameters (rotations, codebooks) are drawn from ``seed`` too,
-    so with a lossy codec even greedy output may depend on it. Raises ``ValueError`` for
-    bad arguments and, after generation, for a cache that overflowed or received
-    non-finite K/V.
+    so with a lossy codec even greedy output may depend on it. ``prefill_chunk`` feeds
+    the prompts through the cache ``prefill_chunk`` tokens at a time (one compiled
+    prefill for all chunks): the reference attention's scores then take ``[B, N, chunk,
+    max_len]`` instead of ``[B, N, prompt, max_len]``, which long prompts need. Raises
+    ``ValueError`` for bad arguments and, after generation, for a cache that overflowed
+    or received non-finite K/V.
     """
     max_len = _validate(config, prompts, max_new_tokens, temperature, top_p, max_len)
+    if prefill_chunk is not None and (not isinstance(prefill_chunk, int | np.integer)
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
     eos = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
     batch = len(prompts)
@@ -196,6 +203,9 @@ def generate(
     # lengths share one compiled prefill; `valid` keeps the padding out of the cache
     longest = max(len(p) for p in prompts)
     width = min(-(-longest // PREFILL_BUCKET) * PREFILL_BUCKET, max_len)
+    chunk = width if prefill_chunk is None else min(int(prefill_chunk), width)
+    num_chunks = -(-width // chunk)
+    width = num_chunks * chunk
     tokens = np.zeros((batch, width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
@@ -214,9 +224,15 @@ def generate(
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         t0 = time.perf_counter()
         prefill = _compiled("prefill", _prefill_jit, config,
-                            (params, config, tokens, valid, cache), (1,))
+                            (params, config, tokens[:, :chunk], valid, cache), (1,))
         t1 = time.perf_counter()
-        logits, cache = prefill(params, tokens, valid, cache)
+        logits = None
+        for start in range(0, width, chunk):
+            part = jnp.clip(valid - start, 0, chunk)
+            chunk_logits, cache = prefill(params, tokens[:, start:start + chunk], part, cache)
+            # each row's next-token logits come from the chunk holding its last token
+            here = ((valid > start) & (valid <= start + chunk))[:, None]
+            logits = chunk_logits if logits is None else jnp.where(here, chunk_logits, logits)
         jax.block_until_ready(logits)
         t2 = time.perf_counter()
         dec_args = (params, config, max_new_tokens, greedy, logits, cache, eos_arr,

@@ -67,6 +67,15 @@ def test_greedy_matches_repeated_full_forwards(params):
     assert result.cache_bytes > 0
 
 
+@pytest.mark.parametrize("chunk", [2, 5])
+def test_chunked_prefill_gives_the_same_tokens(params, batch_result, chunk):
+    before = gen.TRACE_COUNTS["prefill"]
+    result = _generate(params, PROMPTS, prefill_chunk=chunk)
+    assert result.tokens == batch_result.tokens
+    assert _cache_lengths_ok(result, PROMPTS)
+    assert gen.TRACE_COUNTS["prefill"] - before <= 1   # one compiled chunk shape
+
+
 def test_decode_compiles_once(params):
     shapes = {"max_new_tokens": 8}
     before = gen.TRACE_COUNTS.copy()
@@ -128,6 +137,7 @@ def test_compressed_codecs_run(params, spec):
     ([[1, 2], []], {}, "prompt 1 is empty"),
     ([[1, 200]], {}, "outside"),
     ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens"),
+    ([[1, 2]], {"prefill_chunk": 0}, "prefill_chunk"),
     ([[1, 2]], {"temperature": -0.5}, "temperature"),
     ([[1, 2]], {"temperature": float("nan")}, "temperature"),
     ([[1, 2]], {"top_p": 0.0}, "top_p"),
