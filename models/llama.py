@@ -164,8 +164,8 @@ class DecoderLayer(nn.Module):
             k = rms_norm(k, self._p("k_norm"), c.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         layer_kv = append(layer_kv, k, v, step)
-        # "auto": the fused decode kernel on a GPU where it applies, else the reference
-        o = attend(q, layer_kv, step, sliding_window=c.sliding_window, impl="auto")
+        o = attend(q, layer_kv, step, sliding_window=c.sliding_window,
+                   impl=c.attention_impl)
         h = h + o.reshape(b, t, -1).astype(h.dtype) @ self._p("wo")
 
         x = rms_norm(h, self._p("mlp_norm"), c.rms_norm_eps)

@@ -234,3 +234,30 @@ def test_default_splits():
     assert api.default_splits(32, 8, 32768, 64) == 3
     assert api.default_splits(64, 8, 32768, 64) == 2
     assert api.default_splits(1, 8, 100, 64) == 2
+
+
+@pytest.mark.filterwarnings("ignore:impl='pallas'")   # the prefill falls back, as it says
+def test_model_decode_step_through_the_kernel():
+    """A decode step of a tiny llama over an int:4 cache: kernel vs reference logits."""
+    import dataclasses
+
+    from models import llama
+    from models.config import ModelConfig
+
+    config = ModelConfig(family="llama", vocab_size=64, hidden_size=128,
+                         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=64, max_position_embeddings=64,
+                         attention_impl="reference")
+    params = llama.init_params(jax.random.key(0), config)
+    prompt = jax.random.randint(jax.random.key(1), (2, 21), 0, config.vocab_size)
+    cache_config = kc.CacheConfig(k="saw:h32", v="int:4", residual_window=4)
+    logits = {}
+    for impl in ("reference", "pallas"):
+        cfg = dataclasses.replace(config, attention_impl=impl)
+        cache = llama.new_cache(cfg, cache_config, batch=2, max_len=32, dtype=jnp.float32)
+        _, cache = llama.forward(params, cfg, prompt, cache, jnp.array([21, 13]))
+        step_logits, _ = llama.forward(params, cfg, prompt[:, :1], cache, None)
+        logits[impl] = np.asarray(step_logits)
+    scale = np.max(np.abs(logits["reference"]))
+    np.testing.assert_allclose(logits["pallas"], logits["reference"], atol=1e-2 * scale)
+    assert not np.array_equal(logits["pallas"], logits["reference"])  # really the kernel
