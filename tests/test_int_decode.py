@@ -92,9 +92,8 @@ def run_reference(q, k_arrays, v_arrays, n_comp, rotation, *, bits):
         (1, 1, 4, 24, 64, 8, 64, 16, 1, [24]),
     ],
 )
-@pytest.mark.parametrize("layout", ["bytes", "words"])
 def test_kernel_matches_reference(batch, heads, group, slots, head_dim, bits, saw, block_s,
-                                  splits, lengths, layout):
+                                  splits, lengths, layout="bytes"):
     q, k_arrays, v_arrays, rotation = random_case(batch, heads, group, slots, head_dim, bits,
                                                   saw)
     n_comp = jnp.array(lengths, jnp.int32)
@@ -120,6 +119,13 @@ def test_byte_permutation_matches_unpacking(head_dim, bits):
                              for j in range(per_byte)], axis=-1)
     np.testing.assert_array_equal(planes, dims[:, perm])
     assert sorted(perm) == list(range(head_dim))
+
+
+@pytest.mark.parametrize("head_dim,group,lengths", [(128, 4, [70, 0]), (64, 3, [33, 5])])
+def test_words_layout_matches_reference(head_dim, group, lengths):
+    """The uint32-word layout (matrix path at D=128, broadcast path at D=64)."""
+    test_kernel_matches_reference(len(lengths), 2, group, max(lengths), head_dim, 4, None,
+                                  16, 2, lengths, layout="words")
 
 
 def test_tolerance_catches_a_dropped_block():
