@@ -1,0 +1,27 @@
+"""experiments/bench_e2e.py: capacity arithmetic from measured cache bytes, and a smoke run."""
+
+from experiments import bench_e2e
+from kvjax.cache import CacheConfig
+
+
+def test_capacity_from_measured_bytes():
+    config = bench_e2e.SHAPES["tiny"]
+    context = 1000
+    bf16_row = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2 * context
+    # the fixed part of a bf16 cache is a few flags and counters, far below one row
+    free = 10 * bf16_row + bf16_row // 2
+    assert bench_e2e.capacity(config, CacheConfig.from_specs("bf16"), context, free) == 10
+    int4 = bench_e2e.capacity(config, CacheConfig.from_specs("int:4"), context, free)
+    saw = bench_e2e.capacity(config, CacheConfig.from_specs("saw"), context, free)
+    # int:4 at D = 128 stores 4.25 bits per element instead of 16
+    assert int4 == saw and 38 <= int4 <= 39
+
+
+def test_smoke_run_prints_the_table(capsys):
+    args = ["--shape", "tiny", "--context", "40", "--batch", "1", "--new-tokens", "2",
+            "--prefill-chunk", "16", "--codec", "int:4", "--codec", "bf16",
+            "--device-gb", "1"]
+    assert bench_e2e.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| codec | batch | context | decode tok/s")
+    assert out[2].startswith("| int:4 | 1 | 40 |") and out[3].startswith("| bf16 | 1 | 40 |")
