@@ -32,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.codecs import SawCodec
+from kvjax.codecs.intn import dequantize
+from kvjax.packing import unpack_bits
 from pallas_kernels.int_decode.api import default_splits
-from pallas_kernels.int_decode.kernel import codes_partial
+from pallas_kernels.int_decode.kernel import codes_partial, operand_width, pad_query_rows
 from pallas_kernels.int_decode.reference import merge_partials, normalize
 
 SHAPES = {
@@ -83,10 +85,7 @@ def timed(fn, args, inner, repeats):
 
 def unpack_int4_bf16(codes, scale, zero, head_dim):
     """Dequantize planar int4 words to bf16 ``[B, S, K, D]`` (the layout cuDNN takes)."""
-    slots = 32 // 4
-    parts = [((codes >> (4 * j)) & 15).astype(jnp.float32) for j in range(slots)]
-    c = jnp.concatenate(parts, axis=-1)
-    x = zero.astype(jnp.float32)[..., None] + c * scale.astype(jnp.float32)[..., None]
+    x = dequantize(unpack_bits(codes, 4, head_dim), scale[..., None], zero[..., None])
     return jnp.swapaxes(x.astype(jnp.bfloat16), 1, 2)
 
 
@@ -137,11 +136,8 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
 
     def fused(q, kc, ks, kz, vc, vs, vz, n, rot=None, layout="bytes", block_s=block_s,
               num_warps=num_warps, num_stages=num_stages):
-        width = head_dim * 4 // (8 if layout == "bytes" else 32)
-        rows = max(16, group) if width >= 16 else group
-        rows = 1 << (rows - 1).bit_length()
-        qg = q.reshape(batch, heads, group, head_dim)
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+        qg = pad_query_rows(q.reshape(batch, heads, group, head_dim),
+                            operand_width(head_dim, 4, layout))
         n_splits = default_splits(batch, heads, slots, block_s)
         o, m, l = codes_partial(qg, kc, ks, kz, vc, vs, vz, n, rot, bits=4,
                                 sm_scale=head_dim**-0.5, block_s=block_s, splits=n_splits,

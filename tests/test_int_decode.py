@@ -20,7 +20,13 @@ from kvjax.attention import attend
 from kvjax.codecs import IntCodec, SawCodec
 from kvjax.packing import unpack_bits
 from pallas_kernels.int_decode import api
-from pallas_kernels.int_decode.kernel import byte_permutation, byte_view, codes_partial
+from pallas_kernels.int_decode.kernel import (
+    byte_permutation,
+    byte_view,
+    codes_partial,
+    operand_width,
+    pad_query_rows,
+)
 from pallas_kernels.int_decode.reference import (
     codes_partial_reference,
     merge_partials,
@@ -57,11 +63,7 @@ def random_case(batch, heads, group, slots, head_dim, bits, saw_block=None, seed
 def run_kernel(q, k_arrays, v_arrays, n_comp, rotation, *, bits, block_s, splits,
                layout="bytes"):
     group = q.shape[2]
-    # the widest matmul operand column count: bytes or words per token
-    width = k_arrays[0].shape[-1] * (4 if layout == "bytes" else 1)
-    rows = max(16, group) if width >= 16 else group
-    rows = 1 << (rows - 1).bit_length()
-    q_rows = jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    q_rows = pad_query_rows(q, operand_width(q.shape[-1], bits, layout))
     o, m, l = codes_partial(q_rows, *k_arrays, *v_arrays, n_comp, rotation, bits=bits,
                             layout=layout,
                             sm_scale=q.shape[-1] ** -0.5, block_s=block_s, splits=splits,

@@ -20,7 +20,12 @@ import jax.numpy as jnp
 from kvjax.cache import Segment
 from kvjax.codecs import IntCodec, SawCodec
 from kvjax.packing import is_planar
-from pallas_kernels.int_decode.kernel import MIN_DOT, codes_partial
+from pallas_kernels.int_decode.kernel import (
+    MIN_DOT,
+    codes_partial,
+    operand_width,
+    pad_query_rows,
+)
 from pallas_kernels.int_decode.reference import (
     NEG,
     codes_partial_reference,
@@ -133,9 +138,7 @@ def decode_attention(
         coded = (jnp.zeros_like(qg), jnp.full(qg.shape[:-1], NEG, jnp.float32),
                  jnp.zeros(qg.shape[:-1], jnp.float32))
     elif use_kernel:
-        # matrix instructions need 16 rows (and power-of-two tiles)
-        rows = 1 << (max(MIN_DOT, group) - 1).bit_length()
-        q_rows = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+        q_rows = pad_query_rows(qg, operand_width(head_dim, bits, "bytes"))
         block_s, stages = default_blocking(batch, heads, block_s, num_stages)
         n_splits = splits or default_splits(batch, heads, k_codes.shape[2], block_s)
         if interpret is None:

@@ -52,6 +52,21 @@ OPERAND = jnp.float16
 LAYOUTS = ("bytes", "words")
 
 
+def pad_query_rows(q: jax.Array, width: int) -> jax.Array:
+    """``q [B, K, G, D]`` zero-padded to the power-of-two row count the kernel needs:
+    at least 16 when its matmul operands are ``width >= 16`` columns wide (the smallest
+    matrix-instruction tile), else just the next power of two (broadcast path)."""
+    group = q.shape[2]
+    rows = max(MIN_DOT, group) if width >= MIN_DOT else group
+    rows = 1 << (rows - 1).bit_length()
+    return jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+
+def operand_width(head_dim: int, bits: int, layout: str) -> int:
+    """Columns of one matmul operand: bytes (``D * bits / 8``) or words per token."""
+    return head_dim * bits // (8 if layout == "bytes" else 32)
+
+
 def byte_view(codes: jax.Array) -> jax.Array:
     """``uint32[..., W]`` packed words as ``uint8[..., 4 W]`` (little-endian bytes)."""
     b = jax.lax.bitcast_convert_type(codes, jnp.uint8)
