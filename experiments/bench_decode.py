@@ -8,7 +8,10 @@ Each path attends one query token per row (N query heads, K kv heads, head dim D
 all S cached tokens: ``cudnn`` / ``xla`` are ``jax.nn.dot_product_attention`` over a
 bf16 cache; ``dequant`` unpacks the int4 codes to bf16 and then runs cuDNN (what a
 codec without a fused kernel pays); ``fused`` and ``saw`` run the Pallas kernel over the
-packed codes (``saw``: with the query rotation in the kernel) and merge its splits.
+packed codes (``saw``: the query rotated and column-permuted by one XLA product first)
+and merge its splits, with the library's default blocking
+(:func:`~pallas_kernels.int_decode.api.default_blocking`); ``saw-in-kernel`` rotates the
+query inside every program instead.
 
 Timing: every path is compiled and run once before timing (compile time reported
 apart); a timed sample is one jitted call that runs the path ``--inner`` times in a
@@ -34,7 +37,7 @@ import numpy as np
 from kvjax.codecs import SawCodec
 from kvjax.codecs.intn import dequantize
 from kvjax.packing import unpack_bits
-from pallas_kernels.int_decode.api import default_splits
+from pallas_kernels.int_decode.api import NUM_WARPS, default_blocking, default_splits
 from pallas_kernels.int_decode.kernel import codes_partial, operand_width, pad_query_rows
 from pallas_kernels.int_decode.reference import merge_partials, normalize
 
@@ -96,7 +99,8 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
     key = jax.random.key(0)
     kq, kk, kv, kr = jax.random.split(key, 4)
     q = jax.random.normal(kq, (batch, num_heads, head_dim), jnp.float32)
-    splits = default_splits(batch, heads, slots, block_s)
+    block_s, num_stages = default_blocking(block_s, num_stages)
+    splits = default_splits(batch, heads, slots, block_s, num_warps)
     results = {}
 
     # bf16 baselines: cache [B, S, K, D]
@@ -134,14 +138,16 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
     rotation = jnp.broadcast_to(
         saw.rotate(saw.init(kr, head_dim), jnp.eye(head_dim)).T, (heads, head_dim, head_dim))
 
-    def fused(q, kc, ks, kz, vc, vs, vz, n, rot=None, layout="bytes", block_s=block_s,
-              num_warps=num_warps, num_stages=num_stages):
+    def fused(q, kc, ks, kz, vc, vs, vz, n, rot=None, layout="halves", block_s=block_s,
+              num_warps=num_warps, num_stages=num_stages, splits=None, asm=True,
+              rotate_in_kernel=False):
         qg = pad_query_rows(q.reshape(batch, heads, group, head_dim),
                             operand_width(head_dim, 4, layout))
-        n_splits = default_splits(batch, heads, slots, block_s)
+        n_splits = splits or default_splits(batch, heads, slots, block_s, num_warps)
         o, m, l = codes_partial(qg, kc, ks, kz, vc, vs, vz, n, rot, bits=4,
                                 sm_scale=head_dim**-0.5, block_s=block_s, splits=n_splits,
-                                num_warps=num_warps, num_stages=num_stages, layout=layout)
+                                num_warps=num_warps, num_stages=num_stages, layout=layout,
+                                asm=asm, rotate_in_kernel=rotate_in_kernel)
         out = normalize(*merge_partials((o[..., :group, :], m[..., :group], l[..., :group]),
                                         axis=2))
         return out.reshape(batch, num_heads, head_dim)
@@ -150,10 +156,14 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
                         code_bytes)
     results["saw"] = (*timed(lambda q, *a: fused(q, *a, rot=rotation),
                              (q, *k_arrays, *v_arrays, n_comp), inner, repeats), code_bytes)
+    results["saw-in-kernel"] = (
+        *timed(lambda q, *a: fused(q, *a, rot=rotation, rotate_in_kernel=True),
+               (q, *k_arrays, *v_arrays, n_comp), inner, repeats), code_bytes)
     for variant in variants:
-        layout, bs, warps, stages = variant.split(":")
-        kw = {"layout": layout, "block_s": int(bs), "num_warps": int(warps),
-              "num_stages": int(stages)}
+        layout, bs, warps, stages, *n_splits = variant.split(":")
+        kw = {"layout": layout.removesuffix("-jnp"), "asm": not layout.endswith("-jnp"),
+              "block_s": int(bs), "num_warps": int(warps), "num_stages": int(stages),
+              "splits": int(n_splits[0]) if n_splits else None}
         try:
             results[f"fused[{variant}]"] = (
                 *timed(lambda q, *a, kw=kw: fused(q, *a, **kw),
@@ -187,15 +197,16 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), action="append")
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--block-s", type=int, default=64)
-    p.add_argument("--num-warps", type=int, default=4)
-    p.add_argument("--num-stages", type=int, default=2)
+    p.add_argument("--block-s", type=int, help="default: the library's choice")
+    p.add_argument("--num-warps", type=int, default=NUM_WARPS)
+    p.add_argument("--num-stages", type=int, help="default: the library's choice")
     p.add_argument("--json", type=Path)
     p.add_argument("--peak-gbs", type=float, default=4240.0,
                    help="device-to-device copy bandwidth measured on the H200")
     p.add_argument("--variant", action="append", default=[],
-                   metavar="LAYOUT:BLOCK_S:WARPS:STAGES",
-                   help="extra kernel configurations to time, e.g. gather:128:8:3")
+                   metavar="LAYOUT:BLOCK_S:WARPS:STAGES[:SPLITS]",
+                   help="extra kernel configurations to time, e.g. bytes:128:8:3 or "
+                        "halves-jnp:64:4:2:66 (-jnp: unpack without inline PTX)")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_decode: needs a GPU (cuDNN and the compiled kernel)", file=sys.stderr)

@@ -21,11 +21,11 @@ from kvjax.codecs import IntCodec, SawCodec
 from kvjax.packing import unpack_bits
 from pallas_kernels.int_decode import api
 from pallas_kernels.int_decode.kernel import (
-    byte_permutation,
-    byte_view,
     codes_partial,
     operand_width,
     pad_query_rows,
+    unit_permutation,
+    unit_view,
 )
 from pallas_kernels.int_decode.reference import (
     codes_partial_reference,
@@ -61,13 +61,13 @@ def random_case(batch, heads, group, slots, head_dim, bits, saw_block=None, seed
 
 
 def run_kernel(q, k_arrays, v_arrays, n_comp, rotation, *, bits, block_s, splits,
-               layout="bytes"):
+               layout="halves", **kw):
     group = q.shape[2]
     q_rows = pad_query_rows(q, operand_width(q.shape[-1], bits, layout))
     o, m, l = codes_partial(q_rows, *k_arrays, *v_arrays, n_comp, rotation, bits=bits,
                             layout=layout,
                             sm_scale=q.shape[-1] ** -0.5, block_s=block_s, splits=splits,
-                            interpret=INTERPRET)
+                            interpret=INTERPRET, **kw)
     return normalize(*merge_partials((o[..., :group, :], m[..., :group], l[..., :group]),
                                      axis=2))
 
@@ -81,26 +81,28 @@ def run_reference(q, k_arrays, v_arrays, n_comp, rotation, *, bits):
 @pytest.mark.parametrize(
     "batch,heads,group,slots,head_dim,bits,saw,block_s,splits,lengths",
     [
-        # int4 at D=128 (16 words: matrix path), GQA 4, ragged rows, 3 splits
+        # int4 at D=128 (32 columns per plane: matrix path), GQA 4, ragged rows, 3 splits
         (3, 2, 4, 70, 128, 4, None, 16, 3, [70, 23, 0]),
         # GQA 1 and 7, lengths not multiples of the block
         (1, 1, 1, 37, 128, 4, None, 16, 2, [37]),
         (2, 1, 7, 41, 128, 8, None, 16, 2, [41, 17]),
-        # narrow slots (W = 8): the broadcast path (int4 at D=64, int2 at D=128)
+        # the narrowest matrix operands (16 columns: int4 at D=64, int2 at D=128)
         (2, 2, 3, 33, 64, 4, None, 16, 2, [33, 5]),
         (1, 1, 4, 29, 128, 2, None, 16, 1, [29]),
-        # SAW: the query rotated inside the kernel
+        # 8 columns (int2 at D=64): the broadcast path
+        (2, 1, 3, 21, 64, 2, None, 16, 2, [21, 9]),
+        # SAW: the query rotated (with its columns permuted) before the kernel
         (2, 2, 4, 50, 128, 4, 32, 16, 2, [50, 31]),
         (1, 1, 4, 24, 64, 8, 64, 16, 1, [24]),
     ],
 )
 def test_kernel_matches_reference(batch, heads, group, slots, head_dim, bits, saw, block_s,
-                                  splits, lengths, layout="bytes"):
+                                  splits, lengths, layout="halves", **kw):
     q, k_arrays, v_arrays, rotation = random_case(batch, heads, group, slots, head_dim, bits,
                                                   saw)
     n_comp = jnp.array(lengths, jnp.int32)
     got = run_kernel(q, k_arrays, v_arrays, n_comp, rotation, bits=bits, block_s=block_s,
-                     splits=splits, layout=layout)
+                     splits=splits, layout=layout, **kw)
     want = run_reference(q, k_arrays, v_arrays, n_comp, rotation, bits=bits)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, atol=ATOL)
@@ -110,24 +112,31 @@ def test_kernel_matches_reference(batch, heads, group, slots, head_dim, bits, sa
             assert np.all(np.asarray(got[b]) == 0)
 
 
+@pytest.mark.parametrize("layout", ["halves", "bytes"])
 @pytest.mark.parametrize("head_dim,bits", [(128, 4), (64, 4), (128, 2), (64, 8), (256, 2)])
-def test_byte_permutation_matches_unpacking(head_dim, bits):
+def test_unit_permutation_matches_unpacking(head_dim, bits, layout):
     codes = jax.random.bits(jax.random.key(3), (5, head_dim * bits // 32), jnp.uint32)
     dims = np.asarray(unpack_bits(codes, bits, head_dim))
-    as_bytes = np.asarray(byte_view(codes))
-    perm = byte_permutation(head_dim, bits)
-    per_byte = 8 // bits
-    planes = np.concatenate([(as_bytes >> (bits * j)) & ((1 << bits) - 1)
-                             for j in range(per_byte)], axis=-1)
+    units = np.asarray(unit_view(codes, layout)).astype(np.uint32)
+    perm = unit_permutation(head_dim, bits, layout)
+    per_unit = (16 if layout == "halves" else 8) // bits
+    planes = np.concatenate([(units >> (bits * j)) & ((1 << bits) - 1)
+                             for j in range(per_unit)], axis=-1)
     np.testing.assert_array_equal(planes, dims[:, perm])
     assert sorted(perm) == list(range(head_dim))
 
 
+def test_rotation_inside_the_kernel():
+    """The SAW query rotated by every program instead of before the kernel."""
+    test_kernel_matches_reference(2, 2, 4, 50, 128, 4, 32, 16, 2, [50, 31],
+                                  rotate_in_kernel=True)
+
+
 @pytest.mark.parametrize("head_dim,group,lengths", [(128, 4, [70, 0]), (64, 3, [33, 5])])
-def test_words_layout_matches_reference(head_dim, group, lengths):
-    """The uint32-word layout (matrix path at D=128, broadcast path at D=64)."""
+def test_bytes_layout_matches_reference(head_dim, group, lengths):
+    """The 8-bit-unit layout with int-to-float conversions."""
     test_kernel_matches_reference(len(lengths), 2, group, max(lengths), head_dim, 4, None,
-                                  16, 2, lengths, layout="words")
+                                  16, 2, lengths, layout="bytes")
 
 
 def test_tolerance_catches_a_dropped_block():
@@ -232,16 +241,24 @@ def test_why_not(spec_k, spec_v, head_dim, kw, reason):
 
 
 def test_default_blocking():
-    assert api.default_blocking(32, 8, None, None) == (128, 3)
-    assert api.default_blocking(1, 8, None, None) == (64, 2)
-    assert api.default_blocking(1, 8, 32, 4) == (32, 4)
+    assert api.default_blocking(None, None) == (128, 3)
+    assert api.default_blocking(32, 4) == (32, 4)
 
 
 def test_default_splits():
-    assert api.default_splits(1, 8, 32768, 64) == 66
-    assert api.default_splits(32, 8, 32768, 64) == 3
-    assert api.default_splits(64, 8, 32768, 64) == 2
-    assert api.default_splits(1, 8, 100, 64) == 2
+    # waves of 1056 programs of 2 warps
+    assert api.default_splits(1, 8, 1 << 17, 128) == 119     # 952 programs: 0.90 of a wave
+    assert api.default_splits(32, 8, 1 << 15, 128) == 4      # 1024
+    assert api.default_splits(32, 8, 1 << 15, 128, num_warps=4) == 2    # 512 of 528
+    assert api.default_splits(200, 8, 1 << 15, 128) == 1
+    assert api.default_splits(1, 8, 100, 64) == 2            # no more splits than blocks
+    for warps in (2, 4):
+        wave = api.SMS * api.WARPS_PER_SM // warps
+        for batch in range(1, 80):
+            for heads in (3, 8):
+                programs = batch * heads * api.default_splits(batch, heads, 1 << 20, 64, warps)
+                waves = -(-programs // wave)
+                assert programs / (waves * wave) >= 0.75, (batch, heads)
 
 
 @pytest.mark.filterwarnings("ignore:impl='pallas'")   # the prefill falls back, as it says

@@ -36,8 +36,16 @@ from pallas_kernels.int_decode.reference import (
 
 #: bit widths whose planar packing puts whole dims in each bit slot of a 32-bit word
 KERNEL_BITS = (2, 4, 8)
-#: programs to aim for when choosing the split count: a few waves of an H200's 132 SMs
-TARGET_PROGRAMS = 528
+#: multiprocessors of an H200, and the warps of this kernel one holds at once (its
+#: ~120 registers per thread allow 16, measured with Nsight Compute)
+SMS = 132
+WARPS_PER_SM = 16
+#: warps per program: 2 measured fastest (docs/kernels.md)
+NUM_WARPS = 2
+#: wave occupancy good enough to stop adding splits at
+GOOD_WAVES = 0.9
+#: at most this many waves when looking for a split count that fills them
+MAX_WAVES = 4
 
 
 def why_not(layer: Segment, num_queries: int, sliding_window: int | None) -> str | None:
@@ -60,14 +68,9 @@ def why_not(layer: Segment, num_queries: int, sliding_window: int | None) -> str
     return None
 
 
-def _rotation(codec, params) -> jax.Array | None:
-    """``R [K, D, D]`` with stored vectors ``R x`` (SAW), or None for plain int:N."""
-    if not isinstance(codec, SawCodec):
-        return None
-    head_dim = params["signs"].shape[-1]
-    eye = jnp.eye(head_dim, dtype=jnp.float32)
-    # rotate() maps rows x to (R x)^T, so rotating the identity gives R^T
-    return jax.vmap(lambda p: codec.rotate(p, eye).T)(params)
+def _per_head(fn, params, x: jax.Array) -> jax.Array:
+    """``fn(params_k, x[:, k])`` for every kv head ``k`` of ``x [B, K, G, D]``."""
+    return jax.vmap(fn, in_axes=(0, 1), out_axes=1)(params, x)
 
 
 def _meta(codes) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -75,19 +78,28 @@ def _meta(codes) -> tuple[jax.Array, jax.Array, jax.Array]:
     return codes["codes"], codes["scale"][..., 0], codes["zero"][..., 0]
 
 
-def default_blocking(batch: int, heads: int, block_s: int | None,
-                     num_stages: int | None) -> tuple[int, int]:
-    """Tokens per block and pipeline stages, as measured best on the H200
-    (docs/kernels.md): 128 tokens and 3 stages once ``batch * heads`` programs fill the
-    GPU on their own, 64 and 2 when the split-K programs of few rows do."""
-    wide = batch * heads >= 128
-    return (block_s or (128 if wide else 64)), (num_stages or (3 if wide else 2))
+def default_blocking(block_s: int | None, num_stages: int | None) -> tuple[int, int]:
+    """Tokens per block and pipeline stages: 128 and 3, measured best on the H200 at
+    one row and 128k tokens as at 32 rows and 32k tokens (docs/kernels.md)."""
+    return block_s or 128, num_stages or 3
 
 
-def default_splits(batch: int, heads: int, slots: int, block_s: int) -> int:
-    """Splits of the cache length so ``batch * heads * splits`` fills the GPU."""
-    want = max(1, math.ceil(TARGET_PROGRAMS / (batch * heads)))
-    return max(1, min(want, math.ceil(slots / block_s)))
+def default_splits(batch: int, heads: int, slots: int, block_s: int,
+                   num_warps: int = NUM_WARPS) -> int:
+    """Splits of the cache length so the ``batch * heads * splits`` programs fill whole
+    waves of the GPU: a last, partial wave runs at the speed of a full one (with 768
+    programs, 1.45 waves, Nsight Compute estimated half the time lost to the tail). The
+    fewest splits whose waves are at least ``GOOD_WAVES`` full, else the fullest."""
+    rows = batch * heads
+    wave = SMS * WARPS_PER_SM // num_warps
+    most = max(1, min(math.ceil(slots / block_s), MAX_WAVES * wave // rows))
+
+    def fill(splits: int) -> float:
+        programs = rows * splits
+        return programs / (math.ceil(programs / wave) * wave)
+
+    good = [s for s in range(1, most + 1) if fill(s) >= GOOD_WAVES]
+    return good[0] if good else max(range(1, most + 1), key=fill)
 
 
 @functools.partial(
@@ -103,7 +115,7 @@ def decode_attention(
     scale: float | None = None,
     block_s: int | None = None,
     splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = NUM_WARPS,
     num_stages: int | None = None,
     interpret: bool | None = None,
     use_kernel: bool = True,
@@ -131,35 +143,37 @@ def decode_attention(
 
     k_codes, k_scale, k_zero = _meta(k_store.codes)
     v_codes, v_scale, v_zero = _meta(v_store.codes)
-    rotation = _rotation(k_store.codec, k_store.params)
     bits = k_store.codec.bits
+    # SAW keys are stored rotated: rotate the query once, (R q) . (R k) = q . k
+    q_coded = qg
+    if isinstance(k_store.codec, SawCodec):
+        q_coded = _per_head(k_store.codec.rotate, k_store.params, qg)
     if k_codes.shape[2] == 0:
         # a residual window as long as the cache: nothing is ever coded
         coded = (jnp.zeros_like(qg), jnp.full(qg.shape[:-1], NEG, jnp.float32),
                  jnp.zeros(qg.shape[:-1], jnp.float32))
     elif use_kernel:
-        q_rows = pad_query_rows(qg, operand_width(head_dim, bits, "bytes"))
-        block_s, stages = default_blocking(batch, heads, block_s, num_stages)
-        n_splits = splits or default_splits(batch, heads, k_codes.shape[2], block_s)
+        q_rows = pad_query_rows(q_coded, operand_width(head_dim, bits))
+        block_s, stages = default_blocking(block_s, num_stages)
+        n_splits = splits or default_splits(batch, heads, k_codes.shape[2], block_s,
+                                            num_warps)
         if interpret is None:
             interpret = jax.default_backend() != "gpu"
         o, m, l = codes_partial(
-            q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp, rotation,
+            q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp,
             bits=bits, sm_scale=sm_scale, block_s=block_s, splits=n_splits,
             num_warps=num_warps, num_stages=stages, interpret=interpret,
         )
         coded = merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
     else:
         coded = codes_partial_reference(
-            qg, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp, bits=bits,
-            sm_scale=sm_scale, rotation=rotation,
+            q_coded, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp, bits=bits,
+            sm_scale=sm_scale,
         )
-    v_rotation = _rotation(v_store.codec, v_store.params)
-    if v_rotation is not None:
+    if isinstance(v_store.codec, SawCodec) and v_store.codec.rotate_values:
         # values were stored as R v: the coded partial's output is R o, rotate it back
         o, m, l = coded
-        coded = (jnp.einsum("bkge,ked->bkgd", o, v_rotation, precision=jax.lax.Precision.HIGHEST),
-                 m, l)
+        coded = (_per_head(v_store.codec.unrotate, v_store.params, o), m, l)
 
     parts = [coded]
     sink_ok = jnp.arange(k_store.sinks)[None, :] < n_sink[:, None]

@@ -6,28 +6,29 @@ query head), walks its slice in blocks of ``block_s`` tokens with an online soft
 writes a partial ``(o, m, l)`` that :func:`reference.merge_partials` combines exactly
 across slices and with the raw regions of the cache.
 
-Codes are read as they are stored and never dequantized elementwise. With
-``q . k_hat = scale * (q . c) + zero * sum(q)`` and the output
-``sum_s p_s (zero_s + scale_s c_s)``, the integer codes go straight into float16
-matmuls (exact below ``2**11``). The packed uint32 words are read as bytes
-(``LAYOUTS``: "bytes", the default): bit plane ``j`` of a ``[block_s, D * bits / 8]``
-byte tile, one shift and mask away, is a full-width operand, so a block costs
-``8 / bits`` matmuls per role; the query's columns are permuted to the dims those
-planes hold (:func:`byte_permutation`) and the output's back, outside the loop. Reading
-whole uint32 words ("words") instead gives ``32 / bits`` matmuls of ``W`` columns per
-role and measured 3.6x slower on the H200 (docs/kernels.md). No value is ever sliced,
-gathered or concatenated inside the kernel (the Triton lowering supports none of these):
-the query is consumed in column slices of its ref.
+Codes are never dequantized elementwise. With ``q . k_hat = scale * (q . c) + zero *
+sum(q)`` and the output ``sum_s p_s (zero_s + scale_s c_s)``, the integer codes go
+straight into float16 matmuls (exact below ``2**11``). The packed uint32 words are read
+in 16-bit units (``LAYOUTS``: "halves", the default): bit plane ``j`` of a ``[block_s,
+D * bits / 16]`` tile is a full-width matmul operand, so a block costs ``16 / bits``
+matmuls per role. A plane becomes float16 without any int-to-float conversion (those
+run at a quarter of the integer rate and bounded the first version of this kernel):
+``(unit >> j * bits) & mask | 0x6400`` is the bit pattern of the float16 ``1024 + c``,
+and one exact float16 subtraction leaves ``c``. The query's columns are permuted to the
+dims the planes hold (:func:`unit_permutation`) and the output's back, outside the
+loop. "bytes" reads 8-bit units and converts them (``8 / bits`` matmuls, kept to
+measure the trick against; docs/kernels.md). No value is ever sliced, gathered or
+concatenated inside the kernel (the Triton lowering supports none of these): the query
+is consumed in column slices of its ref.
 
-For SAW keys the query is rotated inside the kernel (``q R^T`` one slot of columns at a
-time, from the ``[D, D]`` matrix of its kv head), so the rotated keys are never
-un-rotated and no separate pass touches the query.
+For SAW keys the query is rotated once, ``q R^T``, by the same XLA product that permutes
+its columns (or, with ``rotate_in_kernel``, inside every program), so the rotated keys
+are never un-rotated.
 
 Operands of the dots are float16 (``OPERAND``), accumulation float32; the reference
 is exact float32, and the tests state the tolerance. Dots of fewer than 16 columns
-(the "words" layout of INT4 at head dim 64) are too narrow for Triton's matrix
-instructions and run as broadcast multiply-adds in float32 on the same float16-rounded
-operands.
+(INT2 at head dim 64) are too narrow for Triton's matrix instructions and run as
+broadcast multiply-adds in float32 on the same float16 operands.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ MIN_DOT = 16
 #: the rounded query and probabilities within ~5e-4 relative (bfloat16: ~4e-3) at the
 #: same tensor-core speed; accumulation is float32
 OPERAND = jnp.float16
-#: "bytes": the packed words read as bytes (``8 / bits`` matmuls of ``D * bits / 8``
-#: columns per block); "words": as uint32 (``32 / bits`` matmuls of ``W`` columns)
-LAYOUTS = ("bytes", "words")
+#: code units the packed words are read in, and their width in bits
+LAYOUTS = {"halves": 16, "bytes": 8}
+#: float16 bit pattern of 1024.0: OR-ing a code c < 1024 into its mantissa gives 1024 + c
+F16_1024 = 0x6400
 
 
 def pad_query_rows(q: jax.Array, width: int) -> jax.Array:
@@ -62,117 +64,168 @@ def pad_query_rows(q: jax.Array, width: int) -> jax.Array:
     return jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
 
 
-def operand_width(head_dim: int, bits: int, layout: str) -> int:
-    """Columns of one matmul operand: bytes (``D * bits / 8``) or words per token."""
-    return head_dim * bits // (8 if layout == "bytes" else 32)
+def _unit_bits(layout: str) -> int:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
+    return LAYOUTS[layout]
 
 
-def byte_view(codes: jax.Array) -> jax.Array:
-    """``uint32[..., W]`` packed words as ``uint8[..., 4 W]`` (little-endian bytes)."""
-    b = jax.lax.bitcast_convert_type(codes, jnp.uint8)
-    return b.reshape(*codes.shape[:-1], 4 * codes.shape[-1])
+def operand_width(head_dim: int, bits: int, layout: str = "halves") -> int:
+    """Columns of one matmul operand: code units per token (``D * bits / unit``)."""
+    return head_dim * bits // _unit_bits(layout)
 
 
-def byte_permutation(head_dim: int, bits: int) -> np.ndarray:
-    """Which dim each kernel column holds when planar words are read as bytes.
+def unit_view(codes: jax.Array, layout: str = "halves") -> jax.Array:
+    """``uint32[..., W]`` packed words as their little-endian 16- or 8-bit units."""
+    unit = _unit_bits(layout)
+    dtype = jnp.uint16 if unit == 16 else jnp.uint8
+    b = jax.lax.bitcast_convert_type(codes, dtype)
+    return b.reshape(*codes.shape[:-1], (32 // unit) * codes.shape[-1])
 
-    Word ``w`` slot ``i`` holds dim ``i * W + w`` (:mod:`kvjax.packing`); byte ``k`` of
-    the word holds slots ``k * c .. k * c + c - 1`` (``c = 8 / bits`` codes per byte).
-    Column ``j * nb + b`` (bit plane ``j`` of byte ``b = 4 w + k``, ``nb = 4 W``) is
-    therefore dim ``(k * c + j) * W + w``.
+
+def unit_permutation(head_dim: int, bits: int, layout: str = "halves") -> np.ndarray:
+    """Which dim each kernel column holds when planar words are read in units.
+
+    Word ``w`` slot ``i`` holds dim ``i * W + w`` (:mod:`kvjax.packing`); unit ``k`` of
+    the word holds slots ``k * c .. k * c + c - 1`` (``c = unit / bits`` codes per unit).
+    Column ``j * nu + u`` (bit plane ``j`` of unit ``u = (32 / unit) w + k``, ``nu``
+    units per token) is therefore dim ``(k * c + j) * W + w``.
     """
+    unit = _unit_bits(layout)
     words = head_dim * bits // 32
-    per_byte = 8 // bits
-    nb = 4 * words
-    b = np.arange(nb)
-    w, k = b // 4, b % 4
-    return np.concatenate([(k * per_byte + j) * words + w for j in range(per_byte)])
+    per_unit, per_word = unit // bits, 32 // unit
+    u = np.arange(per_word * words)
+    w, k = u // per_word, u % per_word
+    return np.concatenate([(k * per_unit + j) * words + w for j in range(per_unit)])
+
+
+def _plane(tile: jax.Array, j: int, bits: int, asm: bool) -> jax.Array:
+    """Bit plane ``j`` of a tile of code units as float16 codes.
+
+    ``asm``: 16-bit units two at a time in one 32-bit register, so a shift, one
+    ``lop3`` and one ``sub.f16x2`` make two codes (the same arithmetic as the jnp path,
+    which Triton would run one 16-bit unit per instruction). Compiled only (interpret
+    mode has no PTX).
+    """
+    mask = (1 << bits) - 1
+    if asm and tile.dtype == jnp.uint16:
+        code = (
+            "{ .reg .b32 t, b; "
+            f"shr.b32 t, $1, {j * bits}; "
+            f"lop3.b32 t, t, {mask | mask << 16:#010x}, {F16_1024 * 0x10001:#010x}, 0xea; "
+            f"mov.b32 b, {F16_1024 * 0x10001:#010x}; "
+            "sub.rn.f16x2 $0, t, b; }"
+        )
+        [out] = plgpu.elementwise_inline_asm(
+            code, args=[tile], constraints="=r,r", pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
+        return out
+    shifted = tile >> jnp.asarray(j * bits, tile.dtype) if j else tile
+    if tile.dtype == jnp.uint16:
+        biased = (shifted & jnp.asarray(mask, tile.dtype)) | jnp.asarray(F16_1024, tile.dtype)
+        return jax.lax.bitcast_convert_type(biased, OPERAND) - jnp.asarray(1024, OPERAND)
+    return (shifted & jnp.asarray(mask, tile.dtype)).astype(OPERAND)
 
 
 def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
     """``a [M, K] @ b[N, K]^T`` in float32 from float16 operands."""
     if min(a.shape[0], a.shape[1], b.shape[0]) >= MIN_DOT:
-        return plgpu.dot(a.astype(OPERAND), b.astype(OPERAND), trans_b=True)
-    a32 = a.astype(OPERAND).astype(jnp.float32)
-    b32 = b.astype(OPERAND).astype(jnp.float32)
-    return jnp.sum(a32[:, None, :] * b32[None, :, :], axis=-1)
+        return plgpu.dot(a, b, trans_b=True)
+    return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :],
+                   axis=-1)
 
 
 def _dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     """``a [M, K] @ b[K, N]`` in float32 from float16 operands."""
     if min(a.shape[0], a.shape[1], b.shape[1]) >= MIN_DOT:
-        return plgpu.dot(a.astype(OPERAND), b.astype(OPERAND))
-    a32 = a.astype(OPERAND).astype(jnp.float32)
-    b32 = b.astype(OPERAND).astype(jnp.float32)
-    return jnp.sum(a32[:, :, None] * b32[None, :, :], axis=1)
+        return plgpu.dot(a, b)
+    return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :],
+                   axis=1)
 
 
-def _kernel(n_ref, q_ref, *refs, bits, words, block_s, split_len, sm_scale, rotated):
+def _kernel(n_ref, q_ref, *refs, bits, width, block_s, split_len, sm_scale, rotated, asm):
     if rotated:
         rot_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
     else:
         kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
-    container = kc_ref.dtype
-    slots = 8 * jnp.dtype(container).itemsize // bits
-    mask = jnp.asarray((1 << bits) - 1, container)
+    planes = 8 * jnp.dtype(kc_ref.dtype).itemsize // bits
     rows = q_ref.shape[0]
 
-    # the query, one [rows, W] column slot at a time (rotated for SAW keys)
+    # the query, one [rows, width] column slot per plane (rotated for SAW keys)
     if rotated:
         # float16 operands like every other matmul here: the rotated query is rounded
         # to float16 right after anyway, and a float32 product costs several passes
-        q = q_ref[...]
-        q_slots = [_dot_nt(q, rot_ref[pl.ds(j * words, words), :]) for j in range(slots)]
+        q = q_ref[...].astype(OPERAND)
+        q_slots = [_dot_nt(q, rot_ref[pl.ds(j * width, width), :]) for j in range(planes)]
     else:
-        q_slots = [q_ref[:, pl.ds(j * words, words)].astype(jnp.float32)
-                   for j in range(slots)]
-    q_slots = [qj.astype(OPERAND).astype(jnp.float32) for qj in q_slots]
-    q_sum = sum(jnp.sum(qj, axis=1) for qj in q_slots)
+        q_slots = [q_ref[:, pl.ds(j * width, width)] for j in range(planes)]
+    q_slots = [qj.astype(OPERAND) for qj in q_slots]
+    q_sum = sum(jnp.sum(qj.astype(jnp.float32), axis=1) for qj in q_slots)
 
     n = n_ref[0]
     start = pl.program_id(2) * split_len
     stop = jnp.minimum(start + split_len, n)
-    trips = jnp.maximum(pl.cdiv(stop - start, block_s), 0)
+    full = jnp.maximum(stop - start, 0) // block_s
 
-    def body(i, carry):
-        o_slots, m_prev, l_prev = carry
+    def body(i, carry, masked):
+        o_slots, o_zero, m_prev, l_prev = carry
         t0 = start + i * block_s
-        ok = (t0 + jnp.arange(block_s)) < stop
         tile = pl.ds(t0, block_s)
-        kc = plgpu.load(kc_ref.at[tile, :], mask=ok[:, None], other=0)
-        ks = plgpu.load(ks_ref.at[tile], mask=ok, other=0).astype(jnp.float32)
-        kz = plgpu.load(kz_ref.at[tile], mask=ok, other=0).astype(jnp.float32)
+        if masked:
+            ok = (t0 + jnp.arange(block_s)) < stop
+
+            def load(ref, two_d=False):
+                return plgpu.load(ref.at[tile, :] if two_d else ref.at[tile],
+                                  mask=ok[:, None] if two_d else ok, other=0)
+        else:
+            def load(ref, two_d=False):
+                return ref[tile, :] if two_d else ref[tile]
+
+        kc = load(kc_ref, two_d=True)
+        ks = load(ks_ref).astype(jnp.float32)
+        kz = load(kz_ref).astype(jnp.float32)
         dots = None
-        for j in range(slots):
-            c = ((kc >> jnp.asarray(j * bits, container)) & mask).astype(jnp.float32)
-            d = _dot_nt(q_slots[j], c)
+        for j in range(planes):
+            d = _dot_nt(q_slots[j], _plane(kc, j, bits, asm))
             dots = d if dots is None else dots + d
         s = (dots * ks[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale
-        s = jnp.where(ok[None, :], s, NEG)
+        if masked:
+            s = jnp.where(ok[None, :], s, NEG)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         correction = jnp.exp(m_prev - m_next)
-        p = jnp.where(ok[None, :], jnp.exp(s - m_next[:, None]), 0.0)
+        p = jnp.exp(s - m_next[:, None])
+        if masked:
+            p = jnp.where(ok[None, :], p, 0.0)
         l_next = l_prev * correction + jnp.sum(p, axis=1)
 
-        vc = plgpu.load(vc_ref.at[tile, :], mask=ok[:, None], other=0)
-        vs = plgpu.load(vs_ref.at[tile], mask=ok, other=0).astype(jnp.float32)
-        vz = plgpu.load(vz_ref.at[tile], mask=ok, other=0).astype(jnp.float32)
-        pv = p * vs[None, :]
-        pz = jnp.sum(p * vz[None, :], axis=1)[:, None]
-        out = []
-        for j in range(slots):
-            c = ((vc >> jnp.asarray(j * bits, container)) & mask).astype(jnp.float32)
-            out.append(o_slots[j] * correction[:, None] + _dot_nn(pv, c) + pz)
-        return tuple(out), m_next, l_next
+        vc = load(vc_ref, two_d=True)
+        vs = load(vs_ref).astype(jnp.float32)
+        vz = load(vz_ref).astype(jnp.float32)
+        pv = (p * vs[None, :]).astype(OPERAND)
+        o_zero = o_zero * correction + jnp.sum(p * vz[None, :], axis=1)
+        out = tuple(o_slots[j] * correction[:, None] + _dot_nn(pv, _plane(vc, j, bits, asm))
+                    for j in range(planes))
+        return out, o_zero, m_next, l_next
 
     init = (
-        tuple(jnp.zeros((rows, words), jnp.float32) for _ in range(slots)),
+        tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(planes)),
+        jnp.zeros((rows,), jnp.float32),
         jnp.full((rows,), NEG, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    o_slots, m, l = jax.lax.fori_loop(0, trips, body, init)
-    for j in range(slots):
-        o_ref[:, pl.ds(j * words, words)] = o_slots[j]
+    # whole blocks without masks, then the partial last block (if any) with them; a
+    # cache shorter than one block has no whole block (and no unmasked tile shape)
+    if kc_ref.shape[0] >= block_s:
+        carry = jax.lax.fori_loop(0, full, functools.partial(body, masked=False), init)
+    else:
+        carry, full = init, jnp.zeros_like(full)
+    tail = full + (start + full * block_s < stop).astype(full.dtype)
+    o_slots, o_zero, m, l = jax.lax.fori_loop(full, tail, functools.partial(body, masked=True),
+                                              carry)
+    # every value is zero + scale * code: the zeros' share is the same in every column
+    o_slots = [o + o_zero[:, None] for o in o_slots]
+    for j in range(planes):
+        o_ref[:, pl.ds(j * width, width)] = o_slots[j]
     m_ref[...] = m
     l_ref[...] = l
 
@@ -180,7 +233,7 @@ def _kernel(n_ref, q_ref, *refs, bits, words, block_s, split_len, sm_scale, rota
 @functools.partial(
     jax.jit,
     static_argnames=("bits", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "layout"),
+                     "interpret", "layout", "asm", "rotate_in_kernel"),
 )
 def codes_partial(
     q: jax.Array,
@@ -200,34 +253,41 @@ def codes_partial(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
-    layout: str = "bytes",
+    layout: str = "halves",
+    asm: bool = True,
+    rotate_in_kernel: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-split partial softmaxes over the coded tokens (see the module docstring).
 
     Shapes as :func:`reference.codes_partial_reference`, except ``q [B, K, R, D]`` with
     ``R`` query rows per kv head already padded to what the kernel needs (a power of two,
-    at least 16 when ``W >= 16``; :mod:`api` does this). Returns ``o [B, K, splits, R,
-    D]``, ``m, l [B, K, splits, R]`` (float32).
+    at least 16 when :func:`operand_width` is; :mod:`api` does this). Returns ``o [B, K, splits, R,
+    D]``, ``m, l [B, K, splits, R]`` (float32). ``asm=False`` unpacks the "halves"
+    layout with jnp operations instead of inline PTX (interpret mode always does).
+    A SAW ``rotation`` is applied to the query by one XLA product before the kernel
+    (together with the column permutation), or with ``rotate_in_kernel`` inside every
+    program (measured 1.6x slower at one row and 128k tokens: each of the ~500
+    programs re-reads and multiplies the ``[D, D]`` matrix; docs/kernels.md).
     """
     batch, heads, rows, head_dim = q.shape
     slots_total = k_codes.shape[2]
-    words = k_codes.shape[3]
     split_len = pl.cdiv(pl.cdiv(slots_total, splits), block_s) * block_s
+    k_codes, v_codes = unit_view(k_codes, layout), unit_view(v_codes, layout)
+    width = operand_width(head_dim, bits, layout)
+    perm = unit_permutation(head_dim, bits, layout)
+    if rotation is None:
+        q = q[..., perm]
+    else:
+        # rows of R permuted like the kernel's columns: one product rotates and permutes
+        rotation = rotation[:, perm, :]
+        if not rotate_in_kernel:
+            q = jnp.einsum("bkrd,ked->bkre", q.astype(jnp.float32),
+                           rotation.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+            rotation = None
     rotated = rotation is not None
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    perm = None
-    if layout == "bytes":
-        k_codes, v_codes = byte_view(k_codes), byte_view(v_codes)
-        words = k_codes.shape[3]
-        perm = byte_permutation(head_dim, bits)
-        if rotation is not None:
-            rotation = rotation[:, perm, :]
-        else:
-            q = q[..., perm]
     kernel = functools.partial(
-        _kernel, bits=bits, words=words, block_s=block_s, split_len=split_len,
-        sm_scale=sm_scale, rotated=rotated,
+        _kernel, bits=bits, width=width, block_s=block_s, split_len=split_len,
+        sm_scale=sm_scale, rotated=rotated, asm=not interpret and asm,
     )
     row = lambda b, h, j: (b,)
     per_head = lambda b, h, j: (b, h, 0)
@@ -240,7 +300,7 @@ def codes_partial(
     if rotated:
         in_specs.append(pl.BlockSpec((None, head_dim, head_dim), lambda b, h, j: (h, 0, 0)))
         args.append(rotation.astype(OPERAND))
-    code_spec = pl.BlockSpec((None, None, slots_total, words), per_head_2d)
+    code_spec = pl.BlockSpec((None, None, slots_total, k_codes.shape[3]), per_head_2d)
     meta_spec = pl.BlockSpec((None, None, slots_total), per_head)
     in_specs += [code_spec, meta_spec, meta_spec, code_spec, meta_spec, meta_spec]
     args += [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero]
@@ -264,6 +324,5 @@ def codes_partial(
         interpret=interpret,
         name="int_decode_attention",
     )(*args)
-    if perm is not None:
-        o = o[..., np.argsort(perm)]
+    o = o[..., np.argsort(perm)]
     return o, m, l
