@@ -19,6 +19,7 @@ weights in the device's memory (``bytes_limit`` of the GPU, or ``--device-gb``),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -77,9 +78,13 @@ def main(argv=None) -> int:
     p.add_argument("--device-gb", type=float, default=None,
                    help="device memory when the backend does not report it")
     p.add_argument("--reserve-gb", type=float, default=8.0)
+    p.add_argument("--layers", type=int, help="fewer transformer blocks than the shape's, "
+                   "for a quick look (decode time scales with the layer count)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     config = SHAPES[args.shape]
+    if args.layers:
+        config = dataclasses.replace(config, num_layers=args.layers)
     if args.context + args.new_tokens > config.max_position_embeddings:
         print("bench_e2e: --context + --new-tokens exceed the model's context",
               file=sys.stderr)
