@@ -254,9 +254,10 @@ def _cmd_needle(args) -> int:
     import models
     from kvjax.cache import CacheConfig
     from kvjax.data import load_corpus
-    from kvjax.eval.needle import accuracy_table
+    from kvjax.eval.needle import accuracy_table, check_grid
     from models.evaluate import needle_cases, needle_retrieval
 
+    check_grid(args.lengths, args.depths, args.trials)
     specs = list(dict.fromkeys(["bf16", *(args.codec or [])]))
     configs = [CacheConfig.from_specs(spec, residual_window=args.window,
                                       sink_tokens=args.sinks) for spec in specs]

@@ -20,7 +20,7 @@ def test_capacity_from_measured_bytes():
 def test_smoke_run_prints_the_table(capsys):
     args = ["--shape", "tiny", "--context", "40", "--batch", "1", "--new-tokens", "2",
             "--prefill-chunk", "16", "--codec", "int:4", "--codec", "bf16",
-            "--device-gb", "1"]
+            "--device-gb", "1", "--layers", "1"]
     assert bench_e2e.main(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("| codec | batch | context | decode tok/s")

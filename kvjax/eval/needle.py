@@ -77,6 +77,18 @@ def plant(haystack: str, needle: str, depth: float) -> str:
     return f"{head}{needle}\n{tail}"
 
 
+def check_grid(lengths: Sequence[int], depths: Sequence[float], trials: int) -> None:
+    """Raise ``ValueError`` unless there is a length and a depth, every depth is in
+    [0, 1] and ``trials >= 1`` (cheap checks worth doing before a model loads)."""
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    if not lengths or not depths:
+        raise ValueError("give at least one length and one depth")
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth must be in [0, 1], got {depth}")
+
+
 def make_cases(
     tokenizer,
     encode_prompt: EncodePrompt,
@@ -95,13 +107,7 @@ def make_cases(
     drawn per case from ``numpy.random.default_rng(seed)``. Raises ``ValueError`` when a
     length is too short for the question and template, or the haystack runs out.
     """
-    if trials < 1:
-        raise ValueError(f"trials must be >= 1, got {trials}")
-    if not lengths or not depths:
-        raise ValueError("give at least one length and one depth")
-    for depth in depths:
-        if not 0.0 <= depth <= 1.0:
-            raise ValueError(f"depth must be in [0, 1], got {depth}")
+    check_grid(lengths, depths, trials)
     ids = [int(t) for t in haystack_ids]
     longest = max(lengths)
     if len(ids) < trials * longest:
