@@ -107,7 +107,7 @@ def _register(cls, data: tuple[str, ...], meta: tuple[str, ...]):
 
 @functools.partial(
     _register,
-    data=("codes", "params", "raw", "sink", "nonfinite"),
+    data=("codes", "params", "raw", "sink", "nonfinite", "layer"),
     meta=("codec", "window", "sinks", "max_len"),
 )
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +119,10 @@ class Store:
     raw: ``[L, B, K, R, D]`` recent tokens, position-ordered from the first uncompressed.
     sink: ``[L, B, K, sinks, D]``.
     nonfinite: ``[L, B]`` set when a row received NaN/Inf.
+    layer: ``None``, or in the layer views :func:`scan_layers` makes, the int32 index of
+    the view's layer in ``codes``, which then keep their ``L`` axis: appending writes the
+    new blocks into the whole stack in place and readers index it
+    (:meth:`layer_codes`), so no step copies a layer's codes (the bulk of the cache).
     """
 
     codes: Any
@@ -130,6 +134,15 @@ class Store:
     window: int
     sinks: int
     max_len: int
+    layer: Any = None
+
+    def layer_codes(self) -> Any:
+        """This layer's codes, leaves ``[B, K, NB, ...]``."""
+        if self.layer is None:
+            return self.codes
+        return jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False),
+            self.codes)
 
     @property
     def block(self) -> int:
@@ -377,10 +390,18 @@ def append(layer: Segment, k: jax.Array, v: jax.Array, step: Step) -> Segment:
     )
 
 
-def _rows_set(buf, idx, val):
-    """Per row ``b``: ``buf[b][:, idx[b]] = val[b]``, dropping out-of-range indices."""
-    idx = jnp.broadcast_to(idx, (buf.shape[0], idx.shape[-1]))
-    return jax.vmap(lambda bb, ii, vv: bb.at[:, ii].set(vv, mode="drop"))(buf, idx, val)
+def _rows_set(buf, idx, val, layer=None):
+    """Per row ``b``: ``buf[b][:, idx[b]] = val[b]``, dropping out-of-range indices; with
+    ``layer``, ``buf[layer, b][:, idx[b]] = val[b]`` in the stacked ``buf`` (one scatter
+    into the whole buffer, which XLA does in place)."""
+    if layer is None:
+        idx = jnp.broadcast_to(idx, (buf.shape[0], idx.shape[-1]))
+        return jax.vmap(lambda bb, ii, vv: bb.at[:, ii].set(vv, mode="drop"))(buf, idx, val)
+    batch = buf.shape[1]
+    idx = jnp.broadcast_to(idx, (batch, idx.shape[-1]))
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], idx.shape)
+    # advanced indices split by a slice put their broadcast dims first: [B, n, K, ...]
+    return buf.at[layer, rows, :, idx].set(jnp.swapaxes(val, 1, 2), mode="drop")
 
 
 def _rows_take(buf, idx):
@@ -439,7 +460,8 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
         j = jnp.arange(max_new // block, dtype=jnp.int32)[None, :]
         n_new_blocks = (new_n_comp - old_n_comp) // block
         slot = jnp.where(j < n_new_blocks[:, None], old_n_comp[:, None] // block + j, store.slots)
-        codes = jax.tree.map(lambda buf, val: _rows_set(buf, slot, val), store.codes, encoded)
+        codes = jax.tree.map(lambda buf, val: _rows_set(buf, slot, val, store.layer),
+                             store.codes, encoded)
 
     # the new raw region starts at the first token that stays uncompressed
     moved = (new_n_comp - old_n_comp)[:, None]
@@ -468,7 +490,7 @@ def token_parts(store: Store, lengths: jax.Array):
     raw_i = jnp.arange(store.raw_capacity, dtype=jnp.int32)[None, :]
     return [
         ("sink", store.sink, sink_pos, sink_pos < n_sink[:, None]),
-        ("codes", store.codes, comp_pos, comp_j < n_comp[:, None]),
+        ("codes", store.layer_codes(), comp_pos, comp_j < n_comp[:, None]),
         ("raw", store.raw, (store.sinks + n_comp)[:, None] + raw_i, raw_i < n_raw[:, None]),
     ]
 
@@ -523,20 +545,49 @@ def scan_layers(
     """Run ``body(carry, xs_i, layer_view) -> (carry, layer_view)`` over all layers.
 
     ``xs`` is a pytree with a leading layer axis (e.g. stacked layer weights); it is
-    sliced per segment and each segment runs as one ``lax.scan``.
+    sliced per segment and each segment runs as one ``lax.scan``. The segment rides in
+    the scan's carry, not in its inputs and outputs: a view's codes are the whole stack
+    with the layer's index (:attr:`Store.layer`), and only the small per-layer parts
+    (raw window, sinks, flags, codec parameters) are sliced out and written back. Scanning
+    the cache as inputs and outputs instead copies every layer's codes on every step.
     """
     new_segments = []
     for seg in cache.segments:
         seg_xs = jax.tree.map(lambda a, seg=seg: a[seg.start : seg.stop], xs)
 
-        def step(c, inputs):
-            x_i, view = inputs
-            c, view = body(c, x_i, view)
-            return c, view
+        def step(state, inputs):
+            c, stack = state
+            x_i, i = inputs
+            c, view = body(c, x_i, _layer_view(stack, i))
+            return (c, _write_back(stack, view, i)), None
 
-        carry, new_seg = jax.lax.scan(step, carry, (seg_xs, seg))
+        layers = jnp.arange(seg.stop - seg.start, dtype=jnp.int32)
+        (carry, new_seg), _ = jax.lax.scan(step, (carry, seg), (seg_xs, layers))
         new_segments.append(new_seg)
     return carry, dataclasses.replace(cache, segments=tuple(new_segments))
+
+
+_SMALL = ("params", "raw", "sink", "nonfinite")
+
+
+def _layer_view(seg: Segment, i: jax.Array) -> Segment:
+    def view(store: Store) -> Store:
+        small = {name: jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False),
+            getattr(store, name)) for name in _SMALL}
+        return dataclasses.replace(store, layer=i, **small)
+
+    return dataclasses.replace(seg, k=view(seg.k), v=view(seg.v))
+
+
+def _write_back(seg: Segment, view: Segment, i: jax.Array) -> Segment:
+    def write(stack: Store, new: Store) -> Store:
+        small = {name: jax.tree.map(
+            lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), i, 0),
+            getattr(stack, name), getattr(new, name)) for name in _SMALL}
+        return dataclasses.replace(stack, codes=new.codes, **small)
+
+    return dataclasses.replace(seg, k=write(seg.k, view.k), v=write(seg.v, view.v))
 
 
 # -- accounting --------------------------------------------------------------------------

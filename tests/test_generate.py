@@ -148,3 +148,31 @@ def test_compressed_codecs_run(params, spec):
 def test_bad_inputs(params, prompts, kw, match):
     with pytest.raises(ValueError, match=match):
         _generate(params, prompts, **kw)
+
+
+def _decode_temp_bytes(num_layers: int) -> tuple[int, int]:
+    """(XLA's temporary bytes for the compiled decode loop, bytes of the cache's codes)."""
+    from models.llama import new_cache
+
+    config = ModelConfig(family="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_layers=num_layers, num_heads=2, num_kv_heads=2, head_dim=128,
+                         max_position_embeddings=8192)
+    weights = init_params(jax.random.key(0), config, jnp.bfloat16)
+    cache = new_cache(config, CacheConfig.from_specs("int:4"), batch=2, max_len=8192)
+    codes = sum(x.nbytes for seg in cache.segments for store in (seg.k, seg.v)
+                for x in jax.tree.leaves(store.codes))
+    compiled = gen._decode_jit.lower(
+        weights, config, 4, True, jnp.zeros((2, 64), jnp.float32), cache,
+        jnp.asarray((-1,), jnp.int32), jax.random.key(1), jnp.float32(1), jnp.float32(1),
+    ).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, codes
+
+
+def test_decode_updates_the_cache_in_place():
+    """A decode step writes its token into the cache's buffers without copying them: the
+    compiled loop's temporaries do not grow with the layers' codes (scanning the cache
+    as scan inputs and outputs made them grow by more than the codes themselves)."""
+    temp_small, codes_small = _decode_temp_bytes(2)
+    temp_large, codes_large = _decode_temp_bytes(12)
+    assert codes_large - codes_small > 40 * 2**20
+    assert temp_large - temp_small < 0.25 * (codes_large - codes_small)

@@ -74,7 +74,7 @@ def _per_head(fn, params, x: jax.Array) -> jax.Array:
 
 
 def _meta(codes) -> tuple[jax.Array, jax.Array, jax.Array]:
-    # [B, K, S, 1] -> [B, K, S]: drops a unit axis, no copy
+    # [..., S, 1] -> [..., S]: drops a unit axis, no copy
     return codes["codes"], codes["scale"][..., 0], codes["zero"][..., 0]
 
 
@@ -141,31 +141,35 @@ def decode_attention(
     qg = q.astype(jnp.float32).reshape(batch, heads, group, head_dim)
     n_sink, n_comp, n_raw = k_store.counts(lengths)
 
+    # in a scan over layers the codes are the segment's whole stack (Store.layer)
     k_codes, k_scale, k_zero = _meta(k_store.codes)
     v_codes, v_scale, v_zero = _meta(v_store.codes)
+    layer = k_store.layer
     bits = k_store.codec.bits
     # SAW keys are stored rotated: rotate the query once, (R q) . (R k) = q . k
     q_coded = qg
     if isinstance(k_store.codec, SawCodec):
         q_coded = _per_head(k_store.codec.rotate, k_store.params, qg)
-    if k_codes.shape[2] == 0:
+    if k_codes.shape[-2] == 0:
         # a residual window as long as the cache: nothing is ever coded
         coded = (jnp.zeros_like(qg), jnp.full(qg.shape[:-1], NEG, jnp.float32),
                  jnp.zeros(qg.shape[:-1], jnp.float32))
     elif use_kernel:
         q_rows = pad_query_rows(q_coded, operand_width(head_dim, bits))
         block_s, stages = default_blocking(block_s, num_stages)
-        n_splits = splits or default_splits(batch, heads, k_codes.shape[2], block_s,
+        n_splits = splits or default_splits(batch, heads, k_codes.shape[-2], block_s,
                                             num_warps)
         if interpret is None:
             interpret = jax.default_backend() != "gpu"
         o, m, l = codes_partial(
-            q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp,
+            q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp, None, layer,
             bits=bits, sm_scale=sm_scale, block_s=block_s, splits=n_splits,
             num_warps=num_warps, num_stages=stages, interpret=interpret,
         )
         coded = merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
     else:
+        k_codes, k_scale, k_zero = _meta(k_store.layer_codes())
+        v_codes, v_scale, v_zero = _meta(v_store.layer_codes())
         coded = codes_partial_reference(
             q_coded, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp, bits=bits,
             sm_scale=sm_scale,

@@ -143,7 +143,8 @@ def _dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
                    axis=1)
 
 
-def _kernel(n_ref, q_ref, *refs, bits, width, block_s, split_len, sm_scale, rotated, asm):
+def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_scale,
+            rotated, asm):
     if rotated:
         rot_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
     else:
@@ -163,6 +164,7 @@ def _kernel(n_ref, q_ref, *refs, bits, width, block_s, split_len, sm_scale, rota
     q_sum = sum(jnp.sum(qj.astype(jnp.float32), axis=1) for qj in q_slots)
 
     n = n_ref[0]
+    layer = layer_ref[0]
     start = pl.program_id(2) * split_len
     stop = jnp.minimum(start + split_len, n)
     full = jnp.maximum(stop - start, 0) // block_s
@@ -175,11 +177,11 @@ def _kernel(n_ref, q_ref, *refs, bits, width, block_s, split_len, sm_scale, rota
             ok = (t0 + jnp.arange(block_s)) < stop
 
             def load(ref, two_d=False):
-                return plgpu.load(ref.at[tile, :] if two_d else ref.at[tile],
+                return plgpu.load(ref.at[layer, tile, :] if two_d else ref.at[layer, tile],
                                   mask=ok[:, None] if two_d else ok, other=0)
         else:
             def load(ref, two_d=False):
-                return ref[tile, :] if two_d else ref[tile]
+                return ref[layer, tile, :] if two_d else ref[layer, tile]
 
         kc = load(kc_ref, two_d=True)
         ks = load(ks_ref).astype(jnp.float32)
@@ -215,7 +217,7 @@ def _kernel(n_ref, q_ref, *refs, bits, width, block_s, split_len, sm_scale, rota
     )
     # whole blocks without masks, then the partial last block (if any) with them; a
     # cache shorter than one block has no whole block (and no unmasked tile shape)
-    if kc_ref.shape[0] >= block_s:
+    if kc_ref.shape[1] >= block_s:
         carry = jax.lax.fori_loop(0, full, functools.partial(body, masked=False), init)
     else:
         carry, full = init, jnp.zeros_like(full)
@@ -245,6 +247,7 @@ def codes_partial(
     v_zero: jax.Array,
     n_comp: jax.Array,
     rotation: jax.Array | None = None,
+    layer: jax.Array | None = None,
     *,
     bits: int,
     sm_scale: float,
@@ -262,15 +265,24 @@ def codes_partial(
     Shapes as :func:`reference.codes_partial_reference`, except ``q [B, K, R, D]`` with
     ``R`` query rows per kv head already padded to what the kernel needs (a power of two,
     at least 16 when :func:`operand_width` is; :mod:`api` does this). Returns ``o [B, K, splits, R,
-    D]``, ``m, l [B, K, splits, R]`` (float32). ``asm=False`` unpacks the "halves"
-    layout with jnp operations instead of inline PTX (interpret mode always does).
+    D]``, ``m, l [B, K, splits, R]`` (float32). With ``layer`` (an int32 scalar), codes,
+    scales and zeros carry a leading layer axis (``[L, B, K, S, W]``, a cache segment's
+    whole stack) and the kernel reads layer ``layer`` of them in place. ``asm=False``
+    unpacks the "halves" layout with jnp operations instead of inline PTX (interpret
+    mode always does).
     A SAW ``rotation`` is applied to the query by one XLA product before the kernel
     (together with the column permutation), or with ``rotate_in_kernel`` inside every
     program (measured 1.6x slower at one row and 128k tokens: each of the ~500
     programs re-reads and multiplies the ``[D, D]`` matrix; docs/kernels.md).
     """
     batch, heads, rows, head_dim = q.shape
-    slots_total = k_codes.shape[2]
+    if layer is None:
+        # one layer's arrays: a stack of one (a reshape, no copy)
+        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
+            a[None] for a in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
+        layer = 0
+    layers = k_codes.shape[0]
+    slots_total = k_codes.shape[3]
     split_len = pl.cdiv(pl.cdiv(slots_total, splits), block_s) * block_s
     k_codes, v_codes = unit_view(k_codes, layout), unit_view(v_codes, layout)
     width = operand_width(head_dim, bits, layout)
@@ -290,18 +302,20 @@ def codes_partial(
         sm_scale=sm_scale, rotated=rotated, asm=not interpret and asm,
     )
     row = lambda b, h, j: (b,)
-    per_head = lambda b, h, j: (b, h, 0)
     per_head_2d = lambda b, h, j: (b, h, 0, 0)
     in_specs = [
         pl.BlockSpec((1,), row),
+        pl.BlockSpec((1,), lambda b, h, j: (0,)),
         pl.BlockSpec((None, None, rows, head_dim), per_head_2d),
     ]
-    args = [n_comp.astype(jnp.int32), q.astype(jnp.float32)]
+    args = [n_comp.astype(jnp.int32), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
+            q.astype(jnp.float32)]
     if rotated:
         in_specs.append(pl.BlockSpec((None, head_dim, head_dim), lambda b, h, j: (h, 0, 0)))
         args.append(rotation.astype(OPERAND))
-    code_spec = pl.BlockSpec((None, None, slots_total, k_codes.shape[3]), per_head_2d)
-    meta_spec = pl.BlockSpec((None, None, slots_total), per_head)
+    code_spec = pl.BlockSpec((layers, None, None, slots_total, k_codes.shape[4]),
+                             lambda b, h, j: (0, b, h, 0, 0))
+    meta_spec = pl.BlockSpec((layers, None, None, slots_total), lambda b, h, j: (0, b, h, 0))
     in_specs += [code_spec, meta_spec, meta_spec, code_spec, meta_spec, meta_spec]
     args += [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero]
     out_shape = [
