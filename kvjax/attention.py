@@ -21,7 +21,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import Segment, Step, Store, dense, token_parts
+from kvjax.cache import Segment, Step, Store, decode_heads, dense, token_parts
 from kvjax.codec import EXACT
 
 #: "reference": this module's jnp attention; "pallas": the fused decode kernel of
@@ -102,8 +102,20 @@ def _key_scores(store: Store, qg: jax.Array, lengths: jax.Array):
             jnp.concatenate(valid, -1))
 
 
-def _values_at(store: Store, lengths: jax.Array, positions: jax.Array) -> jax.Array:
-    """Decoded values ``[B, K, S, D]`` at the given key-slot positions ``[B, S]``."""
+def _values_at(store: Store, lengths: jax.Array, positions: jax.Array,
+               k_block: int) -> jax.Array:
+    """Decoded values ``[B, K, S, D]`` at the given key-slot positions ``[B, S]``.
+
+    When V's blocks are as long as K's (``k_block``), its regions (sinks, codes, raw)
+    hold the same positions in the same order as the key slots, so the decoded regions
+    are simply laid end to end; otherwise (e.g. KIVI's channel-wise K blocks over
+    token-wise V) they are placed by position in a dense array and gathered.
+    """
+    if store.block == k_block:
+        parts = [decode_heads(store.codec, store.params, payload) if kind == "codes"
+                 else payload.astype(jnp.float32)
+                 for kind, payload, pos, _ in token_parts(store, lengths) if pos.shape[1]]
+        return jnp.concatenate(parts, axis=2)
     values = dense(store, lengths)
     idx = jnp.clip(positions, 0, store.max_len - 1)
     return jax.vmap(lambda vv, ii: jnp.take(vv, ii, axis=1))(values, idx)
@@ -141,7 +153,7 @@ def attend(
             return fused.astype(q.dtype)
     qg = group_queries(q.astype(jnp.float32), heads)
     scores, key_pos, key_ok = _key_scores(layer.k, qg, lengths)
-    values = _values_at(layer.v, lengths, key_pos)
+    values = _values_at(layer.v, lengths, key_pos, layer.k.block)
 
     q_pos = step.positions(num_tokens)  # [B, T]
     group = qg.shape[2] // num_tokens
