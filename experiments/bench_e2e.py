@@ -8,7 +8,8 @@ weights) generates ``--new-tokens`` greedy tokens after a random prompt of ``--c
 tokens, prefilled ``--prefill-chunk`` tokens at a time; reported are decode tokens/s
 (all rows, compilation excluded), prefill seconds and the cache's bytes. The models'
 attention is ``impl="auto"``: on a GPU the decode steps of ``int:N`` and SAW caches run
-the fused kernel, a ``bf16`` cache the jnp reference attention.
+the fused kernel, those of a ``bf16`` cache XLA matmuls with bfloat16 operands
+(``impl="xla"``); prefill chunks run the jnp reference attention.
 
 Capacity: the largest batch whose cache of ``--context`` tokens (bytes laid out as
 :func:`kvjax.eval.memory.cache_bytes` counts them, from encoded arrays) fits beside the

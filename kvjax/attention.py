@@ -20,16 +20,22 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.cache import Segment, Step, Store, decode_heads, dense, token_parts
 from kvjax.codec import EXACT
 
+NEG = float(jnp.finfo(jnp.float32).min)
+
 #: "reference": this module's jnp attention; "pallas": the fused decode kernel of
 #: :mod:`pallas_kernels.int_decode` where it applies (one query token per row over
 #: int:N / SAW codes), else the reference with a warning that says why; "auto": the
-#: kernel on a GPU backend where it applies, silently the reference otherwise (prefill
-#: chunks and other codecs are expected there), which is what models use
-IMPLS = ("reference", "pallas", "auto")
+#: kernel on a GPU backend where it applies, else (GPU) the bf16 path below where that
+#: applies, silently the reference otherwise (prefill chunks and other codecs are
+#: expected there), which is what models use; "xla": the bf16 path where it applies
+#: (one query token per row over a ``bf16`` cache: bfloat16 matmul operands as the
+#: stored values are, float32 accumulation and softmax), else the reference
+IMPLS = ("reference", "pallas", "auto", "xla")
 
 
 def _check_impl(impl: str) -> None:
@@ -48,6 +54,42 @@ def _pallas_decode(q, layer, lengths, scale, sliding_window, *, warn: bool):
                           "using the reference attention", stacklevel=3)
         return None
     return api.decode_attention(q[:, 0], layer, lengths, scale=scale)[:, None]
+
+
+def _bf16_decode(q, layer, lengths, scale, sliding_window):
+    """Decode over a cache whose K and V are both stored by the ``bf16`` codec, with
+    bfloat16 matmul operands (the stored values are bfloat16 already; only the query and
+    the probabilities are rounded), or None where it does not apply. The reference
+    upcasts every stored value to float32 first; this is the bf16 cache's speed path,
+    what a compressed cache's decode is compared with end to end."""
+    from kvjax.codecs import Bf16Codec
+
+    k_store, v_store = layer.k, layer.v
+    if (q.shape[1] != 1 or sliding_window is not None
+            or not isinstance(k_store.codec, Bf16Codec)
+            or not isinstance(v_store.codec, Bf16Codec)):
+        return None
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    qg = group_queries(q, k_store.raw.shape[1]).astype(bf16)
+    scores, values = [], []
+    # one decode token sees every stored token: validity is the only mask
+    for (kind, keys, pos, ok), (_, vals, _, _) in zip(
+            token_parts(k_store, lengths), token_parts(v_store, lengths), strict=True):
+        if pos.shape[1] == 0:
+            continue
+        keys, vals = (keys["x"], vals["x"]) if kind == "codes" else (keys, vals)
+        s = jnp.einsum("bkgd,bksd->bkgs", qg, keys.astype(bf16), preferred_element_type=f32)
+        scores.append(jnp.where(ok[:, None, None, :], s * scale, NEG))
+        values.append(vals.astype(bf16))
+    s = jnp.concatenate(scores, axis=-1)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(s > NEG, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    bounds = np.cumsum([v.shape[2] for v in values])[:-1]
+    o = sum(jnp.einsum("bkgs,bksd->bkgd", pr.astype(bf16), vr, preferred_element_type=f32)
+            for pr, vr in zip(jnp.split(p, bounds, axis=-1), values, strict=True))
+    o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+    return ungroup_output(o, 1)
 
 
 def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -146,11 +188,16 @@ def attend(
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {layer.k.raw.shape[-1]}")
     scale = head_dim**-0.5 if scale is None else scale
     lengths = jnp.minimum(step.start + step.valid, layer.k.max_len)
-    if impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu"):
+    on_gpu = impl == "auto" and jax.default_backend() == "gpu"
+    if impl == "pallas" or on_gpu:
         fused = _pallas_decode(q, layer, lengths, scale, sliding_window,
                                warn=impl == "pallas")
         if fused is not None:
             return fused.astype(q.dtype)
+    if impl == "xla" or on_gpu:
+        out = _bf16_decode(q, layer, lengths, scale, sliding_window)
+        if out is not None:
+            return out.astype(q.dtype)
     qg = group_queries(q.astype(jnp.float32), heads)
     scores, key_pos, key_ok = _key_scores(layer.k, qg, lengths)
     values = _values_at(layer.v, lengths, key_pos, layer.k.block)

@@ -219,6 +219,24 @@ def test_attend_pallas_dispatch_and_fallback():
         np.testing.assert_allclose(auto4, want, atol=ATOL)
 
 
+@pytest.mark.parametrize("window,sinks,lengths", [(0, 0, [37, 5]), (8, 2, [40, 3, 0])])
+def test_bf16_decode_path_matches_reference(window, sinks, lengths):
+    """impl="xla" over a bf16 cache: bfloat16 operands (the stored values are bfloat16
+    already; the query and the probabilities are rounded), float32 softmax."""
+    view, step, qkey = build_layer("bf16", "bf16", lengths=lengths, window=window,
+                                   sinks=sinks, heads=2, head_dim=64)
+    q = jax.random.normal(qkey, (len(lengths), 1, 8, 64))
+    want = attend(q, view, step)
+    got = attend(q, view, step, impl="xla")
+    assert not np.array_equal(got, want)   # a different path, not the reference again
+    np.testing.assert_allclose(got, want, atol=2e-2)
+    # other codecs: the reference itself
+    view4, step4, _ = build_layer("int:4", "int:4", lengths=lengths, window=window,
+                                  sinks=sinks, heads=2, head_dim=64)
+    np.testing.assert_array_equal(attend(q, view4, step4, impl="xla"),
+                                  attend(q, view4, step4))
+
+
 @pytest.mark.parametrize("spec_k,spec_v,head_dim,kw,reason", [
     ("kivi:2,g32", "int:4", 128, {}, "not int:N or saw"),
     ("int:4", "fp8", 128, {}, "not int:N or saw"),
