@@ -25,6 +25,7 @@ import numpy as np
 from kvjax.cache import Segment, Step, Store, decode_heads, dense, token_parts
 from kvjax.codec import EXACT
 
+#: the masked logit (finite, so a row with no visible key stays NaN-free)
 NEG = float(jnp.finfo(jnp.float32).min)
 
 #: "reference": this module's jnp attention; "pallas": the fused decode kernel of
@@ -116,7 +117,7 @@ def softmax_combine(scores: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Arr
     scores ``[B, K, R, S]``, mask broadcastable to it, v ``[B, K, S, D]``; rows with no
     visible key give zeros.
     """
-    logits = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    logits = jnp.where(mask, scores, NEG)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(logits - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)

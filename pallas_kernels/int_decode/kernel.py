@@ -41,7 +41,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-NEG = float(jnp.finfo(jnp.float32).min)
+from kvjax.attention import NEG
+
 #: the smallest matrix-instruction tile edge of the Triton lowering
 MIN_DOT = 16
 #: matmul operand type: codes (< 2**8) are exact in it, and its 10-bit mantissa keeps

@@ -17,11 +17,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax.attention import NEG
 from kvjax.codec import EXACT
 from kvjax.codecs.intn import dequantize
 from kvjax.packing import unpack_bits
-
-NEG = float(jnp.finfo(jnp.float32).min)
 
 
 def codes_partial_reference(
