@@ -22,20 +22,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import Segment, Step, Store, decode_heads, dense, token_parts
+from kvjax.cache import Segment, Step, Store, decode_heads, decode_window, dense, token_parts
 from kvjax.codec import EXACT
 
 #: the masked logit (finite, so a row with no visible key stays NaN-free)
 NEG = float(jnp.finfo(jnp.float32).min)
 
-#: "reference": this module's jnp attention; "pallas": the fused decode kernel of
+#: "reference": this module's float32 jnp attention; "pallas": the fused decode kernel of
 #: :mod:`pallas_kernels.int_decode` where it applies (one query token per row over
-#: int:N / SAW codes), else the reference with a warning that says why; "auto": the
-#: kernel on a GPU backend where it applies, else (GPU) the bf16 path below where that
-#: applies, silently the reference otherwise (prefill chunks and other codecs are
-#: expected there), which is what models use; "xla": the bf16 path where it applies
-#: (one query token per row over a ``bf16`` cache: bfloat16 matmul operands as the
-#: stored values are, float32 accumulation and softmax), else the reference
+#: int:N / SAW codes), else the reference with a warning that says why; "xla": bfloat16
+#: matmul operands with float32 accumulation and softmax: one query token per row over a
+#: ``bf16`` cache in one pass, any chunk of several tokens over windows of the cache
+#: (:func:`_windowed_attention`), else (other one-token decodes, estimator codecs) the
+#: reference; "auto": on a GPU the kernel where it applies, else the "xla" paths, else
+#: silently the reference; on a CPU the reference. Models use "auto".
 IMPLS = ("reference", "pallas", "auto", "xla")
 
 
@@ -58,11 +58,13 @@ def _pallas_decode(q, layer, lengths, scale, sliding_window, *, warn: bool):
 
 
 def _bf16_decode(q, layer, lengths, scale, sliding_window):
-    """Decode over a cache whose K and V are both stored by the ``bf16`` codec, with
-    bfloat16 matmul operands (the stored values are bfloat16 already; only the query and
-    the probabilities are rounded), or None where it does not apply. The reference
-    upcasts every stored value to float32 first; this is the bf16 cache's speed path,
-    what a compressed cache's decode is compared with end to end."""
+    """Decode over a cache whose K and V are both stored by the ``bf16`` codec, or None
+    where it does not apply: on a GPU, when every token sits in the one dense region (no
+    sinks, no residual window), cuDNN's fused attention; otherwise bfloat16 matmul
+    operands (the stored values are bfloat16 already; only the query and the
+    probabilities are rounded) with a float32 softmax. The reference upcasts every stored
+    value to float32 first; this is the bf16 cache's speed path, what a compressed
+    cache's decode is compared with end to end."""
     from kvjax.codecs import Bf16Codec
 
     k_store, v_store = layer.k, layer.v
@@ -72,13 +74,21 @@ def _bf16_decode(q, layer, lengths, scale, sliding_window):
         return None
     bf16, f32 = jnp.bfloat16, jnp.float32
     qg = group_queries(q, k_store.raw.shape[1]).astype(bf16)
+    if jax.default_backend() == "gpu" and all(
+            s.sinks == 0 and s.raw_capacity == 0 for s in (k_store, v_store)):
+        # every token is in the one dense region, position == slot: cuDNN's fused
+        # attention (twice as fast as the XLA matmuls below at B=8, S=32k on the H200)
+        o = _cudnn_decode(qg, k_store.codec.values(k_store.layer_codes()),
+                          v_store.codec.values(v_store.layer_codes()), lengths, scale)
+        return ungroup_output(o, 1)
     scores, values = [], []
     # one decode token sees every stored token: validity is the only mask
     for (kind, keys, pos, ok), (_, vals, _, _) in zip(
             token_parts(k_store, lengths), token_parts(v_store, lengths), strict=True):
         if pos.shape[1] == 0:
             continue
-        keys, vals = (keys["x"], vals["x"]) if kind == "codes" else (keys, vals)
+        if kind == "codes":
+            keys, vals = k_store.codec.values(keys), v_store.codec.values(vals)
         s = jnp.einsum("bkgd,bksd->bkgs", qg, keys.astype(bf16), preferred_element_type=f32)
         scores.append(jnp.where(ok[:, None, None, :], s * scale, NEG))
         values.append(vals.astype(bf16))
@@ -91,6 +101,85 @@ def _bf16_decode(q, layer, lengths, scale, sliding_window):
             for pr, vr in zip(jnp.split(p, bounds, axis=-1), values, strict=True))
     o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
     return ungroup_output(o, 1)
+
+
+#: key positions per step of :func:`_windowed_attention` (its float32 scores are
+#: ``[B, N, T, WINDOW]``: 64 MiB per row for a 1024-token chunk of 32 query heads)
+WINDOW = 512
+
+
+def _windowed_attention(q, layer, step, lengths, scale, sliding_window, window=WINDOW):
+    """Attention of any chunk with bfloat16 matmul operands, walking the cache in windows
+    of :data:`WINDOW` positions with an online softmax (float32 max, sum and output), or
+    None where a codec's scores are not ``q . decode(codes)`` (an estimator of its own).
+
+    Each ``window`` positions' K and V are decoded to bfloat16 (:func:`kvjax.cache.decode_window`);
+    windows past the chunk's last query (causal) or before its first one's sliding window
+    are never visited. Memory stays at one window whatever the context; the reference
+    materializes float32 scores against the whole capacity, which a long prompt cannot
+    afford on any device.
+    """
+    k_store, v_store = layer.k, layer.v
+    if not (k_store.codec.scores_reconstruct and v_store.codec.scores_reconstruct):
+        return None
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    num_tokens = q.shape[1]
+    qg = group_queries(q, k_store.raw.shape[1]).astype(bf16)  # [B, K, R, D]
+    group = qg.shape[2] // num_tokens
+    q_pos = jnp.tile(step.positions(num_tokens), (1, group))  # [B, R]
+    size = min(window, k_store.max_len)
+    lo = 0
+    if sliding_window is not None:
+        lo = jnp.maximum(jnp.min(q_pos) - sliding_window + 1, 0) // size
+    hi = jnp.minimum(jnp.max(q_pos), k_store.max_len - 1) // size + 1
+
+    def body(i, carry):
+        m, l, o = carry
+        first = (i * size).astype(jnp.int32)
+        keys, ok = decode_window(k_store, lengths, first, size, bf16)
+        vals, _ = decode_window(v_store, lengths, first, size, bf16)
+        kpos = first + jnp.arange(size, dtype=jnp.int32)
+        visible = ok[:, None, :] & (kpos[None, None, :] <= q_pos[:, :, None])
+        if sliding_window is not None:
+            visible &= kpos[None, None, :] > q_pos[:, :, None] - sliding_window
+        visible = visible[:, None]  # [B, 1, R, W]
+        s = jnp.einsum("bkrd,bksd->bkrs", qg, keys, preferred_element_type=f32) * scale
+        s = jnp.where(visible, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+        o = alpha * o + jnp.einsum("bkrs,bksd->bkrd", p.astype(bf16), vals,
+                                   preferred_element_type=f32)
+        return m_new, l, o
+
+    rows = (*qg.shape[:3], 1)
+    init = (jnp.full(rows, NEG, f32), jnp.zeros(rows, f32), jnp.zeros(qg.shape, f32))
+    _, l, o = jax.lax.fori_loop(lo, hi, body, init)
+    o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+    return ungroup_output(o, num_tokens)
+
+
+def _cudnn_decode(qg, keys, values, lengths, scale):
+    """cuDNN attention of grouped queries ``qg[B, K, G, D]`` over ``keys, values[B, K, S,
+    D]`` (the cache's layout, read in place where JAX's cuDNN binding takes it; the
+    public API's ``[B, S, K, D]`` costs a transpose) with per-row lengths; float32
+    ``[B, K, G, D]``, zeros for an empty row."""
+    batch, heads, group, head_dim = qg.shape
+    q = qg.reshape(batch, heads * group, 1, head_dim)  # head k * G + g reads kv head k
+    seq = jnp.maximum(lengths, 1).astype(jnp.int32)
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+        o = cudnn.dot_product_attention(
+            q, keys, values, q_seqlen=jnp.ones((batch,), jnp.int32), kv_seqlen=seq,
+            scale=scale, mask_type=cudnn.MaskType.PADDING, qkv_layout="BNTH")
+    except (ImportError, AttributeError, TypeError):
+        o = jnp.swapaxes(jax.nn.dot_product_attention(
+            jnp.swapaxes(q, 1, 2), jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2),
+            scale=scale, key_value_seq_lengths=seq, implementation="cudnn"), 1, 2)
+    o = o.reshape(batch, heads, group, head_dim).astype(jnp.float32)
+    return jnp.where((lengths > 0)[:, None, None, None], o, 0.0)
 
 
 def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -196,7 +285,10 @@ def attend(
         if fused is not None:
             return fused.astype(q.dtype)
     if impl == "xla" or on_gpu:
-        out = _bf16_decode(q, layer, lengths, scale, sliding_window)
+        if num_tokens == 1:
+            out = _bf16_decode(q, layer, lengths, scale, sliding_window)
+        else:
+            out = _windowed_attention(q, layer, step, lengths, scale, sliding_window)
         if out is not None:
             return out.astype(q.dtype)
     qg = group_queries(q.astype(jnp.float32), heads)

@@ -495,6 +495,42 @@ def token_parts(store: Store, lengths: jax.Array):
     ]
 
 
+def decode_window(store: Store, lengths: jax.Array, first: jax.Array, size: int,
+                  dtype=jnp.bfloat16):
+    """The stored tokens at positions ``first .. first + size - 1`` of every row, decoded.
+
+    ``first`` is a traced int32 scalar, ``size`` static. Returns ``values[B, K, size, D]``
+    and ``valid[B, size]`` (position below the row's length). Only the code blocks that
+    cover the window are decoded (one more than ``size / block`` when sinks shift the
+    blocks off the window's grid), so a reader walking the cache window by window keeps
+    its memory to a window and decodes each block about once.
+    """
+    _, n_comp, _ = store.counts(lengths)
+    pos = first + jnp.arange(size, dtype=jnp.int32)  # [size]
+    parts = []
+    if store.sinks:
+        parts.append(jnp.take(store.sink, jnp.clip(pos, 0, store.sinks - 1), axis=2))
+    if store.slots:
+        block, slots = store.block, store.slots
+        span = min(slots, -(-size // block) + 1)
+        lo = jnp.clip((first - store.sinks) // block, 0, slots - span)
+        codes = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, span, axis=2),
+                             store.layer_codes())
+        decoded = decode_heads(store.codec, store.params, codes, dtype)
+        idx = jnp.clip(pos - store.sinks - lo * block, 0, span * block - 1)
+        parts.append(jnp.take(decoded, idx, axis=2))
+    raw_idx = pos[None, :] - (store.sinks + n_comp)[:, None]  # [B, size]
+    parts.append(_rows_take(store.raw, jnp.clip(raw_idx, 0, store.raw_capacity - 1)))
+    values = parts[-1].astype(dtype)
+    if store.slots:
+        in_codes = pos[None, :] < (store.sinks + n_comp)[:, None]
+        values = jnp.where(in_codes[:, None, :, None], parts[-2].astype(dtype), values)
+    if store.sinks:
+        values = jnp.where((pos < store.sinks)[None, None, :, None], parts[0].astype(dtype),
+                           values)
+    return values, pos[None, :] < lengths[:, None]
+
+
 @functools.partial(jax.jit, static_argnames="dtype")
 def dense(store: Store, lengths: jax.Array, dtype=jnp.float32) -> jax.Array:
     """All stored tokens of a layer view's store, decoded, in position order.

@@ -53,6 +53,10 @@ class Codec:
     block_tokens: ClassVar[int] = 1
     #: False for codecs that store vectors unchanged (bf16); the cache treats them as raw
     lossy: ClassVar[bool] = True
+    #: True when :meth:`scores` is ``q . decode(codes)`` up to rounding (a query-side
+    #: rotation included), so attention may decode keys and multiply; False for codecs
+    #: whose scores are an estimator of their own (QJL), which only ``scores`` computes
+    scores_reconstruct: ClassVar[bool] = True
 
     # -- construction -------------------------------------------------------------
     @classmethod

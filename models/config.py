@@ -51,7 +51,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     #: ``kvjax.attention.attend``'s ``impl``: "auto" takes the fused decode kernel on a
-    #: GPU where it applies; "reference" and "pallas" force one path (tests compare them)
+    #: GPU where it applies and bfloat16-operand XLA attention for the rest there (the
+    #: float32 reference on a CPU); "reference", "pallas" and "xla" force one path
     attention_impl: str = "auto"
 
     def __post_init__(self):

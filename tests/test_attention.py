@@ -125,3 +125,63 @@ def test_bad_impl_head_dim_and_group():
         attend(jnp.ones((1, 1, 2, 4)), view, step)
     with pytest.raises(ValueError, match="kv heads"):
         attend(jnp.ones((1, 1, 3, 8)), view, step)
+
+
+@pytest.mark.parametrize("spec_k,spec_v,sinks,window,sliding", [
+    ("bf16", "bf16", 2, 3, None),
+    ("int:4", "int:4", 3, 4, None),       # sinks shift the code blocks off the window grid
+    ("kivi:2,g16", "kivi:2,g16,token", 0, 5, None),   # K: blocks of 16 tokens
+    ("saw:h32,kv", "fp8", 0, 0, 6),
+])
+def test_windowed_attention_matches_reference(spec_k, spec_v, sinks, window, sliding):
+    """impl="xla" for chunks: bfloat16 operands over windows of the cache with an online
+    softmax, against the float32 reference, chunk after chunk of ragged rows."""
+    from kvjax.attention import _windowed_attention
+
+    rng = np.random.default_rng(3)
+    heads, head_dim, group, total = 2, 32, 3, 60
+    k = jnp.asarray(rng.standard_normal((2, total, heads, head_dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, total, heads, head_dim)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, total, heads * group, head_dim)), jnp.float32)
+    config = kc.CacheConfig(k=spec_k, v=spec_v, residual_window=window, sink_tokens=sinks)
+    cache = kc.init_cache(jax.random.key(0), config, num_layers=1, batch=2,
+                          num_kv_heads=heads, head_dim=head_dim, max_len=64)
+    windowed = jax.jit(_windowed_attention, static_argnums=(4, 5, 6))
+    pos = 0
+    for n, valid in [(30, [30, 0]), (30, [29, 17])]:   # one shape: one compilation
+        step = kc.make_step(cache, n, jnp.array(valid))
+        view = kc.append(cache.layer(0), k[:, pos:pos + n], v[:, pos:pos + n], step)
+        chunk = q[:, pos:pos + n]
+        want = attend(chunk, view, step, sliding_window=sliding)
+        lengths = jnp.minimum(step.start + step.valid, view.k.max_len)
+        outs = [attend(chunk, view, step, sliding_window=sliding, impl="xla")[:, :, None]]
+        for size in (5,):   # several windows, not a multiple of any block
+            outs.append(windowed(chunk, view, step, lengths, head_dim**-0.5, sliding,
+                                 size)[:, :, None])
+        got = jnp.concatenate(outs, axis=2)
+        real = np.arange(n)[None, :] < np.asarray(valid)[:, None]  # padding: meaningless
+        assert not np.array_equal(got[real][:, 0], np.asarray(want)[real])
+        np.testing.assert_allclose(np.asarray(got)[real],
+                                   np.broadcast_to(np.asarray(want)[:, :, None], got.shape)[real],
+                                   atol=3e-2)
+        cache = kc.commit(cache.with_layer(0, view), step)
+        pos += n
+
+
+def test_windowed_attention_leaves_estimator_scores_to_the_reference():
+    """A codec whose scores are not q . decode(codes) keeps the reference path."""
+    import dataclasses
+
+    from kvjax.codecs.intn import IntCodec
+
+    class Estimating(IntCodec):
+        scores_reconstruct = False
+
+    cache = kc.init_cache(jax.random.key(0), kc.CacheConfig(k="int:4", v="int:4"),
+                          num_layers=1, batch=1, num_kv_heads=1, head_dim=16, max_len=32)
+    kv = jnp.ones((1, 8, 1, 16))
+    step = kc.make_step(cache, 8)
+    view = kc.append(cache.layer(0), kv, kv, step)
+    view = dataclasses.replace(view, k=dataclasses.replace(view.k, codec=Estimating(bits=4)))
+    q = jnp.ones((1, 8, 1, 16))
+    np.testing.assert_array_equal(attend(q, view, step, impl="xla"), attend(q, view, step))
