@@ -150,7 +150,7 @@ def test_bad_inputs(params, prompts, kw, match):
         _generate(params, prompts, **kw)
 
 
-def _decode_temp_bytes(num_layers: int) -> tuple[int, int]:
+def _decode_temp_bytes(num_layers: int, spec: str) -> tuple[int, int]:
     """(XLA's temporary bytes for the compiled decode loop, bytes of the cache's codes)."""
     from models.llama import new_cache
 
@@ -158,7 +158,7 @@ def _decode_temp_bytes(num_layers: int) -> tuple[int, int]:
                          num_layers=num_layers, num_heads=2, num_kv_heads=2, head_dim=128,
                          max_position_embeddings=8192)
     weights = init_params(jax.random.key(0), config, jnp.bfloat16)
-    cache = new_cache(config, CacheConfig.from_specs("int:4"), batch=2, max_len=8192)
+    cache = new_cache(config, CacheConfig.from_specs(spec), batch=2, max_len=8192)
     codes = sum(x.nbytes for seg in cache.segments for store in (seg.k, seg.v)
                 for x in jax.tree.leaves(store.codes))
     compiled = gen._decode_jit.lower(
@@ -168,11 +168,13 @@ def _decode_temp_bytes(num_layers: int) -> tuple[int, int]:
     return compiled.memory_analysis().temp_size_in_bytes, codes
 
 
-def test_decode_updates_the_cache_in_place():
+@pytest.mark.parametrize("spec", ["int:4", "bf16"])
+def test_decode_updates_the_cache_in_place(spec):
     """A decode step writes its token into the cache's buffers without copying them: the
     compiled loop's temporaries do not grow with the layers' codes (scanning the cache
-    as scan inputs and outputs made them grow by more than the codes themselves)."""
-    temp_small, codes_small = _decode_temp_bytes(2)
-    temp_large, codes_large = _decode_temp_bytes(12)
+    as scan inputs and outputs made them grow by more than the codes themselves, and a
+    bfloat16 scatter was widened to float32 over the whole stack)."""
+    temp_small, codes_small = _decode_temp_bytes(2, spec)
+    temp_large, codes_large = _decode_temp_bytes(12, spec)
     assert codes_large - codes_small > 40 * 2**20
     assert temp_large - temp_small < 0.25 * (codes_large - codes_small)

@@ -1,7 +1,11 @@
 """Uncompressed storage: ``bf16`` (the reference point of every bits axis) and ``f32``.
 
-Codes of ``x[..., T, D]``: ``{"x": bfloat16[..., T, D]}``, 16 bits per element
-(``f32``: float32, 32 bits, the exact cache of parity tests).
+Codes of ``x[..., T, D]``: ``{"x": uint16[..., T, D]}``, the bits of the bfloat16
+values, 16 per element (``f32``: uint32, the bits of float32, the exact cache of parity
+tests). The bits are kept as unsigned integers because a cache writes new tokens into
+its buffers with a scatter, and XLA widens a 16-bit float scatter to float32, converting
+the whole buffer there and back on every append; an integer scatter of the same width
+moves the same bytes in place. :meth:`_IdentityCodec.values` gives them back as floats.
 ``lossy`` is False: for bf16 inputs (the models' own K/V) storage is exact, so a cache
 may keep these vectors as its raw window instead of encoding them.
 """
@@ -32,14 +36,22 @@ class _IdentityCodec(Codec):
     def _store(self, x: jax.Array) -> jax.Array:
         return x.astype(self.storage)
 
+    @property
+    def _bits(self):
+        return jnp.dtype(f"uint{8 * jnp.dtype(self.storage).itemsize}")
+
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         del params
-        return {"x": self._store(x)}
+        return {"x": jax.lax.bitcast_convert_type(self._store(x), self._bits)}
+
+    def values(self, codes: Codes) -> jax.Array:
+        """The stored vectors in the storage dtype (a bitcast of the codes, no copy)."""
+        return jax.lax.bitcast_convert_type(codes["x"], self.storage)
 
     def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
         """The stored vectors cast to ``dtype``."""
         del params
-        return codes["x"].astype(dtype)
+        return self.values(codes).astype(dtype)
 
     def bits_per_element(self, head_dim: int) -> float:
         """The storage dtype's width: no metadata."""
