@@ -6,15 +6,18 @@
 For each cache codec and batch size: a random-weight model of the given shapes (bf16
 weights) generates ``--new-tokens`` greedy tokens after a random prompt of ``--context``
 tokens, prefilled ``--prefill-chunk`` tokens at a time; reported are decode tokens/s
-(all rows, compilation excluded), prefill seconds and the cache's bytes. The models'
-attention is ``impl="auto"``: on a GPU the decode steps of ``int:N`` and SAW caches run
-the fused kernel, those of a ``bf16`` cache XLA matmuls with bfloat16 operands
-(``impl="xla"``); prefill chunks run the jnp reference attention.
+(all rows, compilation excluded), milliseconds per decode step, prefill seconds and the
+cache's bytes. The models' attention is ``impl="auto"``: on a GPU the decode steps of
+``int:N`` and SAW caches run the fused kernel, those of a ``bf16`` cache XLA matmuls with
+bfloat16 operands, and prefill chunks walk the cache in windows with bfloat16 operands
+(``impl="xla"``; see :data:`kvjax.attention.IMPLS`).
 
 Capacity: the largest batch whose cache of ``--context`` tokens (bytes laid out as
 :func:`kvjax.eval.memory.cache_bytes` counts them, from encoded arrays) fits beside the
 weights in the device's memory (``bytes_limit`` of the GPU, or ``--device-gb``), less
-``--reserve-gb`` for activations.
+``--reserve-gb`` for activations. ``--at-capacity`` also runs each codec at that batch
+(prefilled ``--capacity-chunk`` tokens at a time, to keep the activations inside the
+reserve), which shows that it fits and what the capacity buys in tokens/s.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--reserve-gb", type=float, default=8.0)
     p.add_argument("--layers", type=int, help="fewer transformer blocks than the shape's, "
                    "for a quick look (decode time scales with the layer count)")
+    p.add_argument("--at-capacity", action="store_true",
+                   help="also run each codec at its largest batch")
+    p.add_argument("--capacity-chunk", type=int, default=256)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     config = SHAPES[args.shape]
@@ -98,27 +104,33 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     for spec in args.codec or ["bf16", "int:4", "saw"]:
         cache_config = CacheConfig.from_specs(spec, residual_window=args.window)
-        for batch in args.batch:
+        max_batch = capacity(config, cache_config, args.context, free) if free > 0 else None
+        runs = [(batch, args.prefill_chunk) for batch in args.batch]
+        if args.at_capacity and max_batch:
+            runs.append((max_batch, args.capacity_chunk))
+        for batch, chunk in runs:
             prompts = rng.integers(0, config.vocab_size, (batch, args.context)).tolist()
             result = generate(params, config, prompts, cache_config=cache_config,
                               max_new_tokens=args.new_tokens, eos_token_ids=(),
-                              prefill_chunk=args.prefill_chunk)
+                              prefill_chunk=chunk)
             rows.append({
                 "codec": spec, "batch": batch, "context": args.context,
-                "decode_tok_per_s": result.decode_tok_per_s, "prefill_s": result.prefill_s,
+                "decode_tok_per_s": result.decode_tok_per_s,
+                "step_ms": 1e3 * result.decode_s / args.new_tokens,
+                "prefill_s": result.prefill_s,
                 "compile_s": result.compile_s, "cache_bytes": result.cache_bytes,
-                "max_batch": capacity(config, cache_config, args.context, free)
-                if free > 0 else None,
+                "max_batch": max_batch,
             })
-            print(rows[-1], file=sys.stderr)
+            print(rows[-1], file=sys.stderr, flush=True)
     base = {r["batch"]: r["decode_tok_per_s"] for r in rows if r["codec"] == "bf16"}
-    print(f"| codec | batch | context | decode tok/s | vs bf16 | prefill s | cache GiB | "
-          f"max batch at {args.context} |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| codec | batch | context | decode tok/s | ms/step | vs bf16 | prefill s | "
+          f"cache GiB | max batch at {args.context} |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["decode_tok_per_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
         print(f"| {r['codec']} | {r['batch']} | {r['context']} | {r['decode_tok_per_s']:.1f} | "
-              f"{ratio:.2f}x | {r['prefill_s']:.1f} | {r['cache_bytes'] / 2**30:.2f} | "
+              f"{r['step_ms']:.2f} | {ratio:.2f}x | {r['prefill_s']:.1f} | "
+              f"{r['cache_bytes'] / 2**30:.2f} | "
               f"{r['max_batch'] if r['max_batch'] is not None else '-'} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

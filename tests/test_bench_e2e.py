@@ -25,3 +25,16 @@ def test_smoke_run_prints_the_table(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("| codec | batch | context | decode tok/s")
     assert out[2].startswith("| int:4 | 1 | 40 |") and out[3].startswith("| bf16 | 1 | 40 |")
+
+
+def test_probe_layers_smoke(capsys):
+    from experiments import probe_layers
+
+    args = ["--codec", "int:4", "--layers", "1", "--batch", "1", "--context", "32",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--repeats", "1",
+            "--hlo", "0.0001"]
+    assert probe_layers.main(args) == 0
+    captured = capsys.readouterr()
+    rows = [line for line in captured.out.splitlines() if line.startswith("| int:4")]
+    assert [r.split("|")[3].strip() for r in rows] == ["scan", "unrolled"]
+    assert "MiB" in captured.err   # the large values of the optimized HLO
