@@ -15,9 +15,12 @@ bfloat16 operands, and prefill chunks walk the cache in windows with bfloat16 op
 Capacity: the largest batch whose cache of ``--context`` tokens (bytes laid out as
 :func:`kvjax.eval.memory.cache_bytes` counts them, from encoded arrays) fits beside the
 weights in the device's memory (``bytes_limit`` of the GPU, or ``--device-gb``), less
-``--reserve-gb`` for activations. ``--at-capacity`` also runs each codec at that batch
-(prefilled ``--capacity-chunk`` tokens at a time, to keep the activations inside the
-reserve), which shows that it fits and what the capacity buys in tokens/s.
+``--reserve-gb`` for activations. ``--check-programs`` replaces the guessed reserve by
+the temporaries XLA reports for the compiled prefill chunk and decode loop at that
+batch (compiled from shapes, nothing allocated), and finds the largest batch for which
+cache + temporaries fit. ``--at-capacity`` also runs each codec at its largest batch
+(prefilled ``--capacity-chunk`` tokens at a time), which shows that it fits and what
+the capacity buys in tokens/s.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ def weights_bytes(params) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def capacity(config: ModelConfig, cache_config: CacheConfig, context: int, free: float) -> int:
-    """The largest batch whose caches of ``context`` tokens fit in ``free`` bytes."""
+def row_bytes(config: ModelConfig, cache_config: CacheConfig, context: int) -> tuple[int, int]:
+    """(bytes of one row's cache of ``context`` tokens, bytes a cache holds whatever its
+    batch: codec parameters), measured from encoded arrays."""
     def size(batch):
         return cache_bytes(cache_config.k, cache_config.v, context=context,
                            num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
@@ -62,10 +66,58 @@ def capacity(config: ModelConfig, cache_config: CacheConfig, context: int, free:
                            residual_window=cache_config.residual_window,
                            sink_tokens=cache_config.sink_tokens)
 
-    # a row's bytes, and what a cache holds once whatever its batch (codec parameters)
     per_row = size(2) - size(1)
-    fixed = size(1) - per_row
+    return per_row, size(1) - per_row
+
+
+def capacity(config: ModelConfig, cache_config: CacheConfig, context: int, free: float) -> int:
+    """The largest batch whose caches of ``context`` tokens fit in ``free`` bytes."""
+    per_row, fixed = row_bytes(config, cache_config, context)
     return max(0, int((free - fixed) // per_row))
+
+
+def program_temps(params, config: ModelConfig, cache_config: CacheConfig, *, batch: int,
+                  context: int, chunk: int, new_tokens: int) -> tuple[int, int]:
+    """XLA's temporary bytes of the compiled prefill chunk and decode loop at ``batch``
+    rows (compiled from shapes alone, nothing allocated), the working memory that must
+    fit beside the weights and the cache."""
+    from models import generate as gen
+    from models.llama import new_cache
+
+    max_len = context + new_tokens
+    cache = jax.eval_shape(lambda: new_cache(config, cache_config, batch=batch,
+                                             max_len=max_len, key=jax.random.key(0)))
+    i32 = jnp.int32
+    prefill = gen._prefill_jit.lower(
+        params, config, jax.ShapeDtypeStruct((batch, min(chunk, context)), i32),
+        jax.ShapeDtypeStruct((batch,), i32), cache).compile()
+    decode = gen._decode_jit.lower(
+        params, config, new_tokens, True,
+        jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32), cache,
+        jax.ShapeDtypeStruct((1,), i32), jax.random.key(1), jnp.float32(1),
+        jnp.float32(1)).compile()
+    return (prefill.memory_analysis().temp_size_in_bytes,
+            decode.memory_analysis().temp_size_in_bytes)
+
+
+def capacity_with_programs(params, config, cache_config, *, context, chunk, new_tokens,
+                           free_total: float) -> tuple[int, int, int]:
+    """The largest batch whose cache and the larger of its compiled programs' temporaries
+    fit in ``free_total`` bytes (device memory less the weights). Starts from the
+    cache-only capacity, scales the batch down by the temporaries measured there (they
+    grow about linearly with the rows), and compiles again until a batch fits.
+    Returns ``(batch, prefill temp bytes, decode temp bytes)`` at that batch."""
+    per_row, fixed = row_bytes(config, cache_config, context + new_tokens)
+    batch = max(0, int((free_total - fixed) // per_row))
+    while batch > 0:
+        temps = program_temps(params, config, cache_config, batch=batch, context=context,
+                              chunk=chunk, new_tokens=new_tokens)
+        need = max(temps)
+        if fixed + batch * per_row + need <= free_total:
+            return batch, *temps
+        # the temporaries grow about linearly with the rows: charge each row its share
+        batch = min(batch - 1, max(0, int((free_total - fixed) // (per_row + need / batch))))
+    return 0, 0, 0
 
 
 def main(argv=None) -> int:
@@ -86,7 +138,12 @@ def main(argv=None) -> int:
                    "for a quick look (decode time scales with the layer count)")
     p.add_argument("--at-capacity", action="store_true",
                    help="also run each codec at its largest batch")
-    p.add_argument("--capacity-chunk", type=int, default=256)
+    p.add_argument("--capacity-chunk", type=int, default=256,
+                   help="prefill chunk of the runs at capacity and of --check-programs")
+    p.add_argument("--check-programs", action="store_true",
+                   help="also find the largest batch whose cache fits together with the "
+                   "compiled prefill's and decode's temporaries (compiles, allocates "
+                   "nothing); --at-capacity then runs that batch")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     config = SHAPES[args.shape]
@@ -99,15 +156,25 @@ def main(argv=None) -> int:
     params = init_params(jax.random.key(0), config, jnp.bfloat16)
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit") or (args.device_gb or 0) * 1e9
-    free = limit - weights_bytes(params) - args.reserve_gb * 1e9
-    rows = []
+    free_total = limit - weights_bytes(params)
+    free = free_total - args.reserve_gb * 1e9
+    rows, checked = [], {}
     rng = np.random.default_rng(0)
     for spec in args.codec or ["bf16", "int:4", "saw"]:
         cache_config = CacheConfig.from_specs(spec, residual_window=args.window)
         max_batch = capacity(config, cache_config, args.context, free) if free > 0 else None
+        if args.check_programs and free_total > 0:
+            checked[spec] = capacity_with_programs(
+                params, config, cache_config, context=args.context,
+                chunk=args.capacity_chunk, new_tokens=args.new_tokens,
+                free_total=free_total)
+            print(f"{spec}: {checked[spec][0]} rows fit with the compiled programs' "
+                  f"temporaries (prefill {checked[spec][1] / 2**30:.2f} GiB, decode "
+                  f"{checked[spec][2] / 2**30:.2f} GiB)", file=sys.stderr, flush=True)
         runs = [(batch, args.prefill_chunk) for batch in args.batch]
-        if args.at_capacity and max_batch:
-            runs.append((max_batch, args.capacity_chunk))
+        at_capacity = checked[spec][0] if spec in checked else max_batch
+        if args.at_capacity and at_capacity:
+            runs.append((at_capacity, args.capacity_chunk))
         for batch, chunk in runs:
             prompts = rng.integers(0, config.vocab_size, (batch, args.context)).tolist()
             result = generate(params, config, prompts, cache_config=cache_config,
@@ -120,18 +187,22 @@ def main(argv=None) -> int:
                 "prefill_s": result.prefill_s,
                 "compile_s": result.compile_s, "cache_bytes": result.cache_bytes,
                 "max_batch": max_batch,
+                "max_batch_checked": checked[spec][0] if spec in checked else None,
+                "prefill_temp_bytes": checked[spec][1] if spec in checked else None,
+                "decode_temp_bytes": checked[spec][2] if spec in checked else None,
             })
             print(rows[-1], file=sys.stderr, flush=True)
     base = {r["batch"]: r["decode_tok_per_s"] for r in rows if r["codec"] == "bf16"}
     print(f"| codec | batch | context | decode tok/s | ms/step | vs bf16 | prefill s | "
-          f"cache GiB | max batch at {args.context} |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"cache GiB | max batch at {args.context} | checked with programs |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["decode_tok_per_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
         print(f"| {r['codec']} | {r['batch']} | {r['context']} | {r['decode_tok_per_s']:.1f} | "
               f"{r['step_ms']:.2f} | {ratio:.2f}x | {r['prefill_s']:.1f} | "
               f"{r['cache_bytes'] / 2**30:.2f} | "
-              f"{r['max_batch'] if r['max_batch'] is not None else '-'} |")
+              f"{r['max_batch'] if r['max_batch'] is not None else '-'} | "
+              f"{r['max_batch_checked'] if r['max_batch_checked'] is not None else '-'} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

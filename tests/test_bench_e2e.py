@@ -38,3 +38,41 @@ def test_probe_layers_smoke(capsys):
     rows = [line for line in captured.out.splitlines() if line.startswith("| int:4")]
     assert [r.split("|")[3].strip() for r in rows] == ["scan", "unrolled"]
     assert "MiB" in captured.err   # the large values of the optimized HLO
+
+
+def test_capacity_with_programs_charges_the_temporaries(monkeypatch):
+    """The batch search: cache + the larger compiled program's temporaries must fit."""
+    import dataclasses
+
+    config = dataclasses.replace(bench_e2e.SHAPES["tiny"], num_layers=1)
+    cache_config = CacheConfig.from_specs("int:4")
+    per_row, fixed = bench_e2e.row_bytes(config, cache_config, 42)
+    calls = []
+
+    def fake_temps(params, config, cache_config, *, batch, **kw):
+        calls.append(batch)
+        return 3 * per_row * batch + 1000, per_row * batch   # prefill's are the larger
+
+    monkeypatch.setattr(bench_e2e, "program_temps", fake_temps)
+    free = fixed + 100 * per_row + 10
+    batch, prefill, decode = bench_e2e.capacity_with_programs(
+        None, config, cache_config, context=40, chunk=16, new_tokens=2, free_total=free)
+    # each row costs its cache and 3 rows' worth of temporaries: 24 fit, 25 do not
+    assert calls[0] == 100 and batch == calls[-1] == 24
+    assert fixed + batch * per_row + prefill <= free < fixed + 25 * 4 * per_row + 1000
+    assert decode == per_row * batch
+
+
+def test_program_temps_compile_from_shapes():
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from models.llama import init_params
+
+    config = dataclasses.replace(bench_e2e.SHAPES["tiny"], num_layers=1)
+    params = init_params(jax.random.key(0), config, jnp.bfloat16)
+    prefill, decode = bench_e2e.program_temps(params, config, CacheConfig.from_specs("int:4"),
+                                              batch=2, context=40, chunk=16, new_tokens=2)
+    assert prefill > 0 and decode > 0
