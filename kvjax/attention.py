@@ -20,7 +20,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.cache import Segment, Step, Store, decode_heads, decode_window, dense, token_parts
 from kvjax.codec import EXACT
@@ -31,9 +30,10 @@ NEG = float(jnp.finfo(jnp.float32).min)
 #: "reference": this module's float32 jnp attention; "pallas": the fused decode kernel of
 #: :mod:`pallas_kernels.int_decode` where it applies (one query token per row over
 #: int:N / SAW codes), else the reference with a warning that says why; "xla": bfloat16
-#: matmul operands with float32 accumulation and softmax: one query token per row over a
-#: ``bf16`` cache in one pass, any chunk of several tokens over windows of the cache
-#: (:func:`_windowed_attention`), else (other one-token decodes, estimator codecs) the
+#: matmul operands with float32 accumulation and softmax over windows of the cache
+#: (:func:`_windowed_attention`) for one query token per row over a ``bf16`` cache (on
+#: a GPU, cuDNN where the cache is one dense region) and for any chunk of several
+#: tokens, else (other one-token decodes, estimator codecs) the
 #: reference; "auto": on a GPU the kernel where it applies, else the "xla" paths, else
 #: silently the reference; on a CPU the reference. Models use "auto".
 IMPLS = ("reference", "pallas", "auto", "xla")
@@ -57,50 +57,28 @@ def _pallas_decode(q, layer, lengths, scale, sliding_window, *, warn: bool):
     return api.decode_attention(q[:, 0], layer, lengths, scale=scale)[:, None]
 
 
-def _bf16_decode(q, layer, lengths, scale, sliding_window):
+def _bf16_decode(q, layer, step, lengths, scale, sliding_window):
     """Decode over a cache whose K and V are both stored by the ``bf16`` codec, or None
     where it does not apply: on a GPU, when every token sits in the one dense region (no
-    sinks, no residual window), cuDNN's fused attention; otherwise bfloat16 matmul
-    operands (the stored values are bfloat16 already; only the query and the
-    probabilities are rounded) with a float32 softmax. The reference upcasts every stored
-    value to float32 first; this is the bf16 cache's speed path, what a compressed
-    cache's decode is compared with end to end."""
+    sinks, no residual window, no sliding window), cuDNN's fused attention; otherwise
+    :func:`_windowed_attention`. The reference upcasts every stored value to float32
+    first; this is the bf16 cache's speed path, what a compressed cache's decode is
+    compared with end to end."""
     from kvjax.codecs import Bf16Codec
 
     k_store, v_store = layer.k, layer.v
-    if (q.shape[1] != 1 or sliding_window is not None
-            or not isinstance(k_store.codec, Bf16Codec)
+    if (q.shape[1] != 1 or not isinstance(k_store.codec, Bf16Codec)
             or not isinstance(v_store.codec, Bf16Codec)):
         return None
-    bf16, f32 = jnp.bfloat16, jnp.float32
-    qg = group_queries(q, k_store.raw.shape[1]).astype(bf16)
-    if jax.default_backend() == "gpu" and all(
+    if jax.default_backend() == "gpu" and sliding_window is None and all(
             s.sinks == 0 and s.raw_capacity == 0 for s in (k_store, v_store)):
         # every token is in the one dense region, position == slot: cuDNN's fused
-        # attention (twice as fast as the XLA matmuls below at B=8, S=32k on the H200)
+        # attention (twice as fast as XLA matmuls at B=8, S=32k on the H200)
+        qg = group_queries(q, k_store.raw.shape[1]).astype(jnp.bfloat16)
         o = _cudnn_decode(qg, k_store.codec.values(k_store.layer_codes()),
                           v_store.codec.values(v_store.layer_codes()), lengths, scale)
         return ungroup_output(o, 1)
-    scores, values = [], []
-    # one decode token sees every stored token: validity is the only mask
-    for (kind, keys, pos, ok), (_, vals, _, _) in zip(
-            token_parts(k_store, lengths), token_parts(v_store, lengths), strict=True):
-        if pos.shape[1] == 0:
-            continue
-        if kind == "codes":
-            keys, vals = k_store.codec.values(keys), v_store.codec.values(vals)
-        s = jnp.einsum("bkgd,bksd->bkgs", qg, keys.astype(bf16), preferred_element_type=f32)
-        scores.append(jnp.where(ok[:, None, None, :], s * scale, NEG))
-        values.append(vals.astype(bf16))
-    s = jnp.concatenate(scores, axis=-1)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(s > NEG, jnp.exp(s - m), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    bounds = np.cumsum([v.shape[2] for v in values])[:-1]
-    o = sum(jnp.einsum("bkgs,bksd->bkgd", pr.astype(bf16), vr, preferred_element_type=f32)
-            for pr, vr in zip(jnp.split(p, bounds, axis=-1), values, strict=True))
-    o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
-    return ungroup_output(o, 1)
+    return _windowed_attention(q, layer, step, lengths, scale, sliding_window)
 
 
 #: key positions per step of :func:`_windowed_attention` (its float32 scores are
@@ -286,7 +264,7 @@ def attend(
             return fused.astype(q.dtype)
     if impl == "xla" or on_gpu:
         if num_tokens == 1:
-            out = _bf16_decode(q, layer, lengths, scale, sliding_window)
+            out = _bf16_decode(q, layer, step, lengths, scale, sliding_window)
         else:
             out = _windowed_attention(q, layer, step, lengths, scale, sliding_window)
         if out is not None:
