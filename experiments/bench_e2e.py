@@ -20,7 +20,8 @@ the temporaries XLA reports for the compiled prefill chunk and decode loop at th
 batch (compiled from shapes, nothing allocated), and finds the largest batch for which
 cache + temporaries fit. ``--at-capacity`` also runs each codec at its largest batch
 (prefilled ``--capacity-chunk`` tokens at a time), which shows that it fits and what
-the capacity buys in tokens/s.
+the capacity buys in tokens/s; it wants JAX's default preallocating allocator
+(``XLA_PYTHON_CLIENT_PREALLOCATE`` unset), whose limit the capacity is computed from.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -153,6 +155,11 @@ def main(argv=None) -> int:
         print("bench_e2e: --context + --new-tokens exceed the model's context",
               file=sys.stderr)
         return 2
+    if args.at_capacity and os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false":
+        # the growing allocator fails single allocations of tens of GiB (a layer stack of
+        # a full cache) long before the memory is used up
+        print("bench_e2e: XLA_PYTHON_CLIENT_PREALLOCATE=false: a cache near the memory "
+              "limit may fail to allocate; unset it for --at-capacity", file=sys.stderr)
     params = init_params(jax.random.key(0), config, jnp.bfloat16)
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit") or (args.device_gb or 0) * 1e9
