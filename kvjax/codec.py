@@ -17,6 +17,9 @@ Spec strings. One grammar serves the CLI, sweeps and results files::
 
     name[:opt,opt,...]      e.g.  bf16   fp8   int:4   kivi:2,g32   kivi:2,g32,token
 
+Any lossy token-wise codec also takes the outlier options ``medC[,mbN][,mpP]``
+(``int:4,med3``, ``hqmq:s96,r4,med3``): see :mod:`kvjax.codecs.outliers`.
+
 Options are positional values or ``<letter(s)><value>`` flags; each codec's
 ``from_options`` documents its own. ``parse_codec(codec.spec)`` returns an equal codec.
 """
@@ -212,7 +215,11 @@ def parse_codec(spec: str | Codec) -> Codec:
     options = [o.strip() for o in rest.split(",")] if rest else []
     if any(not o for o in options):
         raise CodecError(f"empty option in codec spec '{spec}'")
-    return registry[name].from_options(options)
+    from kvjax.codecs.outliers import MedOutlierCodec, split_outlier_options
+
+    options, outliers = split_outlier_options(spec, options)
+    codec = registry[name].from_options(options)
+    return MedOutlierCodec(base=codec, **outliers) if outliers else codec
 
 
 def parse_kv(

@@ -61,6 +61,8 @@ CONFIGS = [
     dict(k="int:3", v="int:8", residual_window=3, sink_tokens=2),
     dict(k="kivi:2,g4", v="kivi:2,g4,token", residual_window=0, sink_tokens=0),
     dict(k="kivi:4,g4", v="kivi:4,g4,token", residual_window=6, sink_tokens=3),
+    # nested codes in blocks of 4 tokens (median and outlier slots per block)
+    dict(k="hqmq:s7,r3,med2,mb4", v="int:4,med3,mb2", residual_window=2, sink_tokens=1),
 ]
 
 

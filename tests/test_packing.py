@@ -93,3 +93,42 @@ def test_mixed_radix_errors():
         pk.radix_combine(jnp.zeros(5, jnp.uint32), 24, 2)
     with pytest.raises(ValueError, match="alphabet"):
         pk.best_radix_group(1)
+
+
+def test_fields_of_mixed_widths_round_trip_back_to_back():
+    rng = np.random.default_rng(5)
+    widths = [(3, 7), (5, 32), (1, 1), (0, 4), (9, 13), (2, 20)]
+    fields = [(jnp.asarray(rng.integers(0, 2**b, size=(2, n), dtype=np.uint64)
+                           .astype(np.uint32)), b) for n, b in widths]
+    words = pk.pack_fields(fields)
+    total = pk.fields_bits(widths)
+    assert total == 3 * 7 + 5 * 32 + 1 + 9 * 13 + 2 * 20
+    assert words.shape == (2, -(-total // 32))
+    for (codes, _), back in zip(fields, pk.unpack_fields(words, widths), strict=True):
+        np.testing.assert_array_equal(back, codes)
+    halves = pk.to_halfwords(words, total)
+    assert halves.dtype == jnp.uint16 and halves.shape[-1] == -(-total // 16)
+    np.testing.assert_array_equal(pk.from_halfwords(halves, total), words)
+    # bit order: the first field's first code in the lowest bits of word 0
+    one = pk.pack_fields([(jnp.asarray([5], jnp.uint32), 3), (jnp.asarray([1], jnp.uint32), 1)])
+    assert int(one[0]) == 5 | 1 << 3
+    with pytest.raises(ValueError, match="stream"):
+        pk.unpack_fields(words[:, :-1], widths)
+
+
+@pytest.mark.parametrize("alphabet", [24 * 24, 24 * 96, 24 * 192, 24 * 7, 3, 64, 1])
+def test_radix_fields_split_the_odd_part(alphabet):
+    n = 32
+    rng = np.random.default_rng(alphabet)
+    idx = rng.integers(0, alphabet, size=(3, n)).astype(np.uint32)
+    idx[0] = alphabet - 1
+    fields = pk.radix_fields(jnp.asarray(idx), alphabet)
+    widths = pk.radix_widths(n, alphabet)
+    assert [(int(c.shape[-1]), b) for c, b in fields] == widths
+    back = pk.radix_indices(pk.unpack_fields(pk.pack_fields(fields), widths), n, alphabet) \
+        if fields else pk.radix_indices([], n, alphabet)
+    np.testing.assert_array_equal(np.broadcast_to(back, idx.shape), idx if alphabet > 1 else 0)
+    bits = pk.fields_bits(widths)
+    assert n * np.log2(alphabet) <= bits < n * np.log2(alphabet) + 4
+    if alphabet in (576, 2304, 4608):  # odd part 9: five base-9 digits per 16 bits
+        assert widths[0] == (6, 16) and widths[1] == (1, 7)

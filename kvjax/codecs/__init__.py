@@ -2,8 +2,13 @@
 
 from kvjax.codecs.bf16 import Bf16Codec, F32Codec
 from kvjax.codecs.fp8 import Fp8Codec
+from kvjax.codecs.hqmq import HqmqCodec
 from kvjax.codecs.intn import IntCodec
 from kvjax.codecs.kivi import KiviCodec
+from kvjax.codecs.outliers import MedOutlierCodec
 from kvjax.codecs.saw import SawCodec
 
-__all__ = ["Bf16Codec", "F32Codec", "Fp8Codec", "IntCodec", "KiviCodec", "SawCodec"]
+__all__ = [
+    "Bf16Codec", "F32Codec", "Fp8Codec", "HqmqCodec", "IntCodec", "KiviCodec",
+    "MedOutlierCodec", "SawCodec",
+]

@@ -1,0 +1,238 @@
+"""HQMQ: Hurwitz-quaternion multiplicative quantization, ``hqmq:sS,rB``.
+
+Each vector is cut into ``C = ceil(D / 4)`` chunks of 4 (zero-padded when ``4`` does not
+divide ``D``), each chunk a quaternion ``x = r u`` with radius ``r = |x|`` and direction
+``u`` on S^3. The direction becomes the codeword ``q_p * q_s`` (Hamilton product) with the
+largest inner product ``<u, q_p q_s>``, ``q_p`` one of the 24 Hurwitz units (the group 2T,
+:mod:`kvjax.quaternion`) and ``q_s`` one of ``S`` seeded Haar-random unit quaternions
+drawn per (layer, kv head, K|V) by :meth:`HqmqCodec.init`: ``24 S`` codewords from ``S``
+stored quaternions. The radius is quantized uniformly to ``B`` bits on ``[0, scale]``,
+``scale`` the vector's largest chunk radius (stored fp16), levels ``k * scale / (2**B-1)``.
+
+Encoding without trying all ``24 S`` codewords: right multiplication by a unit quaternion
+is an isometry, so ``<u, q_p q_s> = <u conj(q_s), q_p>``; for each ``q_s`` the best ``q_p``
+is the unit of 2T nearest to ``w_s = u conj(q_s)``, found in closed form
+(:func:`kvjax.quaternion.nearest_hurwitz`). Cost: one Hamilton product and a dozen
+comparisons per (chunk, ``q_s``) instead of 24 dot products; chunks go through in
+batches of :data:`ENCODE_BATCH`, so a long prefill's memory stays bounded.
+
+Storage. The joint index ``24 s + p`` has ``log2(24 S)`` bits of information, not a
+whole number; :func:`kvjax.packing.radix_fields` splits ``24 S = odd * 2**t`` and packs the
+odd part's digits in mixed radix (5 base-9 digits per 16 bits for S in 24, 48, 96, 192),
+the rest as plain bits. A vector's ``C`` indices and ``C`` radius codes form one bit
+stream, stored as 16-bit halves (the last word's unused half is not stored)::
+
+    stream    uint16[..., T, H]   H = ceil(bits(C indices of 24 S, C radii of B bits) / 16)
+    scale     float16[..., T, 1]
+    head_dim  uint8[..., T, 0, D]  zero bytes; records D
+
+Bits per element (:meth:`HqmqCodec.bits_per_element`): ``(16 H + 16) / D``. The paper's
+fractional count (its Table 21), ``(log2(24 S) + B) / 4 + 16 / D`` at ``4 | D``, is
+:meth:`HqmqCodec.fractional_bits_per_element`; for D = 128 the stored count is 0.08 bit
+above it (s24_r3: 3.25 stored vs 3.17; s192_r6: 4.75 vs 4.67).
+
+Outliers (the paper's Med-C) are not part of this codec: any token-wise codec takes them
+with the ``medC`` option, see :mod:`kvjax.codecs.outliers` (``hqmq:s96,r4,med3``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.codec import (
+    Codec,
+    CodecError,
+    Codes,
+    Params,
+    check_range,
+    parse_int,
+    register,
+    round_to_dtype,
+    split_flags,
+)
+from kvjax.codecs.intn import FP16_MAX, FP16_TINY, exact_bits, head_dim_marker, option_spec
+from kvjax.packing import (
+    fields_bits,
+    from_halfwords,
+    pack_fields,
+    radix_fields,
+    radix_indices,
+    radix_widths,
+    to_halfwords,
+    unpack_fields,
+)
+from kvjax.quaternion import (
+    NUM_HURWITZ,
+    conjugate,
+    haar_quaternions,
+    hamilton,
+    hurwitz_units,
+    nearest_hurwitz,
+)
+
+MIN_SECONDARY, MAX_SECONDARY = 1, 4096
+MIN_RADIUS_BITS, MAX_RADIUS_BITS = 1, 12
+DEFAULT_SECONDARY, DEFAULT_RADIUS_BITS = 96, 4
+#: chunks whose ``S`` candidate products are evaluated at once (memory ~ 64 S bytes each)
+ENCODE_BATCH = 4096
+_USAGE = (f"hqmq:sS,rB with S in {MIN_SECONDARY}..{MAX_SECONDARY} secondary quaternions and "
+          f"B in {MIN_RADIUS_BITS}..{MAX_RADIUS_BITS} radius bits, e.g. hqmq:s96,r4")
+
+
+def num_chunks(head_dim: int) -> int:
+    """Quaternion chunks of a vector of ``head_dim`` (the last one zero-padded)."""
+    return -(-head_dim // 4)
+
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HqmqCodec(Codec):
+    """Token-wise HQMQ with ``secondary`` (S) quaternions and ``radius_bits`` (B).
+
+    Spec ``hqmq:sS,rB`` (both optional: ``hqmq`` is ``hqmq:s96,r4``, the paper's
+    headline point). See the module docstring for the method and the layout.
+    """
+
+    name: ClassVar[str] = "hqmq"
+
+    secondary: int = DEFAULT_SECONDARY
+    radius_bits: int = DEFAULT_RADIUS_BITS
+
+    def __post_init__(self) -> None:
+        check_range(self.secondary, "secondary codebook size S", self.name, MIN_SECONDARY,
+                    MAX_SECONDARY)
+        check_range(self.radius_bits, "radius bits B", self.name, MIN_RADIUS_BITS,
+                    MAX_RADIUS_BITS)
+
+    @classmethod
+    def from_options(cls, options: list[str]) -> HqmqCodec:
+        """``hqmq[:sS][,rB]``."""
+        spec = option_spec(cls.name, options)
+        known = {
+            "s": lambda v: parse_int(v, "secondary codebook size S", spec, MIN_SECONDARY,
+                                     MAX_SECONDARY),
+            "r": lambda v: parse_int(v, "radius bits B", spec, MIN_RADIUS_BITS,
+                                     MAX_RADIUS_BITS),
+        }
+        try:
+            positional, flags = split_flags(options, spec, known)
+        except CodecError as err:
+            raise CodecError(f"{err}; usage: {_USAGE}") from None
+        if positional:
+            raise CodecError(f"{spec}: unexpected option(s) {positional}; usage: {_USAGE}")
+        return cls(secondary=flags.get("s", DEFAULT_SECONDARY),
+                   radius_bits=flags.get("r", DEFAULT_RADIUS_BITS))
+
+    @property
+    def spec(self) -> str:
+        """``hqmq:sS,rB``."""
+        return f"{self.name}:s{self.secondary},r{self.radius_bits}"
+
+    @property
+    def alphabet(self) -> int:
+        """Joint codewords ``24 S``."""
+        return NUM_HURWITZ * self.secondary
+
+    # -- protocol ---------------------------------------------------------------------
+    def init(self, key: jax.Array, head_dim: int) -> Params:
+        """``{"secondary": float32[S, 4]}``: Haar-random unit quaternions from ``key``."""
+        self.check_head_dim(head_dim)
+        return {"secondary": haar_quaternions(key, self.secondary)}
+
+    def _widths(self, head_dim: int) -> list[tuple[int, int]]:
+        c = num_chunks(head_dim)
+        return [*radix_widths(c, self.alphabet), (c, self.radius_bits)]
+
+    def _stream_bits(self, head_dim: int) -> int:
+        return fields_bits(self._widths(head_dim))
+
+    def _encode(self, params: Params, x: jax.Array) -> Codes:
+        head_dim = x.shape[-1]
+        c = num_chunks(head_dim)
+        # a chunk's radius is at most twice its largest element: keep scales fp16-finite
+        x = jnp.clip(x, -FP16_MAX / 2, FP16_MAX / 2)
+        chunks = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 4 * c - head_dim)])
+        chunks = chunks.reshape(*x.shape[:-1], c, 4)
+        radius = jnp.linalg.norm(chunks, axis=-1)
+        direction = chunks / jnp.maximum(radius, 1e-30)[..., None]
+        index = self.nearest_codeword(params["secondary"], direction)
+
+        levels = 2**self.radius_bits - 1
+        scale = jnp.max(radius, axis=-1, keepdims=True)
+        scale = jnp.where(scale > 0, jnp.maximum(scale, FP16_TINY), 0.0)
+        scale = round_to_dtype(scale, jnp.float16)
+        positive = scale > 0
+        q = jnp.round(radius / jnp.where(positive, scale, 1.0) * levels)
+        q = jnp.where(positive, jnp.clip(q, 0, levels), 0).astype(jnp.uint32)
+        words = pack_fields([*radix_fields(index, self.alphabet), (q, self.radius_bits)])
+        return {
+            "stream": to_halfwords(words, self._stream_bits(head_dim)),
+            "scale": scale.astype(jnp.float16),
+            "head_dim": head_dim_marker(x),
+        }
+
+    def nearest_codeword(self, secondary: jax.Array, direction: jax.Array) -> jax.Array:
+        """Joint index ``24 s + p`` (uint32) of the codeword ``q_p q_s`` with the largest
+        inner product with each quaternion of ``direction[..., 4]``."""
+        conj = conjugate(secondary.astype(jnp.float32))  # [S, 4]
+
+        def best(u):  # u [n, 4] -> [n]
+            w = hamilton(u[:, None, :], conj[None, :, :])  # [n, S, 4]
+            p, score = nearest_hurwitz(w)
+            s = jnp.argmax(score, axis=-1)
+            p = jnp.take_along_axis(p, s[:, None], axis=-1)[:, 0]
+            return (s * NUM_HURWITZ + p).astype(jnp.uint32)
+
+        flat = direction.reshape(-1, 4).astype(jnp.float32)
+        n, batch = flat.shape[0], ENCODE_BATCH
+        if n <= batch:
+            return best(flat).reshape(direction.shape[:-1])
+        pad = -n % batch
+        batches = jnp.pad(flat, [(0, pad), (0, 0)]).reshape(-1, batch, 4)
+        out = jax.lax.map(best, batches).reshape(-1)[:n]
+        return out.reshape(direction.shape[:-1])
+
+    def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
+        """``scale * k / (2**B - 1) * (q_p q_s)`` per chunk, cast to ``dtype``."""
+        head_dim = codes["head_dim"].shape[-1]
+        c = num_chunks(head_dim)
+        widths = self._widths(head_dim)
+        fields = unpack_fields(from_halfwords(codes["stream"], self._stream_bits(head_dim)),
+                               widths)
+        index = radix_indices(fields[:-1], c, self.alphabet)
+        q = fields[-1]
+        s = (index // NUM_HURWITZ).astype(jnp.int32)
+        p = (index % NUM_HURWITZ).astype(jnp.int32)
+        units = jnp.asarray(hurwitz_units())
+        codeword = hamilton(units[p], jnp.take(params["secondary"].astype(jnp.float32), s,
+                                                axis=0))
+        levels = np.float32(1.0 / (2**self.radius_bits - 1))
+        radius = q.astype(jnp.float32) * (codes["scale"].astype(jnp.float32) * levels)
+        x = (radius[..., None] * codeword).reshape(*q.shape[:-1], 4 * c)
+        return x[..., :head_dim].astype(dtype)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """The stored stream's 16-bit halves plus the fp16 scale, per element."""
+        self.check_head_dim(head_dim)
+        halves = math.ceil(self._stream_bits(head_dim) / 16)
+        return exact_bits(16 * halves + 16, head_dim)
+
+    def fractional_bits_per_element(self, head_dim: int) -> float:
+        """The paper's count: ``log2(24 S) + B`` bits per chunk of 4 (padding included)
+        plus the fp16 scale, per element (Table 21's last column at D = 128)."""
+        self.check_head_dim(head_dim)
+        c = num_chunks(head_dim)
+        return (c * (math.log2(self.alphabet) + self.radius_bits) + 16) / head_dim
+
+    def padding_overhead(self, head_dim: int) -> Fraction:
+        """Fraction of extra elements the zero-padding to whole chunks costs
+        (``ceil(D / 4) * 4 / D - 1``; the paper's Appendix U.1)."""
+        return Fraction(4 * num_chunks(head_dim), head_dim) - 1
+

@@ -1,0 +1,241 @@
+"""Median-multiplier outlier extraction (the HQMQ paper's Med-C) around any token-wise
+codec: ``SPEC,medC[,mbN][,mpP]``, e.g. ``hqmq:s96,r4,med3`` or ``int:4,med3``.
+
+Vectors are cut into chunks of 4 elements (zero-padded at the end). Within a block of
+``N`` tokens (default 32) of one row and kv head, a chunk whose norm exceeds ``C`` times
+the median chunk norm of the block is an *outlier*: its 4 values are stored as fp16 in
+one of the block's outlier slots and a 1-bit flag marks it; the base codec encodes the
+vectors with the outlier chunks set to zero (so they do not stretch its ranges) and its
+codes of those chunks are ignored at decode.
+
+Streaming. The paper takes the median over everything encoded at once per (layer,
+head, K|V); here the unit is the block: a token is compressed when its block of ``N``
+tokens is complete, with that block's median (1024 chunk norms at N = 32, D = 128), and
+until then it stays raw in the cache (``block_tokens = N``, like KIVI's key groups). The
+threshold therefore never carries over from the prefill: every block, prefilled or
+decoded, is judged by its own median, and decode tokens are judged exactly as they
+would be had they been part of the prompt.
+
+Fixed capacity. A block has ``ceil(P% * N * ceil(D / 4))`` outlier slots (``mpP``,
+default 3%). When more chunks exceed the threshold, the largest ones (by norm) fill the
+slots and the rest go to the base codec like any other chunk (nothing is dropped: they
+are quantized, coarser, and stretch their vector's range); the block's ``overflow``
+count records how many chunks that happened to (:meth:`MedOutlierCodec.outlier_counts`).
+
+Codes of ``x[..., T, D]``, ``NB = T // N`` blocks, ``C4 = ceil(D / 4)`` chunks::
+
+    base      the base codec's codes, leaves reshaped [..., NB, N, ...]
+    flags     uint32[..., NB, ceil(N * C4 / 32)]   1 bit per chunk, token-major
+    outliers  float16[..., NB, K, 4]               K slots, in chunk order of the flags
+    overflow  uint32[..., NB, 1]
+
+Bits per element: the base codec's plus ``(32 * flag words + 64 K + 32) / (N * D)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.codec import Codec, CodecError, Codes, Params, split_flags
+from kvjax.codecs.intn import FP16_MAX, exact_bits
+from kvjax.packing import num_words, pack_bits, unpack_bits
+
+DEFAULT_MULTIPLIER, DEFAULT_BLOCK, DEFAULT_CAPACITY_PCT = 3.0, 32, 3.0
+MIN_BLOCK, MAX_BLOCK = 1, 1024
+#: the options this wrapper takes out of any codec's spec
+OPTION_PREFIXES = ("med", "mb", "mp")
+
+
+def _number(text: str, what: str, spec: str, lo: float, hi: float) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise CodecError(f"{spec}: {what} must be a number, got '{text}'") from None
+    if not (lo < value <= hi) or not math.isfinite(value):
+        raise CodecError(f"{spec}: {what} must be in ({lo:g}, {hi:g}], got {text}")
+    return value
+
+
+def _whole(value: float, spec: str) -> int:
+    if value != int(value):
+        raise CodecError(f"{spec}: the outlier block N must be an integer, got {value:g}")
+    return int(value)
+
+
+def split_outlier_options(spec: str, options: list[str]) -> tuple[list[str], dict | None]:
+    """``(the base codec's options, MedOutlierCodec keywords or None)`` of a spec."""
+    mine = [o for o in options if o.startswith(OPTION_PREFIXES) and o.rstrip("0123456789.")
+            in OPTION_PREFIXES]
+    if not mine:
+        return options, None
+    known = {
+        "med": lambda v: _number(v, "outlier multiplier C (medC)", spec, 0.0, 1e4),
+        "mb": lambda v: _whole(_number(v, "outlier block N (mbN)", spec, MIN_BLOCK - 1,
+                                       MAX_BLOCK), spec),
+        "mp": lambda v: _number(v, "outlier capacity P% (mpP)", spec, 0.0, 100.0),
+    }
+    positional, flags = split_flags(mine, spec, known)
+    if positional or "med" not in flags:
+        raise CodecError(f"{spec}: outlier options need medC (e.g. med3); mbN and mpP "
+                         "refine it")
+    rest = [o for o in options if o not in mine]
+    return rest, {"multiplier": flags["med"], "block": flags.get("mb", DEFAULT_BLOCK),
+                  "capacity_pct": flags.get("mp", DEFAULT_CAPACITY_PCT)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MedOutlierCodec(Codec):
+    """Med-C outlier chunks in fp16 around a token-wise ``base`` codec (module doc)."""
+
+    name: ClassVar[str] = "med"
+
+    base: Codec
+    multiplier: float = DEFAULT_MULTIPLIER
+    block: int = DEFAULT_BLOCK
+    capacity_pct: float = DEFAULT_CAPACITY_PCT
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.base, Codec) or isinstance(self.base, MedOutlierCodec):
+            raise CodecError(f"med: base must be a codec without outliers, got {self.base!r}")
+        if not self.base.lossy or self.base.block_tokens != 1:
+            raise CodecError(f"{self.base.spec}: outlier extraction (medC) needs a lossy "
+                             "token-wise codec")
+        if not self.base.scores_reconstruct:
+            raise CodecError(f"{self.base.spec}: outlier extraction needs a codec whose "
+                             "scores are q . decode(codes)")
+        object.__setattr__(self, "multiplier", float(self.multiplier))
+        object.__setattr__(self, "capacity_pct", float(self.capacity_pct))
+        if not self.multiplier > 0 or not 0 < self.capacity_pct <= 100:
+            raise CodecError(f"med: need C > 0 and 0 < P <= 100, got C={self.multiplier}, "
+                             f"P={self.capacity_pct}")
+        if not isinstance(self.block, int) or not MIN_BLOCK <= self.block <= MAX_BLOCK:
+            raise CodecError(f"med: block must be an int in {MIN_BLOCK}..{MAX_BLOCK}, "
+                             f"got {self.block!r}")
+
+    @property
+    def block_tokens(self) -> int:  # type: ignore[override]
+        """Tokens that share a median and the outlier slots."""
+        return self.block
+
+    @property
+    def spec(self) -> str:
+        """``BASE,medC`` (``BASE:medC`` for a base without options), then ``mbN`` and
+        ``mpP`` where not the defaults."""
+        base = self.base.spec
+        opts = [f"med{self.multiplier:g}"]
+        if self.block != DEFAULT_BLOCK:
+            opts.append(f"mb{self.block}")
+        if self.capacity_pct != DEFAULT_CAPACITY_PCT:
+            opts.append(f"mp{self.capacity_pct:g}")
+        return base + ("," if ":" in base else ":") + ",".join(opts)
+
+    def value_codec(self) -> Codec:
+        """Outliers are extracted from V too, around the base's value codec."""
+        return dataclasses.replace(self, base=self.base.value_codec())
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """The base codec's rule."""
+        self.base.check_head_dim(head_dim)
+
+    def capacity(self, head_dim: int) -> int:
+        """Outlier slots per block."""
+        return max(1, math.ceil(self.capacity_pct / 100 * self.block * _chunks(head_dim)))
+
+    # -- protocol ---------------------------------------------------------------------
+    def init(self, key: jax.Array, head_dim: int) -> Params:
+        """The base codec's parameters."""
+        return self.base.init(key, head_dim)
+
+    def _encode(self, params: Params, x: jax.Array) -> Codes:
+        head_dim, tokens = x.shape[-1], x.shape[-2]
+        lead, nb, n = x.shape[:-2], tokens // self.block, self.block
+        c4 = _chunks(head_dim)
+        x = jnp.clip(x, -FP16_MAX, FP16_MAX)
+        chunks = _to_chunks(x).reshape(*lead, nb, n * c4, 4)
+        norm = jnp.linalg.norm(chunks, axis=-1)  # [..., NB, n * c4]
+        threshold = self.multiplier * jnp.median(norm, axis=-1, keepdims=True)
+        over = norm > threshold
+        cap = self.capacity(head_dim)
+        k = min(cap, n * c4)
+        # the k largest chunks above the threshold, then in chunk order (the flags' order)
+        top_norm, top_idx = jax.lax.top_k(jnp.where(over, norm, -1.0), k)
+        kept = top_norm > threshold
+        order = jnp.sort(jnp.where(kept, top_idx, n * c4), axis=-1)
+        kept_sorted = order < n * c4
+        safe = jnp.minimum(order, n * c4 - 1)
+        payload = jnp.take_along_axis(chunks, safe[..., None], axis=-2)
+        payload = jnp.where(kept_sorted[..., None], payload, 0.0)
+        if cap > k:
+            payload = jnp.pad(payload, [(0, 0)] * (payload.ndim - 2) + [(0, cap - k), (0, 0)])
+        stored = jnp.zeros(norm.shape, bool)
+        stored = jax.vmap(lambda s, i, m: s.at[i].set(m, mode="drop"))(
+            stored.reshape(-1, n * c4), order.reshape(-1, k), kept_sorted.reshape(-1, k)
+        ).reshape(norm.shape)
+        overflow = jnp.sum(over, axis=-1, keepdims=True) - jnp.sum(stored, axis=-1,
+                                                                   keepdims=True)
+
+        inliers = jnp.where(stored[..., None], 0.0, chunks)
+        inliers = inliers.reshape(*lead, tokens, 4 * c4)[..., :head_dim]
+        base = self.base._encode(params, inliers)
+        base = jax.tree.map(lambda a: a.reshape(*lead, nb, n, *a.shape[len(lead) + 1:]), base)
+        return {
+            "base": base,
+            "flags": pack_bits(stored.astype(jnp.uint32), 1),
+            "outliers": payload.astype(jnp.float16),
+            "overflow": overflow.astype(jnp.uint32),
+        }
+
+    def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
+        """The base codec's vectors with the flagged chunks replaced by their fp16 values."""
+        base = codes["base"]
+        lead_nb = codes["overflow"].shape[:-1]
+        lead, nb, n = lead_nb[:-1], lead_nb[-1], self.block
+        flat = jax.tree.map(lambda a: a.reshape(*lead, nb * n, *a.shape[len(lead) + 2:]), base)
+        x = self.base.decode(params, flat, jnp.float32)
+        head_dim = x.shape[-1]
+        c4 = _chunks(head_dim)
+        stored = unpack_bits(codes["flags"], 1, n * c4).astype(bool)
+        slot = jnp.clip(jnp.cumsum(stored, axis=-1) - 1, 0, codes["outliers"].shape[-2] - 1)
+        payload = jnp.take_along_axis(codes["outliers"].astype(jnp.float32), slot[..., None],
+                                      axis=-2)
+        chunks = _to_chunks(x).reshape(*lead, nb, n * c4, 4)
+        chunks = jnp.where(stored[..., None], payload, chunks)
+        return chunks.reshape(*lead, nb * n, 4 * c4)[..., :head_dim].astype(dtype)
+
+    def outlier_counts(self, codes: Codes) -> tuple[jax.Array, jax.Array]:
+        """Per block: (chunks stored as outliers, chunks over the threshold that did not
+        fit in the slots and went to the base codec)."""
+        stored = jnp.sum(jax.lax.population_count(codes["flags"]), axis=-1)
+        return stored, codes["overflow"][..., 0]
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Base codec bits plus flags, outlier slots and the overflow count per block."""
+        self.check_head_dim(head_dim)
+        base = self.base.bits_per_element(head_dim)
+        elements = self.block * head_dim
+        extra = 32 * num_words(self.block * _chunks(head_dim), 1) + 64 * self.capacity(
+            head_dim) + 32
+        return exact_bits(round(base * elements) + extra, elements)
+
+    def paper_bits_per_element(self, head_dim: int, fraction: float) -> float:
+        """The paper's variable-length count at an outlier fraction ``fraction`` of the
+        chunks: ``(1 - p) b_base + 16 p + 1/4``, ``b_base`` the base codec's fractional
+        bits where it has them (HQMQ), its stored bits otherwise."""
+        base = getattr(self.base, "fractional_bits_per_element", self.base.bits_per_element)
+        return (1 - fraction) * base(head_dim) + 16 * fraction + 0.25
+
+
+def _chunks(head_dim: int) -> int:
+    return -(-head_dim // 4)
+
+
+def _to_chunks(x: jax.Array) -> jax.Array:
+    """``x[..., T, D] -> [..., T, ceil(D / 4), 4]``, zero-padded."""
+    c4 = _chunks(x.shape[-1])
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 4 * c4 - x.shape[-1])])
+    return x.reshape(*x.shape[:-1], c4, 4)
