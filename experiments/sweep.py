@@ -114,8 +114,13 @@ def parse_config(config: str, settings: Settings) -> CacheConfig:
 
 
 def family(config: str) -> str:
-    """The codec family of a configuration: the codec name(s) without options."""
-    return "/".join(part.split(":")[0] for part in config.split("/"))
+    """The codec family of a configuration: the codec name(s) without options, with
+    ``+med`` where outliers are extracted (``int:4,med3`` is ``int+med``)."""
+    def one(part: str) -> str:
+        name, _, options = part.partition(":")
+        return name + ("+med" if any(o.startswith("med") for o in options.split(",")) else "")
+
+    return "/".join(one(part) for part in config.split("/"))
 
 
 def git_sha() -> str | None:

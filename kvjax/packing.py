@@ -251,30 +251,40 @@ def unpack_fields(words: jax.Array, widths: Sequence[tuple[int, int]]) -> list[j
     return out
 
 
-def to_halfwords(words: jax.Array, total_bits: int) -> jax.Array:
-    """The first ``ceil(total_bits / 16)`` 16-bit halves of a stream, ``uint16[..., h]``.
+_UNIT_DTYPES = {8: jnp.uint8, 16: jnp.uint16}
 
-    Storing a stream in halves instead of words saves the last word's unused half.
+
+def to_units(words: jax.Array, total_bits: int, unit: int = 8) -> jax.Array:
+    """The first ``ceil(total_bits / unit)`` bytes (``unit=8``) or 16-bit halves
+    (``unit=16``) of a stream of ``uint32`` words, little endian.
+
+    Storing a stream in bytes instead of words saves the last word's unused bytes.
     """
-    halves = -(-total_bits // 16)
+    if unit not in _UNIT_DTYPES:
+        raise ValueError(f"unit must be 8 or 16 bits, got {unit!r}")
     if words.shape[-1] != -(-total_bits // _WORD):
         raise ValueError(f"{words.shape[-1]} words do not hold a stream of {total_bits} bits")
+    per = _WORD // unit
     w = words.astype(jnp.uint32)
-    pairs = jnp.stack([w & jnp.uint32(0xFFFF), w >> jnp.uint32(16)], axis=-1)
-    return pairs.reshape(*w.shape[:-1], 2 * w.shape[-1])[..., :halves].astype(jnp.uint16)
+    shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(unit)
+    parts = (w[..., None] >> shifts) & jnp.uint32((1 << unit) - 1)
+    parts = parts.reshape(*w.shape[:-1], per * w.shape[-1])
+    return parts[..., : -(-total_bits // unit)].astype(_UNIT_DTYPES[unit])
 
 
-def from_halfwords(halves: jax.Array, total_bits: int) -> jax.Array:
-    """Inverse of :func:`to_halfwords`: the stream's ``uint32`` words."""
-    words = -(-total_bits // _WORD)
-    if halves.shape[-1] != -(-total_bits // 16):
-        raise ValueError(f"{halves.shape[-1]} halves do not hold a stream of {total_bits} bits")
-    h = halves.astype(jnp.uint32)
-    if h.shape[-1] < 2 * words:
-        h = jnp.concatenate([h, jnp.zeros((*h.shape[:-1], 2 * words - h.shape[-1]),
-                                          jnp.uint32)], axis=-1)
-    pairs = h.reshape(*h.shape[:-1], words, 2)
-    return pairs[..., 0] | (pairs[..., 1] << jnp.uint32(16))
+def from_units(units: jax.Array, total_bits: int, unit: int = 8) -> jax.Array:
+    """Inverse of :func:`to_units`: the stream's ``uint32`` words."""
+    if unit not in _UNIT_DTYPES:
+        raise ValueError(f"unit must be 8 or 16 bits, got {unit!r}")
+    if units.shape[-1] != -(-total_bits // unit):
+        raise ValueError(f"{units.shape[-1]} units do not hold a stream of {total_bits} bits")
+    per, words = _WORD // unit, -(-total_bits // _WORD)
+    u = units.astype(jnp.uint32)
+    u = jnp.pad(u, [(0, 0)] * (u.ndim - 1) + [(0, per * words - u.shape[-1])])
+    u = u.reshape(*u.shape[:-1], words, per)
+    shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(unit)
+    # the parts occupy disjoint bits, so the sum is an OR
+    return jnp.sum(u << shifts, axis=-1, dtype=jnp.uint32)
 
 
 # -- mixed-radix fields: an alphabet's odd part in radix groups, its power of two in bits --

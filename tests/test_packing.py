@@ -106,9 +106,11 @@ def test_fields_of_mixed_widths_round_trip_back_to_back():
     assert words.shape == (2, -(-total // 32))
     for (codes, _), back in zip(fields, pk.unpack_fields(words, widths), strict=True):
         np.testing.assert_array_equal(back, codes)
-    halves = pk.to_halfwords(words, total)
-    assert halves.dtype == jnp.uint16 and halves.shape[-1] == -(-total // 16)
-    np.testing.assert_array_equal(pk.from_halfwords(halves, total), words)
+    for unit, dtype in ((8, jnp.uint8), (16, jnp.uint16)):
+        units = pk.to_units(words, total, unit)
+        assert units.dtype == dtype and units.shape[-1] == -(-total // unit)
+        np.testing.assert_array_equal(pk.from_units(units, total, unit), words)
+    assert int(pk.to_units(jnp.asarray([0x04030201], jnp.uint32), 32)[1]) == 2
     # bit order: the first field's first code in the lowest bits of word 0
     one = pk.pack_fields([(jnp.asarray([5], jnp.uint32), 3), (jnp.asarray([1], jnp.uint32), 1)])
     assert int(one[0]) == 5 | 1 << 3

@@ -99,6 +99,7 @@ def test_pareto_front():
 def test_family_and_slug():
     assert sweep.family("kivi:2,g32") == "kivi"
     assert sweep.family("int:4/int:2") == "int/int"
+    assert sweep.family("hqmq:s96,r4,med3/int:4") == "hqmq+med/int"
     assert sweep.config_slug("kivi:2,g32") != sweep.config_slug("kivi:2_g32")
 
 

@@ -20,16 +20,16 @@ Storage. The joint index ``24 s + p`` has ``log2(24 S)`` bits of information, no
 whole number; :func:`kvjax.packing.radix_fields` splits ``24 S = odd * 2**t`` and packs the
 odd part's digits in mixed radix (5 base-9 digits per 16 bits for S in 24, 48, 96, 192),
 the rest as plain bits. A vector's ``C`` indices and ``C`` radius codes form one bit
-stream, stored as 16-bit halves (the last word's unused half is not stored)::
+stream, stored as bytes (the last word's unused bytes are not stored)::
 
-    stream    uint16[..., T, H]   H = ceil(bits(C indices of 24 S, C radii of B bits) / 16)
+    stream    uint8[..., T, H]    H = ceil(bits(C indices of 24 S, C radii of B bits) / 8)
     scale     float16[..., T, 1]
     head_dim  uint8[..., T, 0, D]  zero bytes; records D
 
-Bits per element (:meth:`HqmqCodec.bits_per_element`): ``(16 H + 16) / D``. The paper's
+Bits per element (:meth:`HqmqCodec.bits_per_element`): ``(8 H + 16) / D``. The paper's
 fractional count (its Table 21), ``(log2(24 S) + B) / 4 + 16 / D`` at ``4 | D``, is
-:meth:`HqmqCodec.fractional_bits_per_element`; for D = 128 the stored count is 0.08 bit
-above it (s24_r3: 3.25 stored vs 3.17; s192_r6: 4.75 vs 4.67).
+:meth:`HqmqCodec.fractional_bits_per_element`; for D = 128 the stored count is 0.02 bit
+above it (s24_r3: 3.188 stored vs 3.167; s192_r6: 4.688 vs 4.667), for D = 64 0.08 bit.
 
 Outliers (the paper's Med-C) are not part of this codec: any token-wise codec takes them
 with the ``medC`` option, see :mod:`kvjax.codecs.outliers` (``hqmq:s96,r4,med3``).
@@ -60,12 +60,12 @@ from kvjax.codec import (
 from kvjax.codecs.intn import FP16_MAX, FP16_TINY, exact_bits, head_dim_marker, option_spec
 from kvjax.packing import (
     fields_bits,
-    from_halfwords,
+    from_units,
     pack_fields,
     radix_fields,
     radix_indices,
     radix_widths,
-    to_halfwords,
+    to_units,
     unpack_fields,
 )
 from kvjax.quaternion import (
@@ -173,7 +173,7 @@ class HqmqCodec(Codec):
         q = jnp.where(positive, jnp.clip(q, 0, levels), 0).astype(jnp.uint32)
         words = pack_fields([*radix_fields(index, self.alphabet), (q, self.radius_bits)])
         return {
-            "stream": to_halfwords(words, self._stream_bits(head_dim)),
+            "stream": to_units(words, self._stream_bits(head_dim)),
             "scale": scale.astype(jnp.float16),
             "head_dim": head_dim_marker(x),
         }
@@ -204,7 +204,7 @@ class HqmqCodec(Codec):
         head_dim = codes["head_dim"].shape[-1]
         c = num_chunks(head_dim)
         widths = self._widths(head_dim)
-        fields = unpack_fields(from_halfwords(codes["stream"], self._stream_bits(head_dim)),
+        fields = unpack_fields(from_units(codes["stream"], self._stream_bits(head_dim)),
                                widths)
         index = radix_indices(fields[:-1], c, self.alphabet)
         q = fields[-1]
@@ -219,10 +219,9 @@ class HqmqCodec(Codec):
         return x[..., :head_dim].astype(dtype)
 
     def bits_per_element(self, head_dim: int) -> float:
-        """The stored stream's 16-bit halves plus the fp16 scale, per element."""
+        """The stored stream's bytes plus the fp16 scale, per element."""
         self.check_head_dim(head_dim)
-        halves = math.ceil(self._stream_bits(head_dim) / 16)
-        return exact_bits(16 * halves + 16, head_dim)
+        return exact_bits(8 * math.ceil(self._stream_bits(head_dim) / 8) + 16, head_dim)
 
     def fractional_bits_per_element(self, head_dim: int) -> float:
         """The paper's count: ``log2(24 S) + B`` bits per chunk of 4 (padding included)
