@@ -12,7 +12,8 @@ Parts (``--part``, repeatable; default all):
   table, Pareto plot, and which configurations each family's points are dominated by.
 * ``seeds``: ``hqmq:s96,r4`` and ``hqmq:s24,r3`` with 5 seeds of the secondary codebooks
   (mean, standard deviation and coefficient of variation of the perplexity).
-* ``multiplier``: ``hqmq:s96,r6`` with ``medC`` for C in {2, 3, 4, 5} and without.
+* ``multiplier``: ``hqmq:s96,r6`` with ``medC`` for C in {2, 3, 4, 5} and without, and
+  at C = 3 with 8% outlier slots instead of 3%.
 * ``diagnostic``: the model's keys and values (float32 cache of the windows): per layer
   the largest chunk norm over the median chunk norm (the paper's Figure 7), and the
   fraction of chunks above 3x the median of their block of 32 tokens.
@@ -189,8 +190,14 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
     args = p.parse_args(argv)
     parts = args.part or list(PARTS)
     args.docs.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"model": args.model, "corpus": args.corpus, "windows": args.windows,
-                     "window_len": args.window_len}
+    # parts run separately add to one summary (kept only for the same model and corpus)
+    settings = {"model": args.model, "corpus": args.corpus, "windows": args.windows,
+                "window_len": args.window_len}
+    previous = args.docs / "hqmq.json"
+    summary: dict = json.loads(previous.read_text()) if previous.exists() else {}
+    if {k: summary.get(k) for k in settings} != settings:
+        summary = {}
+    summary.update(settings)
     evaluators: dict = {}
 
     def run(configs, seed=0):
@@ -219,6 +226,10 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         (args.docs / "sweep.md").write_text(table + "\n\n" + "\n".join(lines) + "\n")
         sw.write_csv(rows, args.docs / "sweep.csv")
         sw.plot_pareto(rows, args.docs / "pareto.png", "HQMQ vs naive int, " + title)
+        base = next(r["ppl"] for r in rows if r["config"] == "bf16")
+        sw.plot_pareto(rows, args.docs / "pareto_zoom.png",
+                       "HQMQ vs naive int (ppl < 1.5x bf16, bits < 7), " + title,
+                       max_ppl=1.5 * base, max_bits=7.0)
         summary["sweep"] = [{k: r[k] for k in ("config", "family", "bits_per_element", "ppl",
                                                "delta_pct")} for r in rows]
         print(table, "", *lines, sep="\n")
@@ -233,7 +244,9 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         summary["seeds"] = per_seed
         print("\n" + table)
     if "multiplier" in parts:
-        configs = ["hqmq:s96,r6", *(f"hqmq:s96,r6,med{c}" for c in MULTIPLIERS)]
+        # and the slot capacity: 3% (default) vs 8% of a block's chunks at C = 3
+        configs = ["hqmq:s96,r6", *(f"hqmq:s96,r6,med{c}" for c in MULTIPLIERS),
+                   "hqmq:s96,r6,med3,mp8"]
         rows = [r for r in run(configs) if r["config"] in configs or r["config"] == "bf16"]
         table = sw.markdown_table(rows)
         (args.docs / "multiplier.md").write_text(table + "\n")

@@ -260,8 +260,16 @@ def pareto_front(rows: Sequence[dict]) -> list[dict]:
     return front
 
 
-def plot_pareto(rows: Sequence[dict], path: Path, title: str) -> None:
-    """ppl vs bits per element (log y), one marker per codec family, the front drawn."""
+def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
+                max_ppl: float | None = None, max_bits: float | None = None) -> None:
+    """ppl vs bits per element (log y), one marker per codec family, the front drawn.
+
+    ``max_ppl`` / ``max_bits`` zoom in: rows beyond them are left out (bf16 stays as
+    the dashed baseline)."""
+    base_row = next(r for r in rows if r["config"] == "bf16")
+    rows = [r for r in rows if r["config"] != "bf16" or max_bits is None]
+    rows = [r for r in rows if (max_ppl is None or r["ppl"] <= max_ppl)
+            and (max_bits is None or r["bits_per_element"] <= max_bits)]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,7 +290,7 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str) -> None:
     front = pareto_front(rows)
     ax.step([r["bits_per_element"] for r in front], [r["ppl"] for r in front],
             where="post", color="0.6", linewidth=3, alpha=0.4, label="Pareto front")
-    base = next(r["ppl"] for r in rows if r["config"] == "bf16")
+    base = base_row["ppl"]
     ax.axhline(base, color="k", linestyle="--", linewidth=0.8, label=f"bf16 ({base:.2f})")
     ax.set_yscale("log")
     ax.set_xlabel("bits per stored K/V element (measured from the cache arrays)")

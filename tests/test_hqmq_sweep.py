@@ -20,8 +20,8 @@ def test_sweep_seeds_and_multiplier_parts(tmp_path, capsys):
     # each seed is its own run; the multiplier part reuses nothing but bf16's settings
     assert fake.calls.count("hqmq:s96,r4") == len(hqmq_sweep.SEEDS)
     assert "hqmq:s96,r6,med5" in fake.calls
-    for name in ("sweep.md", "sweep.csv", "pareto.png", "seeds.md", "multiplier.md",
-                 "hqmq.json"):
+    for name in ("sweep.md", "sweep.csv", "pareto.png", "pareto_zoom.png", "seeds.md",
+                 "multiplier.md", "hqmq.json"):
         assert (docs / name).stat().st_size > 0
     summary = json.loads((docs / "hqmq.json").read_text())
     assert len(summary["seeds"]["hqmq:s24,r3"]) == 5
