@@ -128,6 +128,8 @@ def _cmd_codecs() -> int:
     for name, cls in sorted(registered().items()):
         doc = (cls.from_options.__doc__ or cls.__doc__ or "").strip().splitlines()
         print(f"{name:12s} {doc[0] if doc else ''}")
+    print("any lossy token-wise codec also takes ,medC[,mbN][,mpP]: Med-C outlier chunks "
+          "in fp16 (e.g. int:4,med3)")
     return 0
 
 

@@ -79,7 +79,7 @@ def test_bad_input_exits_2_with_one_line(capsys, args, needle):
 def test_codecs_command_lists_registered(capsys):
     assert main(["codecs"]) == 0
     out = capsys.readouterr().out
-    for name in ("bf16", "fp8", "int", "kivi"):
+    for name in ("bf16", "fp8", "int", "kivi", "hqmq", "saw", "medC"):
         assert name in out
 
 

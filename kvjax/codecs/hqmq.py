@@ -113,7 +113,7 @@ class HqmqCodec(Codec):
 
     @classmethod
     def from_options(cls, options: list[str]) -> HqmqCodec:
-        """``hqmq[:sS][,rB]``."""
+        """``hqmq[:sS][,rB]``: S secondary quaternions (default 96), B radius bits (4)."""
         spec = option_spec(cls.name, options)
         known = {
             "s": lambda v: parse_int(v, "secondary codebook size S", spec, MIN_SECONDARY,
