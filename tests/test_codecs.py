@@ -571,10 +571,10 @@ def test_parse_kv_pairs_kivi_keys_with_token_values():
         ("int:4,", r"empty option"),
         ("fp8:4", r"takes no options"),
         ("bf16:x", r"takes no options"),
-        ("nope:4", r"valid codecs: bf16, f32, fp8, int, kivi"),
-        ("INT:4", r"valid codecs: bf16, f32, fp8, int, kivi"),
-        ("", r"valid codecs: bf16, f32, fp8, int, kivi"),
-        ("   ", r"valid codecs: bf16, f32, fp8, int, kivi"),
+        ("nope:4", r"valid codecs: bf16, f32, fp8, hqmq, int, kivi, saw"),
+        ("INT:4", r"valid codecs: bf16, f32, fp8, hqmq, int, kivi, saw"),
+        ("", r"valid codecs: bf16, f32, fp8, hqmq, int, kivi, saw"),
+        ("   ", r"valid codecs: bf16, f32, fp8, hqmq, int, kivi, saw"),
     ],
 )
 def test_bad_specs(spec, match):
