@@ -12,3 +12,9 @@ os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
 )
+
+# designed codebooks go to a fresh folder, not the user's cache
+if "KVJAX_CODEBOOKS" not in os.environ:
+    import tempfile
+
+    os.environ["KVJAX_CODEBOOKS"] = tempfile.mkdtemp(prefix="kvjax-codebooks-")

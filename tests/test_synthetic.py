@@ -23,7 +23,8 @@ from kvjax.eval.synthetic import needle, needle_mass, needle_problem, reconstruc
 SMALL = {"head_dim": 64, "keys": 64, "queries": 4, "seeds": 2}
 SMALL_NEEDLE = {"head_dim": 16, "distractors": 63, "seeds": 4}
 #: a spec per registered codec name; names missing here are tried bare
-EXAMPLES = {"int": "int:4", "kivi": "kivi:2,g32", "saw": "saw:h16,signs"}
+EXAMPLES = {"int": "int:4", "kivi": "kivi:2,g32", "saw": "saw:h16,signs",
+            "turboquant": "turboquant:b3"}
 
 
 @functools.cache

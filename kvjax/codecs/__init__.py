@@ -7,8 +7,9 @@ from kvjax.codecs.intn import IntCodec
 from kvjax.codecs.kivi import KiviCodec
 from kvjax.codecs.outliers import MedOutlierCodec
 from kvjax.codecs.saw import SawCodec
+from kvjax.codecs.turboquant import TurboQuantCodec
 
 __all__ = [
     "Bf16Codec", "F32Codec", "Fp8Codec", "HqmqCodec", "IntCodec", "KiviCodec",
-    "MedOutlierCodec", "SawCodec",
+    "MedOutlierCodec", "SawCodec", "TurboQuantCodec",
 ]
