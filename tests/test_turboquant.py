@@ -145,3 +145,41 @@ def test_codebooks_are_designed_once_and_read_from_disk(tmp_path, monkeypatch):
     np.testing.assert_array_equal(codebooks.lloyd_codebook(density, 2).centroids,
                                   first.centroids)
     codebooks.clear_memo()
+
+
+def test_qjl_estimator_is_unbiased_over_sketches_and_matches_decode():
+    codec = TurboQuantCodec(bits=2, qjl=True)
+    d = 32
+    x = gaussian((4, d), 11)
+    q = gaussian((3, d), 12)
+
+    @jax.jit
+    def estimate(key, x, q):
+        params = codec.init(key, d)
+        codes = codec.encode(params, x)
+        s = codec.scores(params, q, codes)
+        # the reconstruction's inner products are the same estimates
+        return s, q @ codec.decode(params, codes).T
+
+    s, via_decode = jax.vmap(estimate, in_axes=(0, None, None))(
+        jax.random.split(jax.random.key(13), 4000), x, q)
+    np.testing.assert_allclose(s, via_decode, atol=1e-3)
+    true = np.asarray(q @ x.T)
+    err = np.asarray(s) - true
+    stderr = err.std(axis=0) / np.sqrt(err.shape[0])
+    # unbiased over the draw of the rotation and the sketch ...
+    assert np.all(np.abs(err.mean(axis=0)) < 4 * stderr + 1e-3)
+    # ... though any one draw errs: the per-draw error is far from zero
+    assert np.abs(err).mean() > 0.1
+    mse_only = TurboQuantCodec(bits=2)
+    assert codec.bits_per_element(d) == 2 + 32 / d
+    assert mse_only.scores_reconstruct and not codec.scores_reconstruct
+
+
+def test_qjl_specs():
+    assert parse_codec("turboquant:b3,qjl") == TurboQuantCodec(bits=3, qjl=True)
+    assert parse_codec("turboquant:qjl,b3").spec == "turboquant:b3,qjl"
+    with pytest.raises(CodecError, match="2..8"):
+        parse_codec("turboquant:b1,qjl")
+    with pytest.raises(CodecError, match="one option"):
+        parse_codec("turboquant:b3,qjl,qjl")
