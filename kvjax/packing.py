@@ -66,16 +66,7 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
         shifts = (jnp.arange(per, dtype=jnp.uint32) * bits)[:, None]
         # slots occupy disjoint bits, so the sum is an OR
         return jnp.sum(slots << shifts, axis=-2, dtype=jnp.uint32)
-    words = num_words(n, bits)
-    offset = jnp.arange(n, dtype=jnp.int32) * bits
-    word, shift = offset // _WORD, (offset % _WORD).astype(jnp.uint32)
-    lo = c << shift
-    # the part that spills into the next word; shifting a uint32 by 32 is undefined
-    spill = shift.astype(jnp.int32) + bits > _WORD
-    hi = jnp.where(spill, c >> jnp.where(spill, _WORD - shift, 0), 0).astype(jnp.uint32)
-    out = jnp.zeros((*c.shape[:-1], words + 1), jnp.uint32)
-    out = out.at[..., word].add(lo).at[..., word + 1].add(hi)
-    return out[..., :words]
+    return pack_fields([(c, bits)])
 
 
 def unpack_bits(words: jax.Array, bits: int, num_codes: int) -> jax.Array:
@@ -92,13 +83,7 @@ def unpack_bits(words: jax.Array, bits: int, num_codes: int) -> jax.Array:
         shifts = (jnp.arange(per, dtype=jnp.uint32) * bits)[:, None]
         slots = (words[..., None, :] >> shifts) & mask
         return slots.reshape(*words.shape[:-1], num_codes)
-    offset = jnp.arange(num_codes, dtype=jnp.int32) * bits
-    word, shift = offset // _WORD, (offset % _WORD).astype(jnp.uint32)
-    padded = jnp.concatenate([words, jnp.zeros_like(words[..., :1])], axis=-1)
-    lo = padded[..., word] >> shift
-    spill = shift.astype(jnp.int32) + bits > _WORD
-    hi = jnp.where(spill, padded[..., word + 1] << jnp.where(spill, _WORD - shift, 0), 0)
-    return (lo | hi.astype(jnp.uint32)) & mask
+    return unpack_fields(words, [(num_codes, bits)])[0]
 
 
 # -- mixed radix ---------------------------------------------------------------------

@@ -93,3 +93,15 @@ def haar_quaternions(key: jax.Array, count: int) -> jax.Array:
     standard Gaussians, whose direction is uniform on S^3."""
     g = jax.random.normal(key, (count, 4), jnp.float32)
     return g / jnp.linalg.norm(g, axis=-1, keepdims=True)
+
+
+def num_chunks(dim: int) -> int:
+    """Quaternions of a vector of ``dim`` elements (the last one zero-padded)."""
+    return -(-dim // 4)
+
+
+def to_chunks(x: jax.Array) -> jax.Array:
+    """``x[..., D] -> [..., ceil(D / 4), 4]``, zero-padded."""
+    c = num_chunks(x.shape[-1])
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 4 * c - x.shape[-1])])
+    return x.reshape(*x.shape[:-1], c, 4)

@@ -75,6 +75,8 @@ from kvjax.quaternion import (
     hamilton,
     hurwitz_units,
     nearest_hurwitz,
+    num_chunks,
+    to_chunks,
 )
 
 MIN_SECONDARY, MAX_SECONDARY = 1, 4096
@@ -84,11 +86,6 @@ DEFAULT_SECONDARY, DEFAULT_RADIUS_BITS = 96, 4
 ENCODE_BATCH = 4096
 _USAGE = (f"hqmq:sS,rB with S in {MIN_SECONDARY}..{MAX_SECONDARY} secondary quaternions and "
           f"B in {MIN_RADIUS_BITS}..{MAX_RADIUS_BITS} radius bits, e.g. hqmq:s96,r4")
-
-
-def num_chunks(head_dim: int) -> int:
-    """Quaternion chunks of a vector of ``head_dim`` (the last one zero-padded)."""
-    return -(-head_dim // 4)
 
 
 @register
@@ -155,11 +152,9 @@ class HqmqCodec(Codec):
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         head_dim = x.shape[-1]
-        c = num_chunks(head_dim)
         # a chunk's radius is at most twice its largest element: keep scales fp16-finite
         x = jnp.clip(x, -FP16_MAX / 2, FP16_MAX / 2)
-        chunks = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 4 * c - head_dim)])
-        chunks = chunks.reshape(*x.shape[:-1], c, 4)
+        chunks = to_chunks(x)
         radius = jnp.linalg.norm(chunks, axis=-1)
         direction = chunks / jnp.maximum(radius, 1e-30)[..., None]
         index = self.nearest_codeword(params["secondary"], direction)

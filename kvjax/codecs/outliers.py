@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from kvjax.codec import Codec, CodecError, Codes, Params, split_flags
 from kvjax.codecs.intn import FP16_MAX, exact_bits
 from kvjax.packing import num_words, pack_bits, unpack_bits
+from kvjax.quaternion import num_chunks, to_chunks
 
 DEFAULT_MULTIPLIER, DEFAULT_BLOCK, DEFAULT_CAPACITY_PCT = 3.0, 32, 3.0
 MIN_BLOCK, MAX_BLOCK = 1, 1024
@@ -144,7 +145,7 @@ class MedOutlierCodec(Codec):
 
     def capacity(self, head_dim: int) -> int:
         """Outlier slots per block."""
-        return max(1, math.ceil(self.capacity_pct / 100 * self.block * _chunks(head_dim)))
+        return max(1, math.ceil(self.capacity_pct / 100 * self.block * num_chunks(head_dim)))
 
     # -- protocol ---------------------------------------------------------------------
     def init(self, key: jax.Array, head_dim: int) -> Params:
@@ -154,9 +155,9 @@ class MedOutlierCodec(Codec):
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         head_dim, tokens = x.shape[-1], x.shape[-2]
         lead, nb, n = x.shape[:-2], tokens // self.block, self.block
-        c4 = _chunks(head_dim)
+        c4 = num_chunks(head_dim)
         x = jnp.clip(x, -FP16_MAX, FP16_MAX)
-        chunks = _to_chunks(x).reshape(*lead, nb, n * c4, 4)
+        chunks = to_chunks(x).reshape(*lead, nb, n * c4, 4)
         norm = jnp.linalg.norm(chunks, axis=-1)  # [..., NB, n * c4]
         threshold = self.multiplier * jnp.median(norm, axis=-1, keepdims=True)
         over = norm > threshold
@@ -198,12 +199,12 @@ class MedOutlierCodec(Codec):
         flat = jax.tree.map(lambda a: a.reshape(*lead, nb * n, *a.shape[len(lead) + 2:]), base)
         x = self.base.decode(params, flat, jnp.float32)
         head_dim = x.shape[-1]
-        c4 = _chunks(head_dim)
+        c4 = num_chunks(head_dim)
         stored = unpack_bits(codes["flags"], 1, n * c4).astype(bool)
         slot = jnp.clip(jnp.cumsum(stored, axis=-1) - 1, 0, codes["outliers"].shape[-2] - 1)
         payload = jnp.take_along_axis(codes["outliers"].astype(jnp.float32), slot[..., None],
                                       axis=-2)
-        chunks = _to_chunks(x).reshape(*lead, nb, n * c4, 4)
+        chunks = to_chunks(x).reshape(*lead, nb, n * c4, 4)
         chunks = jnp.where(stored[..., None], payload, chunks)
         return chunks.reshape(*lead, nb * n, 4 * c4)[..., :head_dim].astype(dtype)
 
@@ -218,7 +219,7 @@ class MedOutlierCodec(Codec):
         self.check_head_dim(head_dim)
         base = self.base.bits_per_element(head_dim)
         elements = self.block * head_dim
-        extra = 32 * num_words(self.block * _chunks(head_dim), 1) + 64 * self.capacity(
+        extra = 32 * num_words(self.block * num_chunks(head_dim), 1) + 64 * self.capacity(
             head_dim) + 32
         return exact_bits(round(base * elements) + extra, elements)
 
@@ -229,13 +230,3 @@ class MedOutlierCodec(Codec):
         base = getattr(self.base, "fractional_bits_per_element", self.base.bits_per_element)
         return (1 - fraction) * base(head_dim) + 16 * fraction + 0.25
 
-
-def _chunks(head_dim: int) -> int:
-    return -(-head_dim // 4)
-
-
-def _to_chunks(x: jax.Array) -> jax.Array:
-    """``x[..., T, D] -> [..., T, ceil(D / 4), 4]``, zero-padded."""
-    c4 = _chunks(x.shape[-1])
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 4 * c4 - x.shape[-1])])
-    return x.reshape(*x.shape[:-1], c4, 4)
