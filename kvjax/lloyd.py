@@ -40,7 +40,10 @@ __all__ = [
     "dequantize",
     "gaussian",
     "lloyd_max",
+    "octahedral_coordinate",
+    "polar_angle",
     "quantize",
+    "sphere_block_norm",
     "sphere_coordinate",
     "uniform",
 ]
@@ -51,7 +54,8 @@ MAX_BITS = 12
 # hashable and lets the lloyd_max cache key on them.
 _CUSTOM_PDFS: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
 
-_FAMILIES = ("uniform", "gaussian", "sphere_coordinate", "beta", "custom")
+_FAMILIES = ("uniform", "gaussian", "sphere_coordinate", "beta", "polar_angle",
+             "sphere_block_norm", "octahedral_coordinate", "custom")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,11 +145,21 @@ class Density:
                 xc = np.clip(x, -1.0, 1.0)
                 # (1 - x)(1 + x) keeps relative precision near +-1, where 1 - x^2 cancels.
                 values = _sphere_norm(dim) * ((1.0 - xc) * (1.0 + xc)) ** ((dim - 3) / 2.0)
-            else:  # beta
+            elif self.name == "beta":
                 a, b = self.params
                 width = self.hi - self.lo
                 u = np.clip((x - self.lo) / width, 0.0, 1.0)
                 values = u ** (a - 1.0) * (1.0 - u) ** (b - 1.0) / (_beta_fn(a, b) * width)
+            elif self.name == "polar_angle":
+                (m,) = self.params
+                values = np.sin(2.0 * np.clip(x, 0.0, math.pi / 2)) ** (m - 1) / _polar_norm(m)
+            elif self.name == "sphere_block_norm":
+                dim, k = self.params
+                r = np.clip(x, 0.0, 1.0)
+                values = (2.0 * r ** (k - 1) * ((1.0 - r) * (1.0 + r)) ** ((dim - k - 2) / 2.0)
+                          / _beta_fn(k / 2.0, (dim - k) / 2.0))
+            else:  # octahedral_coordinate
+                values = _octahedral_marginal(x)
         return np.where(inside, values, 0.0)
 
     # --- Change of variables x = phi(t) used for integration (see module docstring). ---
@@ -219,6 +233,35 @@ def _beta_fn(a: float, b: float) -> float:
     return math.exp(math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
 
 
+def _polar_norm(m: int) -> float:
+    # integral of sin(2 psi)^(m - 1) over [0, pi/2] = sqrt(pi) Gamma(m/2) / (2 Gamma((m+1)/2))
+    return 0.5 * math.sqrt(math.pi) * math.exp(math.lgamma(m / 2.0) - math.lgamma((m + 1) / 2.0))
+
+
+def _octahedral_marginal(x: np.ndarray) -> np.ndarray:
+    """Marginal density of one octahedral coordinate of a uniform direction on S^2.
+
+    The octahedral map sends the upper face point ``p = (xi, eta, 1 - |xi| - |eta|)`` (and,
+    folded, the lower one) to ``(xi, eta)``; a patch ``d xi d eta`` subtends the solid angle
+    ``d xi d eta / |p|^3`` (the face ``|x| + |y| + |z| = 1`` projects onto the plane with
+    area factor ``sqrt 3`` and sits at distance ``1 / sqrt 3`` along its normal). So
+    ``(xi, eta)`` has density ``1 / (4 pi |p|^3)`` on the square, where for the folded
+    half ``|p|^2 = (1-|eta|)^2 + (1-|xi|)^2 + (1-|xi|-|eta|)^2``. In ``eta`` both pieces
+    are ``Q(eta)^(-3/2)`` with ``Q = 2 eta^2 + b eta + c`` quadratic, whose antiderivative
+    ``2 (4 eta + b) / ((8 c - b^2) sqrt(Q))`` gives the marginal in closed form.
+    """
+    a = np.clip(np.abs(x), 0.0, 1.0)
+
+    def integral(b, c, lo, hi):
+        def anti(t):
+            return 2.0 * (4.0 * t + b) / ((8.0 * c - b * b) * np.sqrt(2.0 * t * t + b * t + c))
+        return anti(hi) - anti(lo)
+
+    upper = integral(-2.0 * (1.0 - a), a * a + (1.0 - a) ** 2, 0.0, 1.0 - a)
+    folded = integral(-2.0 * (2.0 - a), 1.0 + 2.0 * (1.0 - a) ** 2, 1.0 - a, 1.0)
+    return (upper + folded) / (2.0 * math.pi)
+
+
 def _positive_float(value: float, what: str) -> float:
     v = float(value)
     if not (math.isfinite(v) and v > 0):
@@ -271,6 +314,56 @@ def beta(a: float, b: float, lo: float = 0.0, hi: float = 1.0) -> Density:
     a = _positive_float(a, "beta a")
     b = _positive_float(b, "beta b")
     return Density("beta", (a, b), float(lo), float(hi))
+
+
+def polar_angle(m: int) -> Density:
+    """The angle ``psi = atan2(|b|, |a|)`` of two independent blocks ``a, b`` of ``m``
+    Gaussian coordinates each: density ``∝ sin(2 psi)^(m - 1)`` on ``[0, pi/2]``.
+
+    With ``|a| = R cos psi`` and ``|b| = R sin psi`` the joint density of the two norms,
+    ``∝ |a|^(m-1) |b|^(m-1) exp(-R^2 / 2)``, times the polar Jacobian ``R`` separates into
+    a function of ``R`` and ``(cos psi sin psi)^(m - 1)``. This is the law of the level
+    ``l`` angles of PolarQuant's recursive polar transform (``m = 2^(l-1)``, ``l >= 2``) of
+    a rotated vector: scale-free, so the same for a uniform point on the sphere. ``m = 1``
+    is uniform. The mass sits within ``~1 / sqrt(m)`` of ``pi / 4``; for large ``m`` the
+    interval is cut where the density falls below ``exp(-98)`` of its peak.
+    """
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise ValueError(f"polar_angle needs an int m >= 1, got {m!r}")
+    half = math.pi / 4
+    if m > 1:  # sin(2 psi)^(m-1) = cos(2 delta)^(m-1) at psi = pi/4 + delta
+        half = min(half, 0.5 * math.acos(math.exp(-98.0 / (m - 1))))
+    return Density("polar_angle", (m,), math.pi / 4 - half, math.pi / 4 + half)
+
+
+def sphere_block_norm(dim: int, k: int) -> Density:
+    """Norm of ``k`` coordinates of a uniform point on the unit sphere in ``R^dim``.
+
+    Its square is ``Beta(k/2, (dim-k)/2)`` (a ratio of chi-squares), so on ``[0, 1]``
+    ``f(r) = 2 r^(k-1) (1 - r^2)^((dim-k-2)/2) / B(k/2, (dim-k)/2)``; mean square
+    ``k / dim``. Needs ``dim >= k + 2`` (a bounded density); OCTOPUS's triplet norm is
+    ``k = 3``. For large ``dim`` the interval is cut where ``(1 - r^2)^((dim-k-2)/2)``
+    falls below ``exp(-98)``.
+    """
+    for what, v in (("dim", dim), ("k", k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"sphere_block_norm needs an int {what} >= 1, got {v!r}")
+    if dim < k + 2:
+        raise ValueError(f"sphere_block_norm needs dim >= k + 2, got dim={dim}, k={k}")
+    hi = 1.0
+    if dim > k + 2:
+        hi = min(1.0, math.sqrt(1.0 - math.exp(-196.0 / (dim - k - 2))))
+    return Density("sphere_block_norm", (dim, k), 0.0, hi)
+
+
+def octahedral_coordinate() -> Density:
+    """Marginal of one coordinate ``xi`` of the octahedral map of a uniform direction on
+    S^2 (both coordinates share it by symmetry), on ``[-1, 1]``; closed form derived in
+    :func:`_octahedral_marginal`. It is ``1 / pi`` at ``0`` and ``+-1`` and peaks near
+    ``+-1/2`` rather than being flat: the octahedral map is not equal-area (the solid
+    angle per unit square area varies by ``3 sqrt 3`` between a face centre and a vertex).
+    """
+    return Density("octahedral_coordinate", (), -1.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -529,21 +622,23 @@ def lloyd_max(
 
     Args:
       density: the source density.
-      bits: code width in ``1..12``; the quantizer has ``2**bits`` levels.
+      bits: code width in ``0..12``; the quantizer has ``2**bits`` levels (``0``: the
+        one level is the mean, and ``mse`` the variance; bit allocations that give a
+        component no bits need it).
       tol: stopping threshold on the largest move a Lloyd update would make.
       max_iter: iteration cap; ``converged`` is False if it is reached first.
       grid: number of integration intervals.
 
     Raises:
-      ValueError: for bits outside ``1..12``, a non-positive tol, max_iter < 1 or
+      ValueError: for bits outside ``0..12``, a non-positive tol, max_iter < 1 or
         grid < 2, or a density that is negative, non-finite or massless on its grid.
     """
     if not isinstance(density, Density):
         raise ValueError(f"lloyd_max needs a Density, got {type(density).__name__}")
     if not isinstance(bits, int | np.integer) or isinstance(bits, bool):
-        raise ValueError(f"bits must be an int in 1..{MAX_BITS}, got {bits!r}")
-    if not 1 <= bits <= MAX_BITS:
-        raise ValueError(f"bits must be an int in 1..{MAX_BITS}, got {bits!r}")
+        raise ValueError(f"bits must be an int in 0..{MAX_BITS}, got {bits!r}")
+    if not 0 <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be an int in 0..{MAX_BITS}, got {bits!r}")
     tol = _positive_float(tol, "tol")
     if int(max_iter) < 1 or int(grid) < 2:
         raise ValueError(f"max_iter must be >= 1 and grid >= 2, got {max_iter}, {grid}")
@@ -554,6 +649,14 @@ def lloyd_max(
 def _design(density: Density, bits: int, tol: float, max_iter: int, grid: int) -> LloydMaxQuantizer:
     n = 2**bits
     tab = _CellIntegrals(density, grid)
+    if bits == 0:
+        (p,), (m,), (s,) = tab.cells(np.zeros(0))
+        c = np.array([m / p])
+        mse = float(max(s / p - c[0] ** 2, 0.0))
+        centroids, thresholds = c + tab.centre, np.zeros(0)
+        centroids.setflags(write=False)
+        thresholds.setflags(write=False)
+        return LloydMaxQuantizer(centroids, thresholds, mse, 0, True)
 
     # Start at quantiles of f^(1/3) (see lloyd_max). In t,
     # f(x)^(1/3) dx = (w / phi')^(1/3) phi' dt = w^(1/3) phi'^(2/3) dt, bounded like w.

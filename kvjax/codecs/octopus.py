@@ -1,0 +1,257 @@
+"""OCTOPUS, ``octopus:bB[,qjl]``: rotated coordinates quantized three at a time, as a
+triplet norm and an octahedrally mapped direction.
+
+Triplets. The rotated unit vector ``y`` (:mod:`kvjax.codecs.rotated`) is cut into
+``n = ceil(D / 3)`` contiguous triplets ``t_i`` (the last zero-padded), each split into its
+norm ``rho_i = |t_i|`` and direction ``t_i / rho_i`` on S^2 (a zero triplet takes the
+direction ``(0, 0, 1)``).
+
+Norm law. ``rho^2`` of three coordinates of a uniform point on S^{D-1} is
+``Beta(3/2, (D-3)/2)``: ``f(rho) = 2 rho^2 (1 - rho^2)^((D-5)/2) / B(3/2, (D-3)/2)`` on
+``[0, 1]``, mean square ``3 / D`` (:func:`kvjax.lloyd.sphere_block_norm`).
+
+Direction. The octahedral map sends a unit ``n`` to ``p = n / |n|_1`` on the octahedron
+and reads ``(xi, eta) = (p_x, p_y)`` on the upper half (``p_z >= 0``); the lower half is
+folded out to the square's corners, ``(xi, eta) = ((1 - |p_y|) sgn p_x, (1 - |p_x|)
+sgn p_y)``. Decoding lifts ``(xi, eta, 1 - |xi| - |eta|)``, unfolds it where the third
+coordinate is negative, and normalizes: exact inverse, O(1) arithmetic. For a uniform
+direction ``(xi, eta)`` has density ``1 / (4 pi |p|^3)`` on ``[-1, 1]^2``; one coordinate's
+marginal has a closed form (:func:`kvjax.lloyd.octahedral_coordinate`, derived there),
+used where the paper fits the empirical marginal: the same law without sampling noise.
+Both coordinates share one Lloyd-Max codebook.
+
+Bits. A triplet gets ``d`` bits per octahedral coordinate and ``n`` for its norm,
+``2 d + n`` in all. ``octopus:bB`` is the paper's split ``(d, n) = (B + 1, B - 1)``: the norm
+of a triplet carries little of the error (``E rho^2 = 3 / D``), so a direction bit buys
+more than a norm bit; ``octopus:dX,nY`` sets any split (``X`` or ``Y`` may be 0: one level,
+the law's mean). Note the split is not rate-neutral: ``(B + 1, B - 1)`` spends ``3 B + 1``
+bits per triplet, ``B + 1/3`` per coordinate (plus the pad at ``D = 128``), which is more
+than TurboQuant or PolarQuant spend at the same ``B``.
+
+Joint rounding. The scalar seeds ``(i_xi, i_eta)`` are refined over the 3x3 neighbours
+(clamped to the codebook) by the exact triplet error: for a candidate direction ``m``
+(the decoded, normalized codeword) the best stored norm is the codebook level nearest to
+``<t, m>``, and the error is ``|t - rho_hat m|^2 = |t|^2 - 2 rho_hat <t, m> + rho_hat^2``; the
+candidate with the least error wins (the first on ties). :func:`joint_round` also runs the
+full grid of ``4^d`` directions for comparison.
+
+Codes of ``x[..., T, D]``::
+
+    codes     uint8[..., T, ceil(n (2 d + n_bits) / 8)]   per triplet: i_xi, i_eta, i_rho
+    norm      float16[..., T, 1]
+
+``octopus:bB,qjl`` (OCTOPUS-QJL, B >= 2): the OCTOPUS stage at ``B - 1``, i.e. split
+``(B, B - 2)``, plus the 1-bit QJL sketch of the residual with its norm; attention uses
+the estimator (:mod:`kvjax.codecs.rotated`). It is matched to ``turboquant:bB,qjl``, which
+also gives its MSE stage ``B - 1`` bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import lloyd
+from kvjax.codebooks import lloyd_codebook
+from kvjax.codec import CodecError, Codes, check_range, parse_int, register
+from kvjax.codecs.intn import option_spec
+from kvjax.codecs.rotated import RotatedCodec
+from kvjax.packing import fields_bits, from_units, pack_fields, to_units, unpack_fields
+
+MAX_BITS = 8
+MIN_NOMINAL, MAX_NOMINAL = 1, 7
+#: offsets of the local candidate set around the scalar seed
+LOCAL = tuple((dx, dy) for dx in (-1, 0, 1) for dy in (-1, 0, 1))
+
+
+def direction_codebook(bits: int) -> lloyd.LloydMaxQuantizer:
+    """Lloyd-Max codebook of one octahedral coordinate of a uniform direction."""
+    return lloyd_codebook(lloyd.octahedral_coordinate(), bits)
+
+
+def norm_codebook(head_dim: int, bits: int) -> lloyd.LloydMaxQuantizer:
+    """Lloyd-Max codebook of the norm of three coordinates of a uniform unit vector."""
+    return lloyd_codebook(lloyd.sphere_block_norm(head_dim, 3), bits)
+
+
+def _sign(v: jax.Array) -> jax.Array:
+    return jnp.where(v >= 0, 1.0, -1.0)
+
+
+def octahedral_encode(n: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(xi, eta)`` in ``[-1, 1]^2`` of directions ``n[..., 3]`` (any nonzero length; a
+    zero vector gives ``(0, 0)``)."""
+    l1 = jnp.sum(jnp.abs(n), axis=-1, keepdims=True)
+    p = n / jnp.where(l1 > 0, l1, 1.0)
+    x, y, z = p[..., 0], p[..., 1], p[..., 2]
+    xi = jnp.where(z >= 0, x, (1.0 - jnp.abs(y)) * _sign(x))
+    eta = jnp.where(z >= 0, y, (1.0 - jnp.abs(x)) * _sign(y))
+    return xi, eta
+
+
+def octahedral_decode(xi: jax.Array, eta: jax.Array) -> jax.Array:
+    """Unit directions ``[..., 3]`` of octahedral coordinates: the inverse of
+    :func:`octahedral_encode` on unit vectors."""
+    z = 1.0 - jnp.abs(xi) - jnp.abs(eta)
+    x = jnp.where(z >= 0, xi, (1.0 - jnp.abs(eta)) * _sign(xi))
+    y = jnp.where(z >= 0, eta, (1.0 - jnp.abs(xi)) * _sign(eta))
+    p = jnp.stack([x, y, z], axis=-1)
+    return p / jnp.linalg.norm(p, axis=-1, keepdims=True)
+
+
+def to_triplets(y: jax.Array) -> jax.Array:
+    """``y[..., D] -> [..., ceil(D / 3), 3]``, zero-padded."""
+    head_dim = y.shape[-1]
+    pad = -head_dim % 3
+    if pad:
+        y = jnp.concatenate([y, jnp.zeros((*y.shape[:-1], pad), y.dtype)], axis=-1)
+    return y.reshape(*y.shape[:-1], -1, 3)
+
+
+def joint_round(
+    t: jax.Array,
+    direction: lloyd.LloydMaxQuantizer,
+    norm: lloyd.LloydMaxQuantizer,
+    full_grid: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Indices ``(i_xi, i_eta, i_rho)`` (int32, ``t.shape[:-1]``) of triplets ``t[..., 3]``
+    minimizing ``|t - rho_hat m(i_xi, i_eta)|^2``: over the 3x3 neighbours of the scalar
+    seed, or with ``full_grid`` over every direction codeword."""
+    levels = direction.centroids.shape[0]
+    table = jnp.asarray(direction.centroids, jnp.float32)
+    if full_grid:
+        grid = jnp.arange(levels, dtype=jnp.int32)
+        cand_xi = jnp.broadcast_to(jnp.repeat(grid, levels), (*t.shape[:-1], levels**2))
+        cand_eta = jnp.broadcast_to(jnp.tile(grid, levels), (*t.shape[:-1], levels**2))
+    else:
+        xi, eta = octahedral_encode(t)
+        seed_xi = lloyd.quantize(xi, direction).astype(jnp.int32)[..., None]
+        seed_eta = lloyd.quantize(eta, direction).astype(jnp.int32)[..., None]
+        cand_xi = jnp.clip(seed_xi + jnp.asarray([dx for dx, _ in LOCAL]), 0, levels - 1)
+        cand_eta = jnp.clip(seed_eta + jnp.asarray([dy for _, dy in LOCAL]), 0, levels - 1)
+    m = octahedral_decode(table[cand_xi], table[cand_eta])
+    proj = jnp.einsum("...c,...kc->...k", t, m, precision=jax.lax.Precision.HIGHEST)
+    cand_rho = lloyd.quantize(proj, norm).astype(jnp.int32)
+    rho = lloyd.dequantize(cand_rho, norm)
+    best = jnp.argmin(rho * rho - 2.0 * rho * proj, axis=-1)[..., None]
+
+    def pick(a):
+        return jnp.take_along_axis(a, best, axis=-1)[..., 0]
+
+    return pick(cand_xi), pick(cand_eta), pick(cand_rho)
+
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OctopusCodec(RotatedCodec):
+    """OCTOPUS with ``direction_bits`` per octahedral coordinate and ``norm_bits`` per
+    triplet norm (plus the QJL sketch with ``qjl``); see the module docstring."""
+
+    name: ClassVar[str] = "octopus"
+
+    direction_bits: int
+    norm_bits: int
+
+    def __post_init__(self) -> None:
+        self._check_qjl()
+        check_range(self.direction_bits, "direction_bits", self.name, 0, MAX_BITS)
+        check_range(self.norm_bits, "norm_bits", self.name, 0, MAX_BITS)
+        if self.direction_bits + self.norm_bits == 0:
+            raise CodecError(f"{self.name}: direction_bits and norm_bits are both 0")
+
+    @classmethod
+    def nominal(cls, bits: int, qjl: bool = False) -> OctopusCodec:
+        """``octopus:bB[,qjl]``: the split ``(B + 1, B - 1)`` of the stage's ``B``
+        (``B - 1`` beside the QJL sketch)."""
+        lo = MIN_NOMINAL + int(qjl)
+        check_range(bits, "bits", cls.name, lo, MAX_NOMINAL + int(qjl))
+        stage = bits - int(qjl)
+        return cls(direction_bits=stage + 1, norm_bits=stage - 1, qjl=qjl)
+
+    @property
+    def nominal_bits(self) -> int | None:
+        """``B`` when the split is the nominal one, else None."""
+        if self.norm_bits != self.direction_bits - 2:
+            return None
+        return self.direction_bits - 1 + int(self.qjl)
+
+    @property
+    def value_bits(self) -> int:
+        """``B``, or for an explicit split the rounded bits per coordinate of a triplet."""
+        nominal = self.nominal_bits
+        if nominal is not None:
+            return nominal
+        return max(1, round((2 * self.direction_bits + self.norm_bits) / 3))
+
+    @classmethod
+    def from_options(cls, options: list[str]) -> OctopusCodec:
+        """``octopus:bB[,qjl]`` (B in 1..7, 2..8 with qjl) or ``octopus:dX,nY[,qjl]``."""
+        spec = option_spec(cls.name, options)
+        usage = ("expected bB (nominal bits) or dX,nY (bits per octahedral coordinate and "
+                 "per triplet norm), and optionally qjl, e.g. octopus:b3, octopus:b3,qjl, "
+                 "octopus:d4,n2")
+        qjl = "qjl" in options
+        values = {}
+        for o in options:
+            if o == "qjl" and options.count("qjl") == 1:
+                continue
+            if o[:1] not in ("b", "d", "n") or o[0] in values:
+                raise CodecError(f"{spec}: {usage}")
+            values[o[0]] = o[1:]
+        if set(values) == {"b"}:
+            lo = MIN_NOMINAL + int(qjl)
+            bits = parse_int(values["b"], "bits B", spec, lo, MAX_NOMINAL + int(qjl))
+            return cls.nominal(bits, qjl=qjl)
+        if set(values) == {"d", "n"}:
+            return cls(direction_bits=parse_int(values["d"], "direction bits", spec, 0, MAX_BITS),
+                       norm_bits=parse_int(values["n"], "norm bits", spec, 0, MAX_BITS), qjl=qjl)
+        raise CodecError(f"{spec}: {usage}")
+
+    @property
+    def spec(self) -> str:
+        """``octopus:bB[,qjl]`` for the nominal split, else ``octopus:dX,nY[,qjl]``."""
+        nominal = self.nominal_bits
+        body = (f"b{nominal}" if nominal is not None
+                else f"d{self.direction_bits},n{self.norm_bits}")
+        return f"{self.name}:{body}" + (",qjl" if self.qjl else "")
+
+    def _widths(self, head_dim: int) -> list[tuple[int, int]]:
+        triplets = -(-head_dim // 3)
+        return [(triplets, b) for b in (self.direction_bits, self.direction_bits,
+                                         self.norm_bits) if b > 0]
+
+    def encode_unit(self, y: jax.Array) -> Codes:
+        """``codes``: the triplets' jointly rounded indices, one dense byte stream
+        (all ``i_xi``, then all ``i_eta``, then all ``i_rho``)."""
+        head_dim = y.shape[-1]
+        t = to_triplets(y)
+        i_xi, i_eta, i_rho = joint_round(t, direction_codebook(self.direction_bits),
+                                         norm_codebook(head_dim, self.norm_bits))
+        fields = [(i, b) for i, b in ((i_xi, self.direction_bits),
+                                      (i_eta, self.direction_bits),
+                                      (i_rho, self.norm_bits)) if b > 0]
+        total = fields_bits(self._widths(head_dim))
+        return {"codes": to_units(pack_fields(fields), total)}
+
+    def decode_unit(self, codes: Codes, head_dim: int) -> jax.Array:
+        """``rho_hat * m(xi_hat, eta_hat)`` per triplet, the pad dropped."""
+        widths = self._widths(head_dim)
+        fields = iter(unpack_fields(from_units(codes["codes"], fields_bits(widths)), widths))
+        triplets = -(-head_dim // 3)
+        lead = codes["codes"].shape[:-1]
+        zeros = jnp.zeros((*lead, triplets), jnp.int32)
+        i_xi = next(fields) if self.direction_bits else zeros
+        i_eta = next(fields) if self.direction_bits else zeros
+        i_rho = next(fields) if self.norm_bits else zeros
+        direction = direction_codebook(self.direction_bits)
+        m = octahedral_decode(lloyd.dequantize(i_xi, direction),
+                              lloyd.dequantize(i_eta, direction))
+        rho = lloyd.dequantize(i_rho, norm_codebook(head_dim, self.norm_bits))
+        return (rho[..., None] * m).reshape(*lead, -1)[..., :head_dim]
+
+    def unit_bits(self, head_dim: int) -> int:
+        """The index stream in whole bytes."""
+        return 8 * -(-fields_bits(self._widths(head_dim)) // 8)

@@ -1,0 +1,197 @@
+"""PolarQuant (Han, Kacham, Karbasi, Mirrokni, Zandieh 2025, arXiv 2502.02617),
+``polarquant:bB[,lL]``: the rotated unit vector in recursive polar coordinates.
+
+Not the method of Wu et al. (arXiv 2502.00527) that shares the name.
+
+Transform. The rotated unit vector ``y`` (:mod:`kvjax.codecs.rotated`) is cut into pairs;
+level 1 replaces each pair ``(y[2j], y[2j+1])`` by its radius and its angle
+``atan2(y[2j+1], y[2j])`` in ``[0, 2 pi)``. Level ``l >= 2`` does the same to pairs of the
+previous level's radii, whose angles lie in ``[0, pi/2]``. After ``L`` levels ``D / 2^L``
+radii remain; at ``L = log2 D`` (the default) the one radius left is ``|y| = 1`` and the
+vector is its ``D - 1`` angles alone.
+
+Angle laws. For a Gaussian vector (and so, the angles being scale-free, for a uniform
+point on the sphere, which the rotation makes of ``y``) the level-1 angles are uniform on
+``[0, 2 pi)`` and a level-``l`` angle has density ``∝ sin(2 psi)^(2^(l-1) - 1)``
+(:func:`kvjax.lloyd.polar_angle`, derived there), independent across angles. Each level
+gets its own Lloyd-Max codebook for its law, data-free and kept on disk.
+
+Bits. Han et al. spend more bits on the wide level-1 angles than on the concentrated
+deeper ones: (4, 2, 2, 2) bits over ``L = 4`` levels. ``polarquant:bB`` keeps that shape
+at a nominal ``B`` bits per coordinate: ``B + 1`` bits per level-1 angle and ``B - 1`` per
+deeper angle, so with the default ``L = log2 D`` a vector costs ``(D/2)(B+1) +
+(D/2 - 1)(B-1) = D B - B + 1`` bits, the same as TurboQuant's ``D B`` within ``B`` bits.
+``polarquant:b3,l4`` is Han et al.'s own setting; its ``D / 16`` radii are stored in
+fp16 as theirs are (they are radii of the unit vector here, beside the shared fp16 norm:
+16 bits per vector more than theirs).
+
+Codes of ``x[..., T, D]``::
+
+    angles    uint8[..., T, ceil(A / 8)]   A = sum of the angle widths, one dense stream
+    radii     float16[..., T, D / 2^L]     only when L < log2 D
+    norm      float16[..., T, 1]
+
+Decoding walks the levels back down: each radius splits into ``r cos psi_hat`` and
+``r sin psi_hat``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import lloyd
+from kvjax.codebooks import lloyd_codebook
+from kvjax.codec import CodecError, Codes, check_range, parse_int, register, round_to_dtype
+from kvjax.codecs.intn import option_spec
+from kvjax.codecs.rotated import RotatedCodec
+from kvjax.packing import fields_bits, from_units, pack_fields, to_units, unpack_fields
+
+MIN_BITS, MAX_BITS = 1, 7
+MAX_LEVELS = 16
+
+
+def level_codebook(level: int, bits: int) -> lloyd.LloydMaxQuantizer:
+    """The Lloyd-Max codebook of a level-``level`` angle: uniform on ``[0, 2 pi)`` at
+    level 1, :func:`kvjax.lloyd.polar_angle` of ``2^(level-1)`` after."""
+    if level == 1:
+        return lloyd_codebook(lloyd.uniform(0.0, 2.0 * math.pi), bits)
+    return lloyd_codebook(lloyd.polar_angle(2 ** (level - 1)), bits)
+
+
+def polar_transform(y: jax.Array, levels: int) -> tuple[list[jax.Array], jax.Array]:
+    """``([angles of level 1, ..., level L], radii)`` of ``y[..., D]``: level ``l`` has
+    ``D / 2^l`` angles, level 1 in ``[0, 2 pi)`` and the others in ``[0, pi/2]``; the radii
+    are the ``D / 2^L`` left at the top."""
+    angles, r = [], y
+    for level in range(1, levels + 1):
+        a, b = r[..., 0::2], r[..., 1::2]
+        psi = jnp.arctan2(b, a)
+        if level == 1:
+            psi = jnp.where(psi < 0, psi + 2.0 * math.pi, psi)
+        angles.append(psi)
+        r = jnp.sqrt(a * a + b * b)
+    return angles, r
+
+
+def inverse_polar_transform(angles: list[jax.Array], radii: jax.Array) -> jax.Array:
+    """Inverse of :func:`polar_transform`: each radius becomes ``(r cos psi, r sin psi)``."""
+    r = radii
+    for psi in reversed(angles):
+        pair = jnp.stack([r * jnp.cos(psi), r * jnp.sin(psi)], axis=-1)
+        r = pair.reshape(*pair.shape[:-2], -1)
+    return r
+
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolarQuantCodec(RotatedCodec):
+    """PolarQuant at nominal ``bits`` per coordinate over ``levels`` levels (``None``: all
+    ``log2 D``); see the module docstring."""
+
+    name: ClassVar[str] = "polarquant"
+
+    bits: int
+    levels: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_qjl()
+        if self.qjl:
+            raise CodecError(f"{self.name}: no QJL variant")
+        check_range(self.bits, "bits", self.name, MIN_BITS, MAX_BITS)
+        if self.levels is not None:
+            check_range(self.levels, "levels", self.name, 1, MAX_LEVELS)
+
+    @property
+    def value_bits(self) -> int:
+        """``B``."""
+        return self.bits
+
+    @classmethod
+    def from_options(cls, options: list[str]) -> PolarQuantCodec:
+        """``polarquant:bB[,lL]``: nominal B bits (1..7), L levels (default all)."""
+        spec = option_spec(cls.name, options)
+        usage = (f"expected bB (B in {MIN_BITS}..{MAX_BITS}) and optionally lL (levels), "
+                 "e.g. polarquant:b3 or polarquant:b3,l4")
+        values = {}
+        for o in options:
+            if o[:1] not in ("b", "l") or o[0] in values:
+                raise CodecError(f"{spec}: {usage}")
+            values[o[0]] = o[1:]
+        if "b" not in values:
+            raise CodecError(f"{spec}: {usage}")
+        bits = parse_int(values["b"], "bits B", spec, MIN_BITS, MAX_BITS)
+        levels = parse_int(values["l"], "levels L", spec, 1, MAX_LEVELS) if "l" in values else None
+        return cls(bits=bits, levels=levels)
+
+    @property
+    def spec(self) -> str:
+        """``polarquant:bB`` or ``polarquant:bB,lL``."""
+        return f"{self.name}:b{self.bits}" + (f",l{self.levels}" if self.levels else "")
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """A power of two with at least ``2^L`` coordinates."""
+        super().check_head_dim(head_dim)
+        if self.levels is not None and head_dim < 2**self.levels:
+            raise CodecError(f"{self.spec}: {self.levels} levels need head_dim >= "
+                             f"{2**self.levels}, got {head_dim}")
+
+    def num_levels(self, head_dim: int) -> int:
+        """``L``: the ``levels`` option, else ``log2 head_dim``."""
+        return self.levels if self.levels is not None else head_dim.bit_length() - 1
+
+    def level_bits(self, level: int) -> int:
+        """``B + 1`` bits at level 1, ``B - 1`` deeper."""
+        return self.bits + 1 if level == 1 else self.bits - 1
+
+    def _widths(self, head_dim: int) -> list[tuple[int, int]]:
+        levels = self.num_levels(head_dim)
+        widths = [(head_dim >> level, self.level_bits(level)) for level in range(1, levels + 1)]
+        return [(n, b) for n, b in widths if b > 0]
+
+    def encode_unit(self, y: jax.Array) -> Codes:
+        """``angles`` (one byte stream of every level's indices) and, below full depth,
+        the fp16 ``radii``."""
+        head_dim = y.shape[-1]
+        levels = self.num_levels(head_dim)
+        angles, radii = polar_transform(y, levels)
+        fields = []
+        for level, psi in enumerate(angles, start=1):
+            bits = self.level_bits(level)
+            if bits:
+                fields.append((lloyd.quantize(psi, level_codebook(level, bits)), bits))
+        total = fields_bits(self._widths(head_dim))
+        codes = {"angles": to_units(pack_fields(fields), total)}
+        if radii.shape[-1] > 1:
+            codes["radii"] = round_to_dtype(radii, jnp.float16).astype(jnp.float16)
+        return codes
+
+    def decode_unit(self, codes: Codes, head_dim: int) -> jax.Array:
+        """Centroid angles, walked back down from the stored radii (or ``1``)."""
+        levels = self.num_levels(head_dim)
+        widths = self._widths(head_dim)
+        indices = iter(unpack_fields(from_units(codes["angles"], fields_bits(widths)), widths))
+        lead = codes["angles"].shape[:-1]
+        angles = []
+        for level in range(1, levels + 1):
+            bits = self.level_bits(level)
+            codebook = level_codebook(level, bits)
+            if bits:
+                angles.append(lloyd.dequantize(next(indices), codebook))
+            else:
+                angles.append(jnp.full((*lead, head_dim >> level),
+                                       float(codebook.centroids[0]), jnp.float32))
+        if "radii" in codes:
+            radii = codes["radii"].astype(jnp.float32)
+        else:
+            radii = jnp.ones((*lead, 1), jnp.float32)
+        return inverse_polar_transform(angles, radii)
+
+    def unit_bits(self, head_dim: int) -> int:
+        """The angle stream in whole bytes, plus 16 bits per radius below full depth."""
+        radii = head_dim >> self.num_levels(head_dim)
+        return 8 * -(-fields_bits(self._widths(head_dim)) // 8) + (16 * radii if radii > 1 else 0)
