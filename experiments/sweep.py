@@ -50,7 +50,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
 
 #: JSON fields that must match for a stored result to count as done
 SETTING_KEYS = ("model", "corpus", "windows", "window_len", "chunk", "residual_window",
-                "sinks", "seed")
+                "sinks", "seed", "raw_k_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,7 @@ class Settings:
     residual_window: int
     sinks: int
     seed: int
+    raw_k_layers: tuple[int, ...] = ()
     needle_lengths: tuple[int, ...] = ()
     needle_depths: tuple[float, ...] = ()
     needle_trials: int = 0
@@ -80,6 +81,8 @@ class Settings:
             parts.append(f"w{self.residual_window}")
         if self.sinks:
             parts.append(f"s{self.sinks}")
+        if self.raw_k_layers:
+            parts.append("rawk" + "_".join(str(i) for i in self.raw_k_layers))
         parts.append(f"seed{self.seed}")
         return "-".join(parts)
 
@@ -110,7 +113,7 @@ def parse_config(config: str, settings: Settings) -> CacheConfig:
     else:
         k, v = parse_kv(config)
     return CacheConfig(k=k, v=v, residual_window=settings.residual_window,
-                       sink_tokens=settings.sinks)
+                       sink_tokens=settings.sinks, raw_k_layers=settings.raw_k_layers)
 
 
 def family(config: str) -> str:
@@ -140,8 +143,10 @@ def _is_done(path: Path, settings: Settings, want_needle: bool) -> bool:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    if any(stored.get(k) != v for k, v in dataclasses.asdict(settings).items()
-           if k in SETTING_KEYS):
+    # compared as JSON holds them (tuples come back as lists)
+    wanted = json.loads(json.dumps(dataclasses.asdict(settings)))
+    if any(stored.get(k, [] if k == "raw_k_layers" else None) != v
+           for k, v in wanted.items() if k in SETTING_KEYS):
         return False
     return not want_needle or stored.get("needle") == settings.needle_key()
 
@@ -212,7 +217,7 @@ def run_sweep(
 CSV_FIELDS = ("config", "family", "k_codec", "v_codec", "bits_per_element",
               "k_bits_per_element", "v_bits_per_element", "ppl", "delta_pct", "nll",
               "tokens", "needle_accuracy", "seconds", "model", "corpus", "windows",
-              "window_len", "chunk", "residual_window", "sinks", "seed", "git")
+              "window_len", "chunk", "residual_window", "sinks", "raw_k_layers", "seed", "git")
 
 
 def with_deltas(rows: Sequence[dict]) -> list[dict]:
@@ -350,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: window)")
     p.add_argument("--window", type=int, default=0, help="raw residual window (tokens)")
     p.add_argument("--sinks", type=int, default=0, help="raw sink tokens")
+    p.add_argument("--raw-k-layers", type=int, nargs="+", default=[], metavar="LAYER",
+                   help="layers whose K stays bf16 (negative counts from the end), e.g. "
+                        "0 -1 for the first and last block; their bits are counted")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--needle", action="store_true", help="also run needle retrieval")
     p.add_argument("--needle-lengths", type=int, nargs="+", default=[512, 1024])
@@ -386,7 +394,7 @@ def main(argv: Sequence[str] | None = None, evaluate: Evaluate | None = None) ->
         settings = Settings(
             model=args.model, corpus=str(args.corpus), windows=args.windows,
             window_len=args.window_len, chunk=args.chunk, residual_window=args.window,
-            sinks=args.sinks, seed=args.seed,
+            sinks=args.sinks, seed=args.seed, raw_k_layers=tuple(args.raw_k_layers),
             needle_lengths=tuple(args.needle_lengths) if args.needle else (),
             needle_depths=tuple(args.needle_depths) if args.needle else (),
             needle_trials=args.needle_trials if args.needle else 0,
@@ -406,7 +414,9 @@ def main(argv: Sequence[str] | None = None, evaluate: Evaluate | None = None) ->
     (run_dir / "summary.md").write_text(table + "\n")
     title = (f"{settings.model} on {settings.corpus}: {settings.windows} x "
              f"{settings.window_len} tokens" + (f", window {settings.residual_window}"
-                                                if settings.residual_window else ""))
+                                                if settings.residual_window else "")
+             + (f", K raw in layers {list(settings.raw_k_layers)}"
+                if settings.raw_k_layers else ""))
     plot_pareto(rows, run_dir / "pareto.png", title)
     print(table)
     if settings.needle_trials:

@@ -67,6 +67,25 @@ def test_sweep_writes_results_and_resumes(tmp_path, capsys):
     assert forced.calls == ["bf16", "int:4"]
 
 
+def test_raw_k_layers_reach_the_cache_config_and_name_the_run(tmp_path):
+    seen = {}
+
+    def evaluate(config, cache_config, with_needle):
+        seen[config] = cache_config
+        return FakeEvaluate()(config, cache_config, with_needle)
+
+    code, _ = run(tmp_path, "--codec", "int:4", "--raw-k-layers", "0", "-1",
+                  evaluate=evaluate)
+    assert code == 0
+    assert seen["int:4"].raw_k_layers == (0, -1) and seen["int:4"].raw_v_layers == ()
+    run_dir = tmp_path / "smollm2_135m-shakespeare-8x256-rawk0_-1-seed0"
+    stored = json.loads((run_dir / "configs" / f"{sweep.config_slug('int:4')}.json").read_text())
+    assert stored["raw_k_layers"] == [0, -1]
+    # the stored list counts as the same setting: a second run skips both configurations
+    _, again = run(tmp_path, "--codec", "int:4", "--raw-k-layers", "0", "-1")
+    assert again.calls == []
+
+
 def test_needle_results_join_the_sweep(tmp_path, capsys):
     run(tmp_path, "--codec", "int:2")
     # results without needle answers are redone when the needle is asked for
