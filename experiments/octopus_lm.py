@@ -164,10 +164,10 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         lines = orderings(protocol)
         sw.write_csv(protocol, args.docs / "lm.csv")
         sw.plot_pareto(protocol, args.docs / "lm_pareto.png",
-                       "rotation codecs, boundary-1, " + title)
+                       "boundary-1, " + title)
         base = next(r["ppl"] for r in protocol if r["config"] == "bf16")
         sw.plot_pareto(protocol, args.docs / "lm_pareto_zoom.png",
-                       "rotation codecs (ppl < 1.5x bf16), boundary-1, " + title,
+                       "ppl < 1.5x bf16, boundary-1, " + title,
                        max_ppl=1.5 * base, max_bits=8.0)
         summary["protocol"] = [{k: r[k] for k in keep} for r in protocol]
         sections.append("## Protocol (seed 0)\n\n" + table

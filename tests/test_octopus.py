@@ -1,6 +1,7 @@
-"""OCTOPUS and PolarQuant: their laws (triplet norm, octahedral coordinate, polar angles)
-against Monte-Carlo, the octahedral map, Lloyd-Max optimality of their codebooks, joint
-rounding against the full grid, error and bit accounting, jit/vmap/seeds, QJL, specs."""
+"""OCTOPUS and PolarQuant, and the frame they share with TurboQuant: their laws (triplet
+norm, octahedral coordinate, polar angles) against Monte-Carlo, the octahedral map,
+Lloyd-Max optimality of their codebooks, joint rounding against the full grid, error and
+bit accounting, jit/vmap/seeds, QJL, specs."""
 
 import functools
 import itertools
@@ -221,7 +222,7 @@ def test_errors_order_as_the_design_says():
     assert 0.1 < err["turboquant:b2"] < 0.13 and 0.07 < err["octopus:b2"] < 0.095
 
 
-@pytest.mark.parametrize("spec", ["octopus:b2", "polarquant:b2,l3"])
+@pytest.mark.parametrize("spec", ["octopus:b2", "polarquant:b2,l3", "turboquant:b3"])
 def test_seeds_jit_vmap_zero_rows_and_bad_input(spec):
     codec = parse_codec(spec)
     keys = jax.random.split(jax.random.key(8), 3)
