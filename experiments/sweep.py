@@ -43,6 +43,10 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "int": ("bf16", "int:8", "int:7", "int:6", "int:5", "int:4", "int:3", "int:2"),
     "kivi": ("bf16", "kivi:8,g32", "kivi:4,g32", "kivi:3,g32", "kivi:2,g32",
              "kivi:4,g64", "kivi:2,g64", "kivi:2,g128"),
+    # the rotation-preconditioned family at nominal 2 / 3 / 4 bits (experiments/octopus_lm.py
+    # runs it with the OCTOPUS paper's window and boundary layers)
+    "rotation": ("bf16", *(f"{c}:b{b}" for b in (2, 3, 4)
+                           for c in ("turboquant", "polarquant", "octopus"))),
     # SAW rotation blocks, sign flips and rotated V at 4 bits, vs plain int:4 (D = 64)
     "saw": ("bf16", "int:4", "saw:h16", "saw:h32", "saw:h64", "saw:h64,signs",
             "saw:h64,kv", "saw:h64,b8", "saw:h64,b3", "saw:h64,b2", "int:3", "int:2"),
