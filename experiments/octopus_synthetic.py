@@ -1,0 +1,833 @@
+"""OCTOPUS's synthetic claims (sections 3.3, 3.5 and 4.1) against TurboQuant and PolarQuant.
+
+    python experiments/octopus_synthetic.py --docs docs/octopus
+    python experiments/octopus_synthetic.py --parts split,grid --split-seeds 16
+
+Parts (``--parts``, comma-separated; default all):
+
+* ``keys``: Gaussian keys ``[1024, 128]`` and 16 Gaussian queries over 64 seeds
+  (:func:`kvjax.eval.synthetic.reconstruction`) for ``turboquant:bB``,
+  ``turboquant:bB,qjl``, ``polarquant:bB``, ``octopus:bB`` and ``octopus:bB,qjl`` at
+  B in {2, 3, 4}, plus rate references (``turboquant:b5``, ``turboquant:b5,qjl``) for the
+  equal-bits view: mean reconstruction cosine, per-coordinate MSE, mean ``|q.k - score|``
+  through each codec's own :meth:`~kvjax.codec.Codec.scores`, the stored bits per element
+  (the formula, checked against the bytes of the codes) and ``s(k, k) / |k|^2``, how much
+  the codec's score of a key with itself shrinks (:func:`self_score_gain`). The ratios the
+  paper states, and each codec against TurboQuant at equal stored bits, are computed
+  from these rows.
+* ``needle``: one needle among 2048 Gaussian distractors, query ``k* + 0.1 |k*| e``
+  (``e`` a random unit vector), logits ``score / sqrt(D)``, 128 seeds
+  (:func:`kvjax.eval.synthetic.needle`): softmax mass on the needle for exact float32
+  keys and each codec, and each codec's ratio to that baseline.
+* ``split``: ``octopus:d{b+delta},n{b-delta}`` for b in {2, 3, 4} and delta in -2..2, MSE
+  relative to the uniform split (delta = 0) and to the paper's (delta = +1), on the keys
+  protocol with fewer seeds (16); and the equal-rate splits ``(b, b)`` and
+  ``(b + 1, b - 2)``, which spend TurboQuant's 3b bits per triplet, next to
+  ``turboquant:bB`` on the same seeds.
+* ``grid``: :func:`kvjax.codecs.octopus.joint_round` over the 3x3 neighbours of the scalar
+  seed against the full grid of directions, on 10^4 rotated triplets at D = 128, for
+  2..5 direction bits and norm bits ``b_dir - 2`` and 2: the fraction of triplets whose
+  indices agree and the ratio of the two total errors.
+
+Seeds. Trial ``s`` of ``--seed`` draws its data and its codec parameters (rotation signs,
+QJL sketch) from ``fold_in(key(seed), s)`` (:mod:`kvjax.eval.synthetic`): every trial is
+new data and a new rotation, and every codec sees the same data in the same trial.
+
+With ``--docs DIR`` the results go to ``DIR/synthetic.json`` (every part run so far: a
+part run alone replaces only its own entry), ``DIR/synthetic.md`` (the command, the
+tables next to the paper's numbers, and the discussion: the text after the line
+:data:`DISCUSSION` in an existing file is kept) and ``DIR/synthetic.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+if not __package__:  # run as a script: the repository root holds kvjax and experiments
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.codec import parse_codec
+from kvjax.codecs.octopus import (
+    direction_codebook,
+    joint_round,
+    norm_codebook,
+    octahedral_decode,
+    to_triplets,
+)
+from kvjax.eval.synthetic import needle, reconstruction
+from kvjax.rotations import random_signs, randomized_hadamard
+
+PARTS = ("keys", "needle", "split", "grid")
+#: family -> spec template, in table order
+FAMILIES = {
+    "turboquant": "turboquant:b{b}",
+    "turboquant-qjl": "turboquant:b{b},qjl",
+    "polarquant": "polarquant:b{b}",
+    "octopus": "octopus:b{b}",
+    "octopus-qjl": "octopus:b{b},qjl",
+}
+BITS = (2, 3, 4)
+DELTAS = (-2, -1, 0, 1, 2)
+RATE_REFS = ("turboquant:b5", "turboquant:b5,qjl")
+GRID_BITS = (2, 3, 4, 5)
+MAX_SPLIT_BITS = 8
+#: the line of synthetic.md after which the hand-written discussion starts
+DISCUSSION = ("<!-- discussion: the text below this line is kept when the script "
+              "rewrites the file -->")
+
+#: the paper's statements (section 4.1, 3.3, 3.5) that the tables are set against
+PAPER = {
+    "mse_turboquant_b4_over_octopus_b4": 1.3,
+    "mse_polarquant_b2_over_octopus_b2": 2.4,
+    "ip_turboquant_qjl_over_octopus_qjl": 3.0,
+    "needle_fp32": 0.960,
+    "needle_b2": {"octopus:b2": 0.92, "turboquant:b2": 0.86, "turboquant:b2,qjl": 0.87,
+                  "polarquant:b2": 0.33},
+    "needle_octopus_qjl_gap": 0.001,
+    "split_uniform_to_plus1": "-31% to -41%",
+    "split_plus2": "+44% to +73%",
+    "split_minus2": "an order of magnitude or more",
+    "grid": "byte-identical in all buckets",
+}
+
+
+# -- codecs ---------------------------------------------------------------------------------
+
+
+def codec_specs(bits: Sequence[int] = BITS) -> list[str]:
+    """The compared codecs, bit width by bit width, in :data:`FAMILIES` order."""
+    return [t.format(b=b) for b in bits for t in FAMILIES.values()]
+
+
+def family(spec: str) -> str:
+    """``turboquant``, ``turboquant-qjl``, ``polarquant``, ``octopus``, ``octopus-qjl``, or
+    ``octopus-split`` for an OCTOPUS split other than the nominal one."""
+    codec = parse_codec(spec)
+    if codec.name == "octopus" and codec.nominal_bits is None:
+        return "octopus-split"
+    return codec.name + ("-qjl" if getattr(codec, "qjl", False) else "")
+
+
+def nominal(spec: str) -> int | None:
+    """The nominal bit width B of a ``...:bB`` spec, else None."""
+    codec = parse_codec(spec)
+    if codec.name == "octopus":
+        return codec.nominal_bits
+    return getattr(codec, "bits", None)
+
+
+def _progress(items, desc: str, progress: bool):
+    return tqdm(items, desc=desc, unit="codec", disable=not progress, leave=False)
+
+
+# -- keys ----------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _self_scores(codec, head_dim: int, keys: int, seeds: int, seed: jax.Array) -> jax.Array:
+    """``s(k, k) / |k|^2`` per trial (mean over ``keys`` Gaussian keys), ``s`` the codec's
+    :meth:`~kvjax.codec.Codec.scores`, each key encoded as its own one-token cache."""
+
+    def trial(s):
+        data, params_key = jax.random.split(jax.random.fold_in(jax.random.key(seed), s))
+        x = jax.random.normal(data, (keys, 1, head_dim), jnp.float32)
+        params = codec.init(params_key, head_dim)
+        score = codec.scores(params, x, codec.encode(params, x))[:, 0, 0]
+        return jnp.mean(score / jnp.sum(x[:, 0] ** 2, axis=-1))
+
+    return jax.lax.map(trial, jnp.arange(seeds, dtype=jnp.uint32))
+
+
+def self_score_gain(spec: str, *, head_dim: int = 128, keys: int = 1024, seeds: int = 8,
+                    seed: int = 0) -> float:
+    """Mean over trials of ``s(k, k) / |k|^2``: how far the codec's score of a key with
+    itself falls short of the exact ``|k|^2`` (1: unbiased). A needle's logit is about
+    this times its exact value, so it tells how much mass a needle loses to the codec's
+    shrinkage rather than to noise. Trials draw from ``fold_in(key(seed), s)`` as their own
+    data (not the keys protocol's)."""
+    codec = parse_codec(spec)
+    return float(np.mean(_self_scores(codec, head_dim, keys, seeds, jnp.uint32(seed))))
+
+
+def keys_part(specs: Sequence[str], *, head_dim: int = 128, keys: int = 1024,
+              queries: int = 16, seeds: int = 64, seed: int = 0, gain_seeds: int = 8,
+              progress: bool = True) -> list[dict]:
+    """One row per codec of the keys protocol, with :func:`self_score_gain` over
+    ``gain_seeds`` trials (None when 0); raises if the stored bits differ from the
+    codec's formula."""
+    rows = []
+    for spec in _progress(specs, "keys", progress):
+        start = time.perf_counter()
+        r = reconstruction(spec, head_dim=head_dim, keys=keys, queries=queries, seeds=seeds,
+                           seed=seed)
+        if r["bits_per_element"] != r["bits_per_element_formula"]:
+            raise RuntimeError(f"{spec}: stored {r['bits_per_element']} bits per element, "
+                               f"the formula says {r['bits_per_element_formula']}")
+        gain = (self_score_gain(spec, head_dim=head_dim, keys=keys, seeds=gain_seeds,
+                                seed=seed) if gain_seeds else None)
+        rows.append({
+            "codec": r["codec"], "family": family(spec), "b": nominal(spec),
+            "bits": r["bits_per_element"], "bits_formula": r["bits_per_element_formula"],
+            **{f"{m}{s}": r[f"{m}{s}"] for m in ("cosine", "mse", "ip_abs_err")
+               for s in ("", "_std", "_median")},
+            "self_score_gain": gain, "per_seed": r["per_seed"],
+            "seconds": time.perf_counter() - start,
+        })
+    return rows
+
+
+def _ratio(rows: Sequence[dict], num: str, den: str, metric: str) -> dict | None:
+    """Ratio of the means of ``metric`` for codecs ``num`` over ``den``, with the range of
+    the per-seed ratios (the codecs see the same data in each trial)."""
+    by = {r["codec"]: r for r in rows}
+    if num not in by or den not in by:
+        return None
+    a = np.asarray(by[num]["per_seed"][metric], np.float64)
+    b = np.asarray(by[den]["per_seed"][metric], np.float64)
+    per = a / b
+    return {"num": num, "den": den, "metric": metric,
+            "ratio": float(a.mean() / b.mean()), "seed_min": float(per.min()),
+            "seed_max": float(per.max()), "bits_num": by[num]["bits"],
+            "bits_den": by[den]["bits"]}
+
+
+def paper_ratios(rows: Sequence[dict]) -> list[dict]:
+    """The ratios the paper states (and the same ratios at the other bit widths), each
+    with the paper's number where it gives one."""
+    out = []
+    bits = sorted({r["b"] for r in rows if r["b"] is not None})
+    ip = PAPER["ip_turboquant_qjl_over_octopus_qjl"]
+    for b in bits:
+        for num, den, metric, paper, note in (
+            (f"turboquant:b{b}", f"octopus:b{b}", "mse",
+             PAPER["mse_turboquant_b4_over_octopus_b4"] if b == 4 else None, "same B"),
+            (f"polarquant:b{b}", f"octopus:b{b}", "mse",
+             PAPER["mse_polarquant_b2_over_octopus_b2"] if b == 2 else None, "same B"),
+            (f"turboquant:b{b},qjl", f"octopus:b{b},qjl", "ip_abs_err", ip,
+             "same B: both MSE stages at B - 1"),
+            (f"turboquant:b{b},qjl", f"octopus:b{b + 1},qjl", "ip_abs_err", None,
+             "OCTOPUS stage at B plus QJL"),
+            (f"turboquant:b{b},qjl", f"octopus:b{b}", "ip_abs_err", None,
+             "OCTOPUS at B without QJL"),
+        ):
+            r = _ratio(rows, num, den, metric)
+            if r is not None:
+                out.append({**r, "paper": paper, "note": note})
+    return out
+
+
+def linear(points: Sequence[tuple[float, float]], at: float) -> float | None:
+    """Linear interpolation of ``(bits, value)`` points at ``at`` bits; None outside their
+    range. For a per-coordinate MSE this is what mixing two bit widths over the
+    coordinates achieves."""
+    points = sorted(points)
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x0 <= at <= x1:
+            w = (at - x0) / (x1 - x0)
+            return float((1 - w) * y0 + w * y1)
+    return None
+
+
+def loglinear(points: Sequence[tuple[float, float]], at: float) -> float | None:
+    """Geometric interpolation of ``(bits, value)`` points at ``at`` bits (log value linear
+    in bits between the two points around it); None outside their range."""
+    points = sorted(points)
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x0 <= at <= x1:
+            w = (at - x0) / (x1 - x0)
+            return float(math.exp((1 - w) * math.log(y0) + w * math.log(y1)))
+    return None
+
+
+#: (metric, reference family, compared families) of the equal-bits view
+EQUAL_BITS = (("mse", "turboquant", ("polarquant", "octopus")),
+              ("ip_abs_err", "turboquant", ("polarquant", "octopus")),
+              ("ip_abs_err", "turboquant-qjl", ("octopus-qjl",)))
+
+
+def equal_bits(rows: Sequence[dict]) -> list[dict]:
+    """For each :data:`EQUAL_BITS` entry: each compared row's metric against the reference
+    family's, log-interpolated in stored bits to the row's own stored bits (rows outside
+    the reference's range are left out)."""
+    out = []
+    for metric, reference, families in EQUAL_BITS:
+        points = [(r["bits"], r[metric]) for r in rows if r["family"] == reference]
+        for r in sorted(rows, key=lambda r: r["bits"]):
+            ref = loglinear(points, r["bits"]) if r["family"] in families else None
+            if ref is not None:
+                lin = linear(points, r["bits"])
+                out.append({"codec": r["codec"], "bits": r["bits"], "metric": metric,
+                            "value": r[metric], "reference": reference,
+                            "reference_value": ref, "ratio": r[metric] / ref,
+                            "reference_linear": lin, "ratio_linear": r[metric] / lin})
+    return out
+
+
+# -- needle --------------------------------------------------------------------------------
+
+
+def needle_part(specs: Sequence[str], *, head_dim: int = 128, distractors: int = 2048,
+                noise: float = 0.1, seeds: int = 128, seed: int = 0,
+                progress: bool = True) -> dict:
+    """``{"reference": exact float32 keys, "rows": one per codec}``: softmax mass on the
+    needle (mean, median, std over trials), its ratio to the reference, top-1 rate."""
+    rows, reference = [], None
+    for spec in _progress(specs, "needle", progress):
+        start = time.perf_counter()
+        r = needle(spec, head_dim=head_dim, distractors=distractors, noise=noise,
+                   seeds=seeds, seed=seed)
+        ref = {"mass": r["reference"], "mass_median": r["reference_median"],
+               "mass_std": r["reference_std"], "top1": r["reference_top1"],
+               "per_seed": r["per_seed"]["reference"]}
+        if reference is None:
+            reference = ref
+        elif not np.allclose(reference["per_seed"], ref["per_seed"], rtol=1e-6, atol=1e-7):
+            raise RuntimeError(f"{spec}: the exact-key reference differs between codecs")
+        rows.append({
+            "codec": r["codec"], "family": family(spec), "b": nominal(spec),
+            "bits": float(parse_codec(spec).bits_per_element(head_dim)),
+            "mass": r["mass"], "mass_median": r["mass_median"], "mass_std": r["mass_std"],
+            "ratio": r["ratio"], "median_ratio": r["mass_median"] / r["reference_median"],
+            "top1": r["top1"], "per_seed": r["per_seed"]["mass"],
+            "seconds": time.perf_counter() - start,
+        })
+    return {"reference": reference, "rows": rows}
+
+
+# -- split ---------------------------------------------------------------------------------
+
+
+def split_configs(bits: Sequence[int] = BITS,
+                  deltas: Sequence[int] = DELTAS) -> list[tuple[int, int, int, int]]:
+    """``(b, delta, direction bits, norm bits)`` on the diagonal ``(b + delta, b - delta)``,
+    where both widths lie in 0..8."""
+    return [(b, d, b + d, b - d) for b in bits for d in deltas
+            if 0 <= b + d <= MAX_SPLIT_BITS and 0 <= b - d <= MAX_SPLIT_BITS]
+
+
+def split_spec(direction_bits: int, norm_bits: int) -> str:
+    """``octopus:dX,nY`` (parse_codec names the nominal split ``octopus:bB``)."""
+    return f"octopus:d{direction_bits},n{norm_bits}"
+
+
+def equal_rate_splits(b: int) -> list[tuple[int, int]]:
+    """The OCTOPUS splits at ``turboquant:bB``'s 3b bits per triplet that are compared with
+    it: ``(b, b)`` and ``(b + 1, b - 2)`` (when ``b >= 2``)."""
+    return [(b, b), *([(b + 1, b - 2)] if b >= 2 else [])]
+
+
+def split_part(bits: Sequence[int] = BITS, deltas: Sequence[int] = DELTAS, *,
+               head_dim: int = 128, keys: int = 1024, queries: int = 16, seeds: int = 16,
+               seed: int = 0, equal_rate: bool = True, progress: bool = True) -> dict:
+    """``{"rows": the diagonal, "rate": the equal-rate comparison}`` on the keys protocol.
+
+    Each diagonal row has the MSE relative to the uniform split of its ``b`` (``vs_uniform``
+    = MSE / MSE(delta=0) - 1) and to ``(b + 1, b - 1)`` (``vs_plus1``), where those were run.
+    With ``equal_rate``, ``rate`` holds, per ``b``, ``turboquant:bB`` and the OCTOPUS splits
+    that spend its ``3 b`` bits per triplet, ``(b, b)`` and ``(b + 1, b - 2)``.
+    """
+    configs = split_configs(bits, deltas)
+    specs = [split_spec(d, n) for _, _, d, n in configs]
+    if equal_rate:
+        for b in bits:
+            specs += [f"turboquant:b{b}", *(split_spec(d, n) for d, n in equal_rate_splits(b))]
+    results = {}
+    for spec in _progress(list(dict.fromkeys(specs)), "split", progress):  # no repeats
+        r = reconstruction(spec, head_dim=head_dim, keys=keys, queries=queries, seeds=seeds,
+                           seed=seed)
+        if r["bits_per_element"] != r["bits_per_element_formula"]:
+            raise RuntimeError(f"{spec}: stored bits differ from the formula")
+        results[spec] = r
+    rows = []
+    for b, delta, d, n in configs:
+        r = results[split_spec(d, n)]
+        rows.append({"b": b, "delta": delta, "direction_bits": d, "norm_bits": n,
+                     "codec": r["codec"], "bits_per_triplet": 2 * d + n,
+                     "bits": r["bits_per_element"], "mse": r["mse"], "mse_std": r["mse_std"],
+                     "mse_per_seed": r["per_seed"]["mse"]})
+    for row in rows:
+        for key, ref_delta in (("vs_uniform", 0), ("vs_plus1", 1)):
+            ref = [r["mse"] for r in rows if r["b"] == row["b"] and r["delta"] == ref_delta]
+            row[key] = row["mse"] / ref[0] - 1 if ref else None
+    rate = []
+    if equal_rate:
+        for b in bits:
+            tq = results[f"turboquant:b{b}"]
+            for d, n in ((None, None), *equal_rate_splits(b)):
+                r = results[f"turboquant:b{b}" if d is None else split_spec(d, n)]
+                rate.append({"b": b, "codec": r["codec"],
+                             "split": None if d is None else [d, n],
+                             "bits_per_triplet": None if d is None else 2 * d + n,
+                             "bits": r["bits_per_element"], "mse": r["mse"],
+                             "vs_turboquant": r["mse"] / tq["mse"]})
+    return {"rows": rows, "rate": rate}
+
+
+# -- grid ----------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def rotated_triplets(count: int, head_dim: int = 128, seed: int = 0) -> jax.Array:
+    """``count`` triplets ``[count, 3]`` of rotated unit Gaussian vectors: each vector's
+    ``floor(D / 3)`` whole triplets (the zero-padded last one left out), one seeded
+    sign-flipped Walsh-Hadamard rotation for all."""
+    per_vector = head_dim // 3
+    vectors = -(-count // per_vector)
+    data_key, sign_key = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(data_key, (vectors, head_dim), jnp.float32)
+    y = randomized_hadamard(x / jnp.linalg.norm(x, axis=-1, keepdims=True),
+                            random_signs(sign_key, head_dim))
+    return to_triplets(y)[:, :per_vector].reshape(-1, 3)[:count]
+
+
+@jax.jit
+def _triplet_error(t, indices, direction_centroids, norm_centroids) -> jax.Array:
+    """``|t - rho_hat m(xi_hat, eta_hat)|^2`` per triplet."""
+    i_xi, i_eta, i_rho = indices
+    m = octahedral_decode(direction_centroids[i_xi], direction_centroids[i_eta])
+    return jnp.sum((t - norm_centroids[i_rho][..., None] * m) ** 2, axis=-1)
+
+
+def grid_norm_bits(direction_bits: int) -> list[int]:
+    """The norm widths tried with ``direction_bits``: ``b_dir - 2`` (the paper's split)
+    and 2."""
+    return sorted({max(direction_bits - 2, 0), 2})
+
+
+def _timed_round(t, direction, norm, full_grid: bool, timing: bool):
+    """``joint_round``'s indices (compiled), and with ``timing`` the best of 3 further runs
+    in seconds (else None)."""
+    fn = jax.jit(lambda t: joint_round(t, direction, norm, full_grid=full_grid))
+    out = jax.block_until_ready(fn(t))  # compiles
+    if not timing:
+        return out, None
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(t))
+        best = min(best, time.perf_counter() - start)
+    return out, best
+
+
+def grid_part(direction_bits: Sequence[int] = GRID_BITS, *, head_dim: int = 128,
+              triplets: int = 10_000, seed: int = 0, timing: bool = True,
+              norm_bits: Sequence[int] | None = None) -> list[dict]:
+    """Local 3x3 joint rounding against the full grid. One row per (direction bits, norm
+    bits), the norm bits :func:`grid_norm_bits` unless ``norm_bits`` is given: the
+    fraction of triplets whose three indices agree (``identical``), whose direction
+    indices agree, the two total squared errors and their ratio, the largest per-triplet
+    excess of the local error, and with ``timing`` each search's compiled run time (best
+    of 3)."""
+    t = rotated_triplets(triplets, head_dim, seed)
+    rows = []
+    for d in direction_bits:
+        for n in grid_norm_bits(d) if norm_bits is None else norm_bits:
+            direction, norm = direction_codebook(d), norm_codebook(head_dim, n)
+            local, seconds_local = _timed_round(t, direction, norm, False, timing)
+            full, seconds_full = _timed_round(t, direction, norm, True, timing)
+            same = np.stack([np.asarray(a) == np.asarray(b) for a, b in zip(local, full,
+                                                                              strict=True)])
+            tables = (jnp.asarray(direction.centroids, jnp.float32),
+                      jnp.asarray(norm.centroids, jnp.float32))
+            e_local = np.asarray(_triplet_error(t, local, *tables), np.float64)
+            e_full = np.asarray(_triplet_error(t, full, *tables), np.float64)
+            rows.append({
+                "direction_bits": d, "norm_bits": n, "triplets": int(t.shape[0]),
+                "candidates_full": 4 ** d, "identical": float(same.all(axis=0).mean()),
+                "identical_direction": float(same[:2].all(axis=0).mean()),
+                "error_local": float(e_local.sum()), "error_full": float(e_full.sum()),
+                "ratio": float(e_local.sum() / e_full.sum()),
+                "max_excess": float(np.max(e_local - e_full)),
+                "seconds_local": seconds_local, "seconds_full": seconds_full,
+            })
+    return rows
+
+
+# -- tables --------------------------------------------------------------------------------
+
+
+def _fmt(v, spec: str = ".4f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def _ms(v) -> str:
+    return "–" if v is None else f"{1000 * v:.2f} ms"
+
+
+def _pct(v) -> str:
+    return "–" if v is None else f"{100 * v:+.1f}%"
+
+
+def keys_table(rows: Sequence[dict]) -> str:
+    lines = ["| codec | stored bits | cosine | MSE | IP abs err | s(k, k) / |k|^2 |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| `{r['codec']}` | {r['bits']:.4f} | {r['cosine']:.5f} "
+                     f"| {r['mse']:.4e} ± {r['mse_std']:.1e} "
+                     f"| {r['ip_abs_err']:.4f} ± {r['ip_abs_err_std']:.4f} "
+                     f"| {_fmt(r.get('self_score_gain'))} |")
+    return "\n".join(lines)
+
+
+def ratios_table(ratios: Sequence[dict]) -> str:
+    lines = ["| ratio | metric | pairing | stored bits (num / den) | ours | per-seed range "
+             "| paper |", "|---|---|---|---|---|---|---|"]
+    for r in ratios:
+        paper = "–" if r["paper"] is None else f"{r['paper']:g}x"
+        lines.append(f"| `{r['num']}` / `{r['den']}` | {r['metric']} | {r.get('note', '')} "
+                     f"| {r['bits_num']:.4f} / {r['bits_den']:.4f} | {r['ratio']:.3f}x "
+                     f"| {r['seed_min']:.3f}–{r['seed_max']:.3f} | {paper} |")
+    return "\n".join(lines)
+
+
+def equal_bits_table(rows: Sequence[dict]) -> str:
+    lines = ["| codec | stored bits | metric | value | reference | reference at these bits: "
+             "log-linear / linear | ratio: log-linear / linear |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| `{r['codec']}` | {r['bits']:.4f} | {r['metric']} | {r['value']:.4g} "
+                     f"| {r['reference']} | {r['reference_value']:.4g} / "
+                     f"{r['reference_linear']:.4g} | {r['ratio']:.3f} / "
+                     f"{r['ratio_linear']:.3f} |")
+    return "\n".join(lines)
+
+
+def _paper_mass(mass: float | None) -> str:
+    """The paper's needle mass and its ratio to the paper's fp32 mass."""
+    return "–" if mass is None else f"{mass:.2f} (/ fp32: {mass / PAPER['needle_fp32']:.3f})"
+
+
+def needle_table(result: dict, gains: dict[str, float | None] | None = None) -> str:
+    """The needle rows, with the keys part's ``s(k, k) / |k|^2`` of each codec if given.
+    ``fp32 - mass`` is the mean over trials of the paired difference, ``SE`` its standard
+    error (trials are paired: every codec sees the same keys and query)."""
+    ref = result["reference"]
+    paper = PAPER["needle_b2"]
+    gains = gains or {}
+    lines = ["| codec | stored bits | mass (mean ± std) | median | fp32 - mass (± SE) "
+             "| mass / fp32 | median / fp32 median | top-1 | s(k, k) / |k|^2 | paper (b=2) |",
+             "|---|---|---|---|---|---|---|---|---|---|",
+             f"| fp32 (exact keys) | 32 | {ref['mass']:.4f} ± {ref['mass_std']:.4f} "
+             f"| {ref['mass_median']:.4f} | 0 | 1 | 1 | {ref['top1']:.3f} | 1 "
+             f"| {PAPER['needle_fp32']} |"]
+    for r in result["rows"]:
+        gap = np.asarray(ref["per_seed"], np.float64) - np.asarray(r["per_seed"], np.float64)
+        se = gap.std(ddof=1) / math.sqrt(gap.size) if gap.size > 1 else math.nan
+        lines.append(f"| `{r['codec']}` | {r['bits']:.4f} "
+                     f"| {r['mass']:.4f} ± {r['mass_std']:.4f} | {r['mass_median']:.4f} "
+                     f"| {gap.mean():.4f} ± {se:.4f} "
+                     f"| {r['ratio']:.4f} | {r['median_ratio']:.4f} | {r['top1']:.3f} "
+                     f"| {_fmt(gains.get(r['codec']))} "
+                     f"| {_paper_mass(paper.get(r['codec']))} |")
+    return "\n".join(lines)
+
+
+def split_table(rows: Sequence[dict]) -> str:
+    lines = ["| b | delta | (b_dir, b_nrm) | bits / triplet | stored bits | MSE "
+             "| vs (b, b) | vs (b+1, b-1) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['b']} | {r['delta']:+d} | ({r['direction_bits']}, "
+                     f"{r['norm_bits']}) | {r['bits_per_triplet']} | {r['bits']:.4f} "
+                     f"| {r['mse']:.4e} | {_pct(r['vs_uniform'])} | {_pct(r['vs_plus1'])} |")
+    return "\n".join(lines)
+
+
+def rate_table(rows: Sequence[dict]) -> str:
+    lines = ["| b | codec | bits / triplet | stored bits | MSE | MSE / turboquant:bB |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['b']} | `{r['codec']}` | {_fmt(r['bits_per_triplet'], 'd')} "
+                     f"| {r['bits']:.4f} | {r['mse']:.4e} | {r['vs_turboquant']:.3f} |")
+    return "\n".join(lines)
+
+
+def grid_table(rows: Sequence[dict]) -> str:
+    lines = ["| b_dir | b_nrm | full-grid candidates | triplets | identical (all 3) "
+             "| identical direction | error local / full | max excess | time local / full |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['direction_bits']} | {r['norm_bits']} | {r['candidates_full']} "
+                     f"| {r['triplets']} | {r['identical']:.4f} "
+                     f"| {r['identical_direction']:.4f} | {r['ratio']:.6f} "
+                     f"| {r['max_excess']:.2e} | {_ms(r['seconds_local'])} / "
+                     f"{_ms(r['seconds_full'])} |")
+    return "\n".join(lines)
+
+
+# -- figure --------------------------------------------------------------------------------
+
+STYLE = {
+    "turboquant": ("o", "C0"), "turboquant-qjl": ("s", "C1"), "polarquant": ("^", "C2"),
+    "octopus": ("D", "C3"), "octopus-qjl": ("v", "C4"), "octopus-split": ("x", "C3"),
+}
+
+
+def plot(summary: dict, path: Path) -> None:
+    """MSE vs stored bits (log y) and needle mass / fp32 vs stored bits, one marker and
+    colour per family; the equal-rate OCTOPUS splits as crosses."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.3))
+    keys = summary.get("keys", {}).get("rows", [])
+    rate = [r for r in summary.get("split", {}).get("rate", []) if r["split"]]
+    points = [*keys, *({**r, "family": "octopus-split"} for r in rate)]
+    for fam, (marker, colour) in STYLE.items():
+        pts = sorted((r["bits"], r["mse"], r["codec"]) for r in points if r["family"] == fam)
+        if pts:
+            left.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=colour,
+                      linestyle="none" if fam == "octopus-split" else "-",
+                      label="octopus (b, b), (b+1, b-2): 3b bits / triplet"
+                      if fam == "octopus-split" else fam)
+    left.set_yscale("log")
+    left.set_xlabel("stored bits per element")
+    left.set_ylabel("per-coordinate MSE (Gaussian keys)")
+    left.set_title("keys: reconstruction error vs stored bits", fontsize=10)
+    hay = summary.get("needle", {}).get("rows", [])
+    for fam, (marker, colour) in STYLE.items():
+        pts = sorted((r["bits"], r["ratio"]) for r in hay if r["family"] == fam)
+        if pts:
+            right.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=colour,
+                       label=fam)
+    if hay:
+        right.axhline(1.0, color="k", linestyle="--", linewidth=0.8, label="fp32 keys")
+    right.set_xlabel("stored bits per element")
+    right.set_ylabel("needle softmax mass / fp32 mass")
+    right.set_title("needle: mass kept vs stored bits", fontsize=10)
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# -- markdown ------------------------------------------------------------------------------
+
+
+def _gains(summary: dict) -> dict[str, float | None]:
+    return {r["codec"]: r.get("self_score_gain") for r in summary.get("keys", {}).get("rows", [])}
+
+
+def markdown(summary: dict, discussion: str) -> str:
+    """synthetic.md: the commands, each part's settings and tables, then ``discussion``."""
+    commands = list(dict.fromkeys(summary[p]["command"] for p in PARTS if p in summary))
+    out = ["# OCTOPUS synthetic probes against TurboQuant and PolarQuant", "", "```",
+           *commands, "```", "",
+           "Stored bits per element are printed next to every row: at the same nominal B, "
+           "`octopus:bB` stores more than `turboquant:bB` or `polarquant:bB` (its "
+           "(B+1, B-1) split is 3B+1 bits per triplet: at D=128, 2.5 / 3.5 / 4.5 bits "
+           "against 2.125 / 3.125 / 4.125).", ""]
+    if "keys" in summary:
+        s = summary["keys"]
+        st = s["settings"]
+        out += ["## Keys", "",
+                f"Gaussian keys [{st['keys']}, {st['head_dim']}], {st['queries']} Gaussian "
+                f"queries, {st['seeds']} seeds (trial s of seed {st['seed']}: new keys, "
+                "queries and codec parameters). MSE is per coordinate against the "
+                "unnormalized keys (± std over seeds); IP abs err is the mean |q.k - score| "
+                "with each codec's own `scores` (the QJL estimator for `,qjl`). Stored bits "
+                "are the codec's formula, checked equal to the bytes of the codes. "
+                "s(k, k) / |k|^2 is the mean ratio of a key's score with itself to its "
+                f"exact value, over {st.get('gain_seeds')} trials of {st['keys']} keys of "
+                "their own (1: no shrinkage; a needle's logit is scaled about this much). "
+                f"({s['seconds']:.0f} s)", "", keys_table(s["rows"]), "",
+                "### The ratios the paper states", "", ratios_table(s["ratios"]), "",
+                "### Equal stored bits", "",
+                "PolarQuant's and OCTOPUS's MSE and IP error against TurboQuant-MSE's, and "
+                "OCTOPUS-QJL's IP error against TurboQuant-QJL's, at the same stored bits: "
+                "the reference "
+                "is interpolated in stored bits between its two rows around the codec's "
+                "bits (`turboquant:b5` and `turboquant:b5,qjl` are run as rate references "
+                "for this), log-linearly (the smooth rate-distortion curve through them) "
+                "and linearly (for MSE, exactly what TurboQuant gets by giving a fraction "
+                "of the coordinates B+1 bits instead of B). Below 1: better than the "
+                "reference at equal rate.", "", equal_bits_table(s["equal_bits"]), ""]
+    if "needle" in summary:
+        s = summary["needle"]
+        st = s["settings"]
+        out += ["## Needle", "",
+                f"{st['distractors']} Gaussian distractors plus one needle k* at a random "
+                f"position, D = {st['head_dim']}, query q = k* + {st['noise']} ||k*|| e "
+                "(e a random unit vector), logits `scores(q, k) / sqrt(D)` over all keys "
+                f"encoded together, softmax mass on the needle over {st['seeds']} seeds "
+                "(new keys, needle position, query noise and codec parameters per seed). "
+                "Codecs are compared by their ratio to the fp32 baseline (exact keys) of "
+                "this protocol, not to the paper's 0.960; the paper's masses are shown "
+                "with their ratio to its own 0.960. The gap to fp32 is paired over trials "
+                f"(± its standard error). ({s['seconds']:.0f} s)", "",
+                needle_table(s, _gains(summary)), ""]
+    if "split" in summary:
+        s = summary["split"]
+        st = s["settings"]
+        out += ["## Bit split", "",
+                f"`octopus:d(b+delta),n(b-delta)` on the keys protocol with {st['seeds']} "
+                f"seeds (not 64), keys [{st['keys']}, {st['head_dim']}]. Note that the "
+                "diagonal is not rate-neutral: a triplet costs 3b + delta bits. Paper: "
+                f"delta = +1 is {PAPER['split_uniform_to_plus1']} vs (b, b); "
+                f"{PAPER['split_plus2']} at delta = +2; {PAPER['split_minus2']} at "
+                f"delta = -2. ({s['seconds']:.0f} s)", "", split_table(s["rows"]), ""]
+        if s["rate"]:
+            out += ["### Equal rate: OCTOPUS at TurboQuant's 3b bits per triplet", "",
+                    "The splits that spend exactly 3b bits per triplet, as `turboquant:bB` "
+                    "spends 3b bits per three coordinates (OCTOPUS still stores a little "
+                    "more per element: its 43rd, zero-padded triplet and the byte "
+                    "rounding), on the same seeds.", "", rate_table(s["rate"]), ""]
+    if "grid" in summary:
+        s = summary["grid"]
+        st = s["settings"]
+        out += ["## Local 3x3 rounding vs the full grid", "",
+                f"{st['triplets']} triplets of rotated unit Gaussian vectors at D = "
+                f"{st['head_dim']} (the 42 whole triplets of each vector; one seeded "
+                "sign-flipped Walsh-Hadamard rotation), `joint_round` with the 3x3 "
+                "neighbours of the scalar seed and with all 4^b_dir directions. Paper: "
+                f"{PAPER['grid']} for b_dir in 2..5.", "", grid_table(s["rows"]), ""]
+    out += [DISCUSSION, discussion.strip("\n"), ""]
+    return "\n".join(out)
+
+
+def existing_discussion(path: Path) -> str:
+    """The text after :data:`DISCUSSION` in ``path``, or a placeholder."""
+    if path.exists():
+        text = path.read_text()
+        if DISCUSSION in text:
+            return text.split(DISCUSSION, 1)[1]
+    return "\n## Discussion\n\n(not written yet)\n"
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the chosen parts, print their tables, and with ``--docs`` write the files."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated subset of {','.join(PARTS)} (default all)")
+    p.add_argument("--bits", default="2,3,4", help="nominal bit widths of the compared codecs")
+    p.add_argument("--codec", action="append", metavar="SPEC",
+                   help="replace the compared codecs (repeat)")
+    p.add_argument("--rate-ref", action="append", metavar="SPEC",
+                   help="an extra keys row for the equal-bits view (repeat; default "
+                        f"{' '.join(RATE_REFS)})")
+    p.add_argument("--no-rate-refs", action="store_true", help="no extra keys rows")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--keys", type=int, default=1024)
+    p.add_argument("--queries", type=int, default=16)
+    p.add_argument("--seeds", type=int, default=64, help="keys seeds")
+    p.add_argument("--gain-seeds", type=int, default=8,
+                   help="trials of the self-score gain in the keys part (0: skip it)")
+    p.add_argument("--needle-seeds", type=int, default=128)
+    p.add_argument("--distractors", type=int, default=2048)
+    p.add_argument("--noise", type=float, default=0.1)
+    p.add_argument("--split-seeds", type=int, default=16)
+    p.add_argument("--split-bits", default="2,3,4")
+    p.add_argument("--split-deltas", default="-2,-1,0,1,2")
+    p.add_argument("--no-equal-rate", action="store_true",
+                   help="skip the equal-rate splits and turboquant rows of the split part")
+    p.add_argument("--grid-bits", default="2,3,4,5", help="direction bits of the grid part")
+    p.add_argument("--grid-triplets", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--docs", type=Path, help="write synthetic.md/.json/.png here")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    parts = _list(args.parts)
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        p.error(f"unknown parts {sorted(unknown)}; choose from {','.join(PARTS)}")
+    specs = args.codec or codec_specs(_ints(args.bits))
+    rate_refs = [] if args.no_rate_refs else args.rate_ref or list(RATE_REFS)
+    for spec in [*specs, *rate_refs]:
+        parse_codec(spec)  # bad specs fail before any work
+    progress = not args.no_progress
+    command = shlex.join(["python", "experiments/octopus_synthetic.py", *argv])
+
+    summary: dict[str, Any] = {}
+    json_path = args.docs / "synthetic.json" if args.docs else None
+    if json_path is not None and json_path.exists():
+        summary = json.loads(json_path.read_text())  # parts not run now are kept
+    summary["meta"] = {"jax": jax.__version__, "backend": jax.default_backend(),
+                       "machine": platform.platform(), "processor": platform.processor()}
+    base = {"head_dim": args.head_dim, "seed": args.seed}
+    keys_settings = {**base, "keys": args.keys, "queries": args.queries}
+
+    if "keys" in parts:
+        start = time.perf_counter()
+        rows = keys_part([*specs, *(r for r in rate_refs if r not in specs)],
+                         seeds=args.seeds, gain_seeds=args.gain_seeds, progress=progress,
+                         **keys_settings)
+        compared = [r for r in rows if r["codec"] in {parse_codec(s).spec for s in specs}]
+        summary["keys"] = {
+            "command": command,
+            "settings": {**keys_settings, "seeds": args.seeds, "gain_seeds": args.gain_seeds},
+            "rows": rows, "ratios": paper_ratios(compared), "equal_bits": equal_bits(rows),
+            "seconds": time.perf_counter() - start}
+        s = summary["keys"]
+        print(keys_table(rows), "", ratios_table(s["ratios"]), "",
+              equal_bits_table(s["equal_bits"]), "", sep="\n")
+    if "needle" in parts:
+        start = time.perf_counter()
+        settings = {**base, "distractors": args.distractors, "noise": args.noise,
+                    "seeds": args.needle_seeds}
+        result = needle_part(specs, progress=progress, **settings)
+        summary["needle"] = {"command": command, "settings": settings, **result,
+                             "seconds": time.perf_counter() - start}
+        print(needle_table(result, _gains(summary)), "", sep="\n")
+    if "split" in parts:
+        start = time.perf_counter()
+        result = split_part(_ints(args.split_bits), _ints(args.split_deltas),
+                            seeds=args.split_seeds, equal_rate=not args.no_equal_rate,
+                            progress=progress, **keys_settings)
+        summary["split"] = {"command": command,
+                            "settings": {**keys_settings, "seeds": args.split_seeds},
+                            **result, "seconds": time.perf_counter() - start}
+        print(split_table(result["rows"]), "", sep="\n")
+        if result["rate"]:
+            print(rate_table(result["rate"]), "", sep="\n")
+    if "grid" in parts:
+        start = time.perf_counter()
+        settings = {**base, "triplets": args.grid_triplets}
+        rows = grid_part(_ints(args.grid_bits), head_dim=args.head_dim,
+                         triplets=args.grid_triplets, seed=args.seed)
+        summary["grid"] = {"command": command, "settings": settings, "rows": rows,
+                           "seconds": time.perf_counter() - start}
+        print(grid_table(rows), "", sep="\n")
+
+    if args.docs is not None:
+        args.docs.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(summary, indent=1) + "\n")
+        md = args.docs / "synthetic.md"
+        md.write_text(markdown(summary, existing_discussion(md)))
+        plot(summary, args.docs / "synthetic.png")
+        print(f"written: {md}, {json_path}, {args.docs / 'synthetic.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
