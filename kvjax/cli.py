@@ -209,16 +209,17 @@ def _cmd_generate(args) -> int:
 def _cmd_ppl(args) -> int:
     import models
     from kvjax.cache import CacheConfig
-    from models.evaluate import cache_perplexity, load_model_and_windows
+    from models.evaluate import cache_perplexity, check_window_len, load_model_and_windows
 
     _check_kv_flags(args)
     if args.k is None and args.codec is None:
         raise ValueError("give --codec SPEC or --k SPEC --v SPEC")
-    # bad specs fail before the corpus and the model are loaded
+    # bad specs, model names and lengths fail before the corpus and the model are loaded
     cache_kw = {"residual_window": args.window, "sink_tokens": args.sinks}
     cache_config = CacheConfig.from_specs(args.codec, k=args.k, v=args.v, **cache_kw)
     baseline = CacheConfig.from_specs("bf16", **cache_kw)
     model_name = args.model or models.DEFAULT_MODEL
+    check_window_len(models.context_length(model_name), args.window_len)
     config, params, _, _, wins = load_model_and_windows(model_name, args.corpus,
                                                         args.windows, args.window_len)
 
@@ -257,14 +258,17 @@ def _cmd_needle(args) -> int:
     from kvjax.cache import CacheConfig
     from kvjax.data import load_corpus
     from kvjax.eval.needle import accuracy_table, check_grid
-    from models.evaluate import needle_cases, needle_retrieval
+    from models.evaluate import check_needle_lengths, needle_cases, needle_retrieval
 
     check_grid(args.lengths, args.depths, args.trials)
     specs = list(dict.fromkeys(["bf16", *(args.codec or [])]))
     configs = [CacheConfig.from_specs(spec, residual_window=args.window,
                                       sink_tokens=args.sinks) for spec in specs]
+    model_name = args.model or models.DEFAULT_MODEL
+    # lengths past the model's context fail before the corpus and the model are loaded
+    check_needle_lengths(models.context_length(model_name), args.lengths)
     text = load_corpus(args.corpus)
-    config, params, tokenizer = models.load(args.model or models.DEFAULT_MODEL, jnp.float32)
+    config, params, tokenizer = models.load(model_name, jnp.float32)
     cases = needle_cases(config, tokenizer, text, lengths=args.lengths, depths=args.depths,
                          trials=args.trials, seed=args.seed)
     rows = []

@@ -1,7 +1,8 @@
 """Flax ports of llama-like decoder LLMs that carry a kvjax compressed cache.
 
 ``load(name_or_path)`` returns ``(config, params, tokenizer)`` for a registered model name,
-a ``.gguf`` file (``models.gguf``) or an HF checkpoint directory (``models.hf``). Every
+a ``.gguf`` file (``models.gguf``) or an HF checkpoint directory (``models.hf``), and
+``context_length(name_or_path)`` its context without loading the weights. Every
 loader produces the same params layout (weights ``[in, out]``, layers stacked on a leading
 axis) and a :class:`models.config.ModelConfig`.
 """
@@ -47,24 +48,17 @@ def registered_path(name: str) -> str:
     )
 
 
-def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16):
-    """Load ``(config, params, tokenizer)`` from a registered name, a GGUF or an HF dir."""
+def _locate(name_or_path: str | os.PathLike) -> tuple[str, str]:
+    """``("gguf", file)`` or ``("hf", directory)`` behind a name or path; clear errors."""
     target = os.fspath(name_or_path)
     if target in REGISTRY:
-        from models.gguf import load_gguf
-
-        return load_gguf(registered_path(target), dtype)
+        return "gguf", registered_path(target)
     if target.endswith(".gguf"):
         if not os.path.isfile(target):
             raise ValueError(f"no GGUF file at '{target}'")
-        from models.gguf import load_gguf
-
-        return load_gguf(target, dtype)
+        return "gguf", target
     if os.path.isdir(target) and os.path.isfile(os.path.join(target, "config.json")):
-        # Imported here: the HF loader pulls in safetensors/transformers only when used.
-        from models.hf import load_hf_dir
-
-        return load_hf_dir(target, dtype)
+        return "hf", target
     if os.path.exists(target):
         raise ValueError(
             f"'{target}' is neither a .gguf file nor a directory with config.json"
@@ -73,6 +67,34 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16):
         f"unknown model '{target}' (no such file or directory); known names: "
         f"{', '.join(sorted(REGISTRY))}"
     )
+
+
+def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16):
+    """Load ``(config, params, tokenizer)`` from a registered name, a GGUF or an HF dir."""
+    kind, path = _locate(name_or_path)
+    if kind == "gguf":
+        from models.gguf import load_gguf
+
+        return load_gguf(path, dtype)
+    # Imported here: the HF loader pulls in safetensors/transformers only when used.
+    from models.hf import load_hf_dir
+
+    return load_hf_dir(path, dtype)
+
+
+def context_length(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> int:
+    """The model's context in tokens (``config.max_position_embeddings`` after
+    :func:`load`), read from the GGUF header or ``config.json`` alone: milliseconds where
+    loading takes seconds, so commands check their lengths first. Errors as :func:`load`.
+    """
+    kind, path = _locate(name_or_path)
+    if kind == "gguf":
+        from models.gguf import context_length as gguf_context_length
+
+        return gguf_context_length(path)
+    from models.config import ModelConfig
+
+    return ModelConfig.from_hf_file(os.path.join(path, "config.json")).max_position_embeddings
 
 
 def chat_prompt_ids(tokenizer, user_text: str, answer_prefix: str = "") -> list[int]:

@@ -25,6 +25,23 @@ from models.generate import generate
 NEEDLE_NEW_TOKENS = 12
 
 
+def check_window_len(context: int, window_len: int) -> None:
+    """Raise ``ValueError`` when perplexity windows of ``window_len`` tokens exceed a
+    model's ``context`` (:func:`models.context_length`, known before loading)."""
+    if window_len > context:
+        raise ValueError(f"windows of {window_len} tokens exceed the model's context of "
+                         f"{context} tokens")
+
+
+def check_needle_lengths(context: int, lengths: Sequence[int]) -> None:
+    """Raise ``ValueError`` when a needle prompt length plus the answer's
+    ``NEEDLE_NEW_TOKENS`` exceeds a model's ``context``."""
+    too_long = [n for n in lengths if n > context - NEEDLE_NEW_TOKENS]
+    if too_long:
+        raise ValueError(f"needle lengths {too_long} exceed the model's context "
+                         f"({context} tokens, {NEEDLE_NEW_TOKENS} kept for the answer)")
+
+
 def load_model_and_windows(model: str, corpus: str, num_windows: int, window_len: int):
     """``(config, params, tokenizer, text, windows)`` for a perplexity run.
 
@@ -38,9 +55,7 @@ def load_model_and_windows(model: str, corpus: str, num_windows: int, window_len
     config, params, tokenizer = models.load(model, jnp.float32)
     if tokenizer is None:
         raise ValueError(f"model '{model}' has no tokenizer")
-    if window_len > config.max_position_embeddings:
-        raise ValueError(f"windows of {window_len} tokens exceed the model's context of "
-                         f"{config.max_position_embeddings} tokens")
+    check_window_len(config.max_position_embeddings, window_len)
     ids = tokenize_prefix(tokenizer, text, num_windows * window_len)
     return config, params, tokenizer, text, windows(ids, num_windows, window_len)
 
@@ -94,12 +109,7 @@ def needle_cases(
     """
     if tokenizer is None:
         raise ValueError("the needle task needs the model's tokenizer")
-    limit = config.max_position_embeddings - NEEDLE_NEW_TOKENS
-    too_long = [n for n in lengths if n > limit]
-    if too_long:
-        raise ValueError(f"needle lengths {too_long} exceed the model's context "
-                         f"({config.max_position_embeddings} tokens, {NEEDLE_NEW_TOKENS} "
-                         "kept for the answer)")
+    check_needle_lengths(config.max_position_embeddings, lengths)
 
     def encode_prompt(text: str, prefix: str) -> list[int]:
         return chat_prompt_ids(tokenizer, text, prefix)
@@ -138,6 +148,8 @@ def needle_retrieval(
 __all__ = [
     "NEEDLE_NEW_TOKENS",
     "cache_perplexity",
+    "check_needle_lengths",
+    "check_window_len",
     "load_model_and_windows",
     "needle_cases",
     "needle_retrieval",

@@ -9,7 +9,9 @@ back in the transformers order.
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from typing import Any
 
 import jax.numpy as jnp
@@ -54,6 +56,8 @@ _LAYER_TENSORS = {
 _TRANSPOSED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
 # Tensors that carry no weights of ours; ``rope_freqs`` is read into the config instead.
 _IGNORED = frozenset({"rope_freqs.weight"})
+# ``{arch}.context_length`` when a file does not give it
+_DEFAULT_CONTEXT = 4096
 
 
 # --------------------------------------------------------------------------- dequantization
@@ -145,7 +149,10 @@ def _f32_value(value) -> float:
 
 def _architecture(reader) -> str:
     """The ``general.architecture`` string, validated against what we can load."""
-    arch = _field(reader, "general.architecture")
+    return _supported_architecture(_field(reader, "general.architecture"))
+
+
+def _supported_architecture(arch: str | None) -> str:
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture '{arch}'; supported: {', '.join(ARCHITECTURES)}"
@@ -232,7 +239,7 @@ def config_from_gguf(reader) -> ModelConfig:
         rms_norm_eps=_f32_value(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(key("context_length", 4096)),
+        max_position_embeddings=int(key("context_length", _DEFAULT_CONTEXT)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
@@ -240,6 +247,85 @@ def config_from_gguf(reader) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
     )
+
+
+# GGUF header value types (``gguf.GGUFValueType``): struct formats of the fixed-size ones
+_VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
+                  10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The scalar and string fields of a GGUF header; arrays and tensors are skipped.
+
+    ``gguf.GGUFReader`` builds numpy views for every element of every header array (a
+    49k-token vocabulary and its merges: seconds); this walks the key/value pairs with
+    ``struct`` and steps over arrays, so reading a model's shape takes milliseconds.
+    Raises ``ValueError`` for a file that is not GGUF (version 2 or later) or is cut short.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"'{path}' is not a GGUF file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            try:
+                return _header_fields(buf)
+            except (struct.error, UnicodeDecodeError) as err:
+                raise ValueError(f"'{path}' has a malformed GGUF header ({err})") from None
+
+
+def _header_fields(buf) -> dict[str, Any]:
+    # the version is a small number: read in the wrong byte order its low half is zero
+    order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
+    version, _, kv_count = struct.unpack_from(order + "IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    pos = 24
+
+    def take(fmt):
+        nonlocal pos
+        values = struct.unpack_from(order + fmt, buf, pos)
+        pos += struct.calcsize(order + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string():
+        nonlocal pos
+        n = take("Q")
+        if pos + n > len(buf):
+            raise struct.error("string past the end of the file")
+        pos += n
+        return bytes(buf[pos - n:pos]).decode("utf-8")
+
+    fields = {}
+    for _ in range(kv_count):
+        key, kind = string(), take("I")
+        if kind == _STRING:
+            fields[key] = string()
+        elif kind in _VALUE_FORMATS:
+            fields[key] = take(_VALUE_FORMATS[kind])
+        elif kind == _ARRAY:
+            item, count = take("IQ")
+            if item == _STRING:
+                for _ in range(count):
+                    n = take("Q")   # (not `pos += take(...)`: take moves pos itself)
+                    pos += n
+            elif item in _VALUE_FORMATS:
+                pos += count * struct.calcsize(order + _VALUE_FORMATS[item])
+            else:
+                raise ValueError(f"header array '{key}' holds values of type {item}")
+        else:
+            raise ValueError(f"header field '{key}' has unknown type {kind}")
+    if pos > len(buf):
+        raise struct.error("header past the end of the file")
+    return fields
+
+
+def context_length(path: str | os.PathLike) -> int:
+    """``max_position_embeddings`` of a GGUF model, from its header alone (milliseconds;
+    :func:`load_gguf` takes seconds). Unsupported architectures raise as in loading."""
+    header = read_header(path)
+    arch = _supported_architecture(header.get("general.architecture"))
+    return int(header.get(f"{arch}.context_length", _DEFAULT_CONTEXT))
 
 
 # --------------------------------------------------------------------------- weights

@@ -31,6 +31,7 @@ def test_ppl_real_model_on_shakespeare(capsys):
     (["--k", "int:4"], "--k and --v"),
     (["--codec", "int:1"], "2..8"),
     (["--codec", "int:4", "--window-len", "9000"], "context"),
+    (["--codec", "int:4", "--model", "no-such-model"], "no-such-model"),
 ])
 def test_ppl_bad_input_exits_2(capsys, args, needle):
     assert main(["ppl", *args]) == 2

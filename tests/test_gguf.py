@@ -137,6 +137,17 @@ def test_config_of_smollm2(reader):
     assert not c.attention_bias and not c.qk_norm
 
 
+def test_header_reader_equals_gguf_reader(reader):
+    """``read_header`` (arrays skipped) gives every scalar and string field as gguf-py."""
+    array = gguf.GGUFValueType.ARRAY
+    expected = {k: f.contents() for k, f in reader.fields.items()
+                if not k.startswith("GGUF.") and f.types[0] != array}
+    assert "tokenizer.ggml.tokens" in reader.fields and len(expected) > 20
+    assert mg.read_header(GGUF_PATH) == expected
+    assert models.context_length("smollm2-135m") == mg.config_from_gguf(
+        reader).max_position_embeddings == 8192
+
+
 def test_load_smollm2_layout(loaded):
     """``models.load("smollm2-135m")`` gives the shared layout (tied: no lm_head)."""
     config, params, tok = loaded
@@ -276,6 +287,24 @@ def test_tiny_gguf_loads_every_supported_type(tmp_path, weight_type):
     t = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight")
     ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(32, 64)
     np.testing.assert_array_equal(np.asarray(params["layers"]["wv"][0]), ref.T)
+
+
+def test_context_length_from_the_header_alone(tmp_path):
+    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    config, _, _ = mg.load_gguf(path, tokenizer=False)
+    assert models.context_length(str(path)) == config.max_position_embeddings == 256
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        models.context_length(str(_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")))
+    with pytest.raises(ValueError, match="known names: smollm2-135m"):
+        models.context_length("no-such-model")
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        mg.read_header(not_gguf)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:200])   # ends inside the header
+    with pytest.raises(ValueError, match="malformed GGUF header"):
+        mg.read_header(cut)
 
 
 def test_default_dtype_is_bf16(tmp_path):

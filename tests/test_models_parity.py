@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from kvjax.cache import CacheConfig
+from models import context_length
 from models.config import ModelConfig
 from models.hf import load_hf_dir, params_from_hf
 from models.llama import init_params, jit_forward, logits_no_cache, new_cache
@@ -181,6 +182,7 @@ def test_load_single_file_checkpoint(tmp_path, models):
     assert not (tmp_path / "model.safetensors.index.json").exists()
     loaded_config, loaded, _ = load_hf_dir(tmp_path, dtype=jnp.float32)
     assert loaded_config == config
+    assert context_length(tmp_path) == config.max_position_embeddings == 256
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  loaded, params)
 
