@@ -24,7 +24,8 @@ SMALL = {"head_dim": 64, "keys": 64, "queries": 4, "seeds": 2}
 SMALL_NEEDLE = {"head_dim": 16, "distractors": 63, "seeds": 4}
 #: a spec per registered codec name; names missing here are tried bare
 EXAMPLES = {"int": "int:4", "kivi": "kivi:2,g32", "saw": "saw:h16,signs",
-            "turboquant": "turboquant:b3"}
+            "turboquant": "turboquant:b3", "polarquant": "polarquant:b2",
+            "octopus": "octopus:b2"}
 
 
 @functools.cache
@@ -161,7 +162,7 @@ def test_every_registered_codec_runs(name):
     try:
         codec = parse_codec(EXAMPLES.get(name, name))
     except CodecError:
-        pytest.skip(f"no example spec for codec '{name}'")
+        pytest.fail(f"no example spec for codec '{name}': add one to EXAMPLES")
     r = reconstruction(codec, head_dim=32, keys=64, queries=2, seeds=1)
     assert 0 < r["cosine"] <= 1 + 1e-6 and np.isfinite(r["ip_abs_err"])
     assert r["bits_per_element"] == pytest.approx(r["bits_per_element_formula"])
