@@ -6,7 +6,10 @@ them off (the numerics are unchanged: neither setting enables fast-math), unless
 caller has chosen XLA_FLAGS already.
 """
 
+import inspect
 import os
+
+import pytest
 
 os.environ.setdefault(
     "XLA_FLAGS",
@@ -18,3 +21,37 @@ if "KVJAX_CODEBOOKS" not in os.environ:
     import tempfile
 
     os.environ["KVJAX_CODEBOOKS"] = tempfile.mkdtemp(prefix="kvjax-codebooks-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def embedded_model_loaded_once():
+    """``models.load`` of a registered model, memoized per dtype for the session.
+
+    The CLI, evaluation and GGUF tests each load the embedded SmolLM2 (header, weights and
+    tokenizer: over ten seconds on 2 cores every time). The params are immutable JAX
+    arrays, so the first load of each dtype is real and the later ones share it. Paths,
+    unknown names and every error still go through the real loader on each call.
+    """
+    import jax.numpy as jnp
+
+    import models
+
+    real_load = models.load
+    signature = inspect.signature(real_load)
+    loaded = {}
+
+    def load(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        name, dtype = bound.arguments["name_or_path"], bound.arguments["dtype"]
+        target = os.fspath(name)
+        if target not in models.REGISTRY:
+            return real_load(*args, **kwargs)
+        key = (target, models.registered_path(target), jnp.dtype(dtype).name)
+        if key not in loaded:
+            loaded[key] = real_load(*args, **kwargs)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(models, "load", load)
+        yield loaded

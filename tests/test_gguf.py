@@ -6,6 +6,7 @@ weights/logits of transformers' own GGUF loader for the Q/K un-permutation and t
 model. Error paths use tiny GGUFs written into ``tmp_path``.
 """
 
+import functools
 import importlib.util
 
 import jax
@@ -66,7 +67,11 @@ def hf_model(reader):
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     processor = LlamaTensorProcessor(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    with pytest.MonkeyPatch.context() as patch:
+        # it builds gguf-py's name map for each of the model's ~400 submodules, the same
+        # map every time (seconds in all): one build serves every call
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        names = get_gguf_hf_weights_map(model, processor)
     state = {}
     for t in reader.tensors:
         result = processor.process(weights=gguf.quants.dequantize(t.data, t.tensor_type),

@@ -8,6 +8,7 @@ tolerance below is 3e-3 absolute. A kernel that drops or repeats a block of toke
 mixes up two query heads, misses by far more (tested).
 """
 
+import functools
 import warnings
 
 import jax
@@ -43,6 +44,12 @@ def coded(codec, params, x):
     return codes["codes"], codes["scale"][..., 0], codes["zero"][..., 0]
 
 
+# The helpers below run as one compiled program each: op-by-op dispatch would compile
+# dozens of small programs for every new shape, which costs more than the kernel itself.
+
+
+@functools.partial(jax.jit, static_argnames=("batch", "heads", "group", "slots", "head_dim",
+                                             "bits", "saw_block", "seed"))
 def random_case(batch, heads, group, slots, head_dim, bits, saw_block=None, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (batch, heads, group, head_dim))
@@ -60,18 +67,21 @@ def random_case(batch, heads, group, slots, head_dim, bits, saw_block=None, seed
     return q, k_arrays, coded(IntCodec(bits=bits), None, v), rotation
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "block_s", "splits", "layout",
+                                             "rotate_in_kernel"))
 def run_kernel(q, k_arrays, v_arrays, n_comp, rotation, *, bits, block_s, splits,
-               layout="halves", **kw):
+               layout="halves", rotate_in_kernel=False):
     group = q.shape[2]
     q_rows = pad_query_rows(q, operand_width(q.shape[-1], bits, layout))
     o, m, l = codes_partial(q_rows, *k_arrays, *v_arrays, n_comp, rotation, bits=bits,
                             layout=layout,
                             sm_scale=q.shape[-1] ** -0.5, block_s=block_s, splits=splits,
-                            interpret=INTERPRET, **kw)
+                            interpret=INTERPRET, rotate_in_kernel=rotate_in_kernel)
     return normalize(*merge_partials((o[..., :group, :], m[..., :group], l[..., :group]),
                                      axis=2))
 
 
+@functools.partial(jax.jit, static_argnames="bits")
 def run_reference(q, k_arrays, v_arrays, n_comp, rotation, *, bits):
     return normalize(*codes_partial_reference(q, *k_arrays, *v_arrays, n_comp, bits=bits,
                                               sm_scale=q.shape[-1] ** -0.5,
@@ -148,6 +158,12 @@ def test_tolerance_catches_a_dropped_block():
 
 def build_layer(codec_k, codec_v, *, lengths, window, sinks, heads, head_dim, seed=1):
     """A one-layer cache after a prefill of ``lengths`` tokens and one decode append."""
+    return _build_layer(codec_k, codec_v, tuple(lengths), window, sinks, heads, head_dim,
+                        seed)
+
+
+@functools.partial(jax.jit, static_argnums=tuple(range(8)))
+def _build_layer(codec_k, codec_v, lengths, window, sinks, heads, head_dim, seed):
     batch = len(lengths)
     max_len = max(lengths) + 1
     config = kc.CacheConfig(k=codec_k, v=codec_v, residual_window=window, sink_tokens=sinks)
@@ -298,8 +314,8 @@ def test_model_decode_step_through_the_kernel():
     for impl in ("reference", "pallas"):
         cfg = dataclasses.replace(config, attention_impl=impl)
         cache = llama.new_cache(cfg, cache_config, batch=2, max_len=32, dtype=jnp.float32)
-        _, cache = llama.forward(params, cfg, prompt, cache, jnp.array([21, 13]))
-        step_logits, _ = llama.forward(params, cfg, prompt[:, :1], cache, None)
+        _, cache = llama.jit_forward(params, cfg, prompt, cache, jnp.array([21, 13]))
+        step_logits, _ = llama.jit_forward(params, cfg, prompt[:, :1], cache, None)
         logits[impl] = np.asarray(step_logits)
     scale = np.max(np.abs(logits["reference"]))
     np.testing.assert_allclose(logits["pallas"], logits["reference"], atol=1e-2 * scale)

@@ -1,5 +1,7 @@
 """Bit packing and mixed-radix packing: exact round trips, layouts, jit/vmap, errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,16 +9,41 @@ import pytest
 
 from kvjax import packing as pk
 
+WIDTHS = list(range(1, 33))
 
-@pytest.mark.parametrize("bits", list(range(1, 33)))
+
+def random_codes(bits, n):
+    rng = np.random.default_rng(bits * 1000 + n)
+    return rng.integers(0, 2**bits, size=(3, n), dtype=np.uint64).astype(np.uint32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pack_unpack_every_width(n, codes):
+    out = []
+    for bits, c in zip(WIDTHS, codes, strict=True):
+        words = pk.pack_bits(c, bits)
+        out.append((words, pk.unpack_bits(words, bits, n)))
+    return out
+
+
+@functools.cache
+def round_trips(n):
+    """``{bits: (words, unpacked)}`` of :func:`random_codes` for every width, from one
+    compiled program (eager dispatch would compile each width's primitives on their own,
+    32 widths times 5 sizes; test_jit_and_vmap checks eager == jit)."""
+    codes = tuple(jnp.asarray(random_codes(bits, n)) for bits in WIDTHS)
+    out = _pack_unpack_every_width(n, codes)
+    return {bits: jax.tree.map(np.asarray, r) for bits, r in zip(WIDTHS, out, strict=True)}
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("n", [1, 7, 64, 96, 130])
 def test_pack_round_trip_every_width(bits, n):
-    rng = np.random.default_rng(bits * 1000 + n)
-    codes = rng.integers(0, 2**bits, size=(3, n), dtype=np.uint64).astype(np.uint32)
-    words = pk.pack_bits(jnp.asarray(codes), bits)
+    codes = random_codes(bits, n)
+    words, back = round_trips(n)[bits]
     assert words.dtype == jnp.uint32
     assert words.shape == (3, pk.num_words(n, bits)) == (3, -(-n * bits // 32))
-    np.testing.assert_array_equal(np.asarray(pk.unpack_bits(words, bits, n)), codes)
+    np.testing.assert_array_equal(back, codes)
 
 
 def test_extreme_codes_and_dense_bit_order():

@@ -1,5 +1,7 @@
 """Tests of the SAW-INT4 codec (block-diagonal Hadamard rotation + token-wise INT-N)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,10 +24,21 @@ def with_outlier_channels(tokens, d, channels=(3, 17, 40), scale=30.0, seed=0):
     return x
 
 
+# eager dispatch compiles every primitive of the rotation and the packing on its own; one
+# program is faster (test_jit_vmap_and_determinism checks eager == jit)
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def _encode_decode(codec, params, x):
+    codes = codec.encode(params, x)
+    return codes, codec.decode(params, codes)
+
+
 def roundtrip(codec, x, key=KEY):
     params = codec.init(key, x.shape[-1])
-    codes = codec.encode(params, jnp.asarray(x))
-    return params, codes, np.asarray(codec.decode(params, codes))
+    codes, x_hat = _encode_decode(codec, params, jnp.asarray(x))
+    return params, codes, np.asarray(x_hat)
 
 
 @pytest.mark.parametrize("spec,expected", [

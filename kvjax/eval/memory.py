@@ -101,8 +101,13 @@ def _measured(codec: Codec, head_dim: int, tokens: int, seed: int) -> tuple[int,
     key_params, key_x = jax.random.split(jax.random.key(seed))
     params = codec.init(key_params, head_dim)
     x = jax.random.normal(key_x, (tokens, head_dim), jnp.float32)
-    codes = codec.encode(params, x)
+    codes = _encode(codec, params, x)
     return codes_nbytes(codes), codes_nbytes(params)
+
+
+# one compiled program per codec and shape (dispatching the encoding op by op compiles
+# each of its dozens of operations on its own, several times slower)
+_encode = jax.jit(lambda codec, params, x: codec.encode(params, x), static_argnums=0)
 
 
 def _pair_tokens(k_codec: Codec, v_codec: Codec) -> int:
