@@ -3,6 +3,7 @@
 from kvjax.codecs.bf16 import Bf16Codec, F32Codec
 from kvjax.codecs.fp8 import Fp8Codec
 from kvjax.codecs.hqmq import HqmqCodec
+from kvjax.codecs.hyperquant import HyperQuantCodec
 from kvjax.codecs.intn import IntCodec
 from kvjax.codecs.kivi import KiviCodec
 from kvjax.codecs.octopus import OctopusCodec
@@ -12,6 +13,6 @@ from kvjax.codecs.saw import SawCodec
 from kvjax.codecs.turboquant import TurboQuantCodec
 
 __all__ = [
-    "Bf16Codec", "F32Codec", "Fp8Codec", "HqmqCodec", "IntCodec", "KiviCodec",
+    "Bf16Codec", "F32Codec", "Fp8Codec", "HqmqCodec", "HyperQuantCodec", "IntCodec", "KiviCodec",
     "MedOutlierCodec", "OctopusCodec", "PolarQuantCodec", "SawCodec", "TurboQuantCodec",
 ]

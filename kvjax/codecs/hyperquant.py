@@ -1,0 +1,625 @@
+"""HyperQuant, ``hyperquant:LATTICE,RATEbps[,ROTATION][,dither][,int8][,tileN][,tN][,mX]``:
+lattice quantization of rotated, normalized vectors, bit-stripped and Rice coded.
+
+Encode path of one vector ``x[D]`` (the paper's Figure 1, KV side):
+
+1. **Randomized Hadamard transform** per tile of ``tileN`` coordinates (default: the head
+   dim), seeded signs per (layer, kv head, K|V).
+2. **Rotation** ``none`` (default), ``signs`` (a seeded +-1 diagonal) or ``haar`` (a seeded
+   Haar-random orthogonal ``D x D``: the paper's "qjl" rotation).
+3. **Normalize**: ``|x|`` is stored in fp16 and the unit vector scaled to
+   ``Y = alpha sqrt(D) x / |x|``, so that ``Y``'s coordinates have mean square ``alpha^2``.
+   ``alpha = sqrt(sigma_q^2 10^(SNR / 10))``, ``sigma_q^2`` the lattice's per-coordinate
+   noise power (:attr:`kvjax.lattices.Lattice.noise_power`), and the SNR is the one the
+   rate calibration maps the target rate to.
+4. **Dither** (``dither``): ``U``, uniform on the lattice's Voronoi cell, is added before
+   quantizing and subtracted after. It is drawn from a seeded key (a parameter) folded
+   with a hash of the fp16 norms of the vector's block and its place in the block, so
+   the decoder regenerates it from what is stored; for a fixed vector it is uniform over
+   the draw of the key, and the reconstruction is then exactly unbiased
+   (Schuchman; Zamir and Feder): ``E[<q, x_hat>] = <q, x>`` for every cached ``x``.
+5. **Quantize** each run of ``n`` coordinates to the closest point of ``LATTICE`` in
+   ``{z, a2, d4, e8}`` (:mod:`kvjax.lattices`, integer realizations).
+6. **Strip** the bits membership pins (:meth:`kvjax.lattices.Lattice.strip`).
+7. **Rice code** (:mod:`kvjax.rice`) the symbols of a block of ``tN`` tokens (default 8)
+   in sub-streams of at most 512 symbols, each with the Rice parameter(s) that code it
+   in the fewest bits (``e8``, ``z``: one ``k``; ``d4``: ``k`` and ``k - 1`` for the
+   halved symbol; ``a2``: one each for ``t_y`` and ``n_x``).
+
+Rate calibration. The Rice rate is a monotone function of the SNR. For each (lattice,
+head dim, block geometry, dither) it is measured once on iid Gaussian vectors (which the
+rotation and normalization make every input look like) over a 0.25 dB grid, kept on
+disk next to the Lloyd-Max codebooks, and inverted by interpolation:
+``RATEbps`` (1.5..5) is the realized Rice payload per element, to about 0.01 bps on
+Gaussian data.
+
+Fixed capacity. A cache stores codes in fixed block slots, so each block of
+``tN`` tokens gets a budget of ``W`` 32-bit words: the calibrated mean payload of a
+block plus ``mX`` (default 4) standard deviations of it. A block whose code does not fit
+is re-quantized at a coarser scale ``alpha 2^(-j/2)``, ``j = 1, 2, 3`` (each step about
+0.5 bps fewer), and if none fits its coordinates' signs are stored instead (1 bit each,
+which always fits since the budget is at least 1.5 bits per element). The level is
+stored, so nothing is ever truncated: a fallback costs precision for that block only.
+:meth:`HyperQuantCodec.fallback_blocks` counts them.
+
+Codes of ``x[..., T, D]`` (``T`` a multiple of the block), ``nb = T / tN``::
+
+    stream  uint32[..., nb, W]       the block's sub-streams, back to back
+    index   uint32[..., nb, n_sub]   per sub-stream: start bit (bits 0..23), k (24..27),
+                                     second k (28..31); sub-stream 0 starts at bit 0, so
+                                     its start field holds the block's fallback level
+    norm    float16[..., nb, tN]
+
+Bits per element: ``32 (W + n_sub) / (tN D) + 16 / D``: the budget, not the realized
+rate, is what a fixed-capacity cache holds (:meth:`HyperQuantCodec.payload_bits` measures
+the realized rate from the stored words).
+
+``int8``: no entropy coding; the lattice codes themselves are stored as int8 (clamped to
++-127, the paper's fallback for Tensor-Core formats) at the SNR of ``RATEbps``::
+
+    codes   int8[..., T, D]          norm  float16[..., T, 1]          8 + 16 / D bits
+
+Values use the same codec (the paper's symmetric K = V).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import rice
+from kvjax.codebooks import codebook_dir
+from kvjax.codec import (
+    EXACT,
+    Codec,
+    CodecError,
+    Codes,
+    Params,
+    register,
+    round_to_dtype,
+    split_flags,
+)
+from kvjax.codecs.intn import FP16_MAX, FP16_TINY, exact_bits, option_spec
+from kvjax.lattices import LATTICES, Lattice, lattice
+from kvjax.rotations import haar_orthogonal, random_signs
+
+MIN_RATE, MAX_RATE = 1.5, 5.0
+ROTATIONS = ("none", "signs", "haar")
+#: symbols per Rice sub-stream (the paper's S)
+SUBSTREAM = 512
+#: coarser scales tried, ``alpha 2^(-j/2)``, before the sign fallback
+LADDER = 4
+SIGN_LEVEL = LADDER
+#: calibration grid (dB) and sample size (Gaussian vectors)
+SNR_GRID = np.arange(-5.0, 40.0 + 1e-9, 0.25)
+CALIBRATION_VECTORS = 8192
+DEFAULT_BLOCK_TOKENS = 8
+DEFAULT_MARGIN = 4.0
+_USAGE = ("hyperquant:LATTICE,RATEbps[,none|signs|haar][,dither][,int8][,tileN][,tN][,mX], "
+          "LATTICE in e8/d4/a2/z, RATE in 1.5..5")
+
+
+def substreams(symbols: int, point_dim: int = 1) -> tuple[int, int]:
+    """``(n_sub, S)``: the fewest sub-streams of at most 512 symbols (when possible) that
+    split ``symbols`` evenly into whole lattice points of ``point_dim`` coordinates."""
+    n = -(-symbols // SUBSTREAM)
+    while symbols % n or (symbols // n) % point_dim:
+        n += 1
+    return n, symbols // n
+
+
+# -- shared math: scale, symbols, Rice parameters, payload ---------------------------
+
+
+def alpha_for_snr(lat: Lattice, snr_db: float) -> float:
+    """Scale that puts the per-coordinate signal power ``snr_db`` above the lattice noise."""
+    return math.sqrt(lat.noise_power * 10.0 ** (snr_db / 10.0))
+
+
+def _symbol_classes(lat: Lattice, count: int) -> np.ndarray:
+    return np.tile(np.asarray(lat.symbol_class, np.int32), count // lat.dim)
+
+
+def stream_parameters(lat: Lattice, symbols: jax.Array, classes: np.ndarray):
+    """Rice parameters ``(k1, k2)`` (int32 ``[...]``) of sub-streams ``symbols[..., S]``.
+
+    ``e8``/``z``: one parameter (``k2 = 0``); ``d4``: ``k2 = max(k1 - 1, 0)`` for the halved
+    symbol, ``k1`` chosen for the total; ``a2``: each class its own best parameter.
+    """
+    first = jnp.asarray(classes == 0)
+    if lat.name in ("e8", "z"):
+        return rice.best_parameter(symbols), jnp.zeros(symbols.shape[:-1], jnp.int32)
+    cost0 = rice.parameter_costs(symbols, first)
+    cost1 = rice.parameter_costs(symbols, ~first)
+    if lat.name == "d4":
+        shifted = jnp.concatenate([cost1[..., :1], cost1[..., :-1]], axis=-1)
+        k1 = jnp.argmin(cost0 + shifted, axis=-1).astype(jnp.int32)
+        return k1, jnp.maximum(k1 - 1, 0)
+    return (jnp.argmin(cost0, -1).astype(jnp.int32), jnp.argmin(cost1, -1).astype(jnp.int32))
+
+
+def symbol_parameters(k1: jax.Array, k2: jax.Array, classes: np.ndarray) -> jax.Array:
+    """Per-symbol parameters ``[..., S]`` from a sub-stream's ``(k1, k2)``."""
+    return jnp.where(jnp.asarray(classes == 0), k1[..., None], k2[..., None])
+
+
+def quantize_symbols(lat: Lattice, y: jax.Array, dither: jax.Array | None):
+    """Closest lattice codes of ``y[..., D]`` (+ dither), and their stripped symbols."""
+    shape = y.shape
+    pts = y if dither is None else y + dither
+    codes = lat.closest(pts.reshape(*shape[:-1], shape[-1] // lat.dim, lat.dim))
+    return codes, lat.strip(codes).reshape(shape)
+
+
+def reconstruct(lat: Lattice, codes: jax.Array, dither: jax.Array | None) -> jax.Array:
+    """Point coordinates ``[..., D]`` of codes ``[..., D / n, n]`` (dither subtracted)."""
+    pts = lat.point(codes)
+    pts = pts.reshape(*pts.shape[:-2], -1)
+    return pts if dither is None else pts - dither
+
+
+def block_payload(lat: Lattice, symbols: jax.Array, n_sub: int):
+    """Rice parameters and payload bits of blocks of symbols ``[..., N]``.
+
+    Returns ``(k1, k2, bits)``: ``[..., n_sub]`` twice and int32 ``[...]``.
+    """
+    size = symbols.shape[-1] // n_sub
+    streams = symbols.reshape(*symbols.shape[:-1], n_sub, size)
+    classes = _symbol_classes(lat, size)
+    k1, k2 = stream_parameters(lat, streams, classes)
+    lengths = rice.code_lengths(streams, symbol_parameters(k1, k2, classes))
+    return k1, k2, jnp.sum(lengths, axis=(-2, -1))
+
+
+# -- rate calibration -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Realized Rice payload vs SNR on iid Gaussian vectors for one block geometry.
+
+    Attributes:
+        snr_db: the grid, float64 ``[P]``.
+        rate: mean payload bits per element at each SNR.
+        block_std: standard deviation of one block's payload bits at each SNR.
+        block_elements: elements per block (``tN * D``).
+    """
+
+    snr_db: np.ndarray
+    rate: np.ndarray
+    block_std: np.ndarray
+    block_elements: int
+
+    def snr_for_rate(self, rate: float) -> float:
+        """The SNR whose calibrated rate is ``rate`` (linear interpolation)."""
+        if not self.rate[0] <= rate <= self.rate[-1]:
+            raise CodecError(f"rate {rate} bps is outside the calibrated range "
+                             f"{self.rate[0]:.3f}..{self.rate[-1]:.3f}")
+        return float(np.interp(rate, self.rate, self.snr_db))
+
+    def std_at(self, snr_db: float) -> float:
+        """Block payload standard deviation (bits) at ``snr_db``."""
+        return float(np.interp(snr_db, self.snr_db, self.block_std))
+
+
+def _calibration_file(name: str, head_dim: int, block_tokens: int, dither: bool) -> Path:
+    text = (f"hyperquant-{name}-d{head_dim}-t{block_tokens}-s{SUBSTREAM}-dither{int(dither)}"
+            f"-n{CALIBRATION_VECTORS}-g{SNR_GRID[0]:g}_{SNR_GRID[-1]:g}_{len(SNR_GRID)}")
+    return codebook_dir() / (re.sub(r"[^A-Za-z0-9.+-]+", "_", text) + ".npz")
+
+
+@functools.cache
+def calibration(name: str, head_dim: int, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                dither: bool = False) -> Calibration:
+    """The rate calibration of lattice ``name`` for blocks of ``block_tokens`` vectors of
+    ``head_dim``, measured once (a few seconds) and kept on disk (see the module doc)."""
+    lat = lattice(name)
+    path = _calibration_file(name, head_dim, block_tokens, dither)
+    elements = block_tokens * head_dim
+    try:
+        with np.load(path) as f:
+            cal = Calibration(f["snr_db"], f["rate"], f["block_std"], int(f["block_elements"]))
+        if cal.rate.shape == SNR_GRID.shape and cal.block_elements == elements:
+            return cal
+    except (OSError, KeyError, ValueError):
+        pass
+    rate, std = _measure_rates(lat, head_dim, block_tokens, dither)
+    # equal random numbers at every SNR make the curve monotone; enforce it against ties
+    rate = np.maximum.accumulate(rate)
+    cal = Calibration(SNR_GRID.copy(), rate, std, elements)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, snr_db=cal.snr_db, rate=cal.rate, block_std=cal.block_std,
+                     block_elements=elements)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return cal
+
+
+def _measure_rates(lat: Lattice, head_dim: int, block_tokens: int, dither: bool):
+    n_blocks = CALIBRATION_VECTORS // block_tokens
+    elements = block_tokens * head_dim
+    n_sub, _ = substreams(elements, lat.dim)
+    key = jax.random.key(20260)
+    x = jax.random.normal(key, (n_blocks, block_tokens, head_dim), jnp.float32)
+    y = x * (math.sqrt(head_dim) / jnp.linalg.norm(x, axis=-1, keepdims=True))
+    u = (lat.voronoi_sample(jax.random.fold_in(key, 1), (n_blocks, block_tokens,
+                                                         head_dim // lat.dim))
+         .reshape(y.shape) if dither else None)
+
+    @jax.jit
+    def bits_at(alpha):
+        _, symbols = quantize_symbols(lat, alpha * y, u)
+        return block_payload(lat, symbols.reshape(n_blocks, elements), n_sub)[2]
+
+    rates, stds = [], []
+    for snr in SNR_GRID:
+        bits = np.asarray(bits_at(jnp.float32(alpha_for_snr(lat, float(snr)))), np.float64)
+        rates.append(bits.mean() / elements)
+        stds.append(bits.std())
+    return np.array(rates), np.array(stds)
+
+
+# -- the codec ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static that encode/decode need for one head dim."""
+
+    alpha: float
+    snr_db: float
+    words: int
+    n_sub: int
+    substream: int
+    tile: int
+
+
+@register
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HyperQuantCodec(Codec):
+    """HyperQuant at a target Rice rate (see the module docstring)."""
+
+    name: ClassVar[str] = "hyperquant"
+
+    lattice: str
+    rate: float
+    rotation: str = "none"
+    dither: bool = False
+    int8: bool = False
+    tile: int | None = None
+    block_tokens: int = DEFAULT_BLOCK_TOKENS  # type: ignore[misc]
+    margin: float = DEFAULT_MARGIN
+
+    def __post_init__(self) -> None:
+        if self.lattice not in LATTICES:
+            raise CodecError(f"{self.name}: unknown lattice '{self.lattice}'; valid: "
+                             f"{', '.join(LATTICES)}")
+        if (isinstance(self.rate, bool) or not isinstance(self.rate, int | float)
+                or not MIN_RATE <= self.rate <= MAX_RATE):
+            raise CodecError(f"{self.name}: rate must be in {MIN_RATE}..{MAX_RATE} bps, "
+                             f"got {self.rate!r}")
+        if self.rotation not in ROTATIONS:
+            raise CodecError(f"{self.name}: rotation must be one of {', '.join(ROTATIONS)}, "
+                             f"got {self.rotation!r}")
+        for flag in ("dither", "int8"):
+            if not isinstance(getattr(self, flag), bool):
+                raise CodecError(f"{self.name}: {flag} must be a bool")
+        if self.tile is not None and (not isinstance(self.tile, int) or self.tile < 1
+                                      or self.tile & (self.tile - 1)
+                                      or self.tile < lattice(self.lattice).dim):
+            raise CodecError(f"{self.name}: tile must be a power of two >= the lattice "
+                             f"dimension, got {self.tile!r}")
+        tokens = 1 if self.int8 else self.block_tokens
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= 256:
+            raise CodecError(f"{self.name}: tokens per block must be in 1..256, "
+                             f"got {self.block_tokens!r}")
+        if not isinstance(self.margin, int | float) or not 0 <= self.margin <= 20:
+            raise CodecError(f"{self.name}: margin must be in 0..20 standard deviations, "
+                             f"got {self.margin!r}")
+        if self.int8:
+            object.__setattr__(self, "block_tokens", 1)
+        object.__setattr__(self, "rate", float(self.rate))
+        object.__setattr__(self, "margin", float(self.margin))
+
+    @property
+    def lat(self) -> Lattice:
+        """The :class:`~kvjax.lattices.Lattice`."""
+        return lattice(self.lattice)
+
+    # -- spec ------------------------------------------------------------------------
+    @classmethod
+    def from_options(cls, options: list[str]) -> HyperQuantCodec:
+        """``hyperquant:LATTICE,RATEbps[,none|signs|haar][,dither][,int8][,tileN][,tN][,mX]``."""
+        spec = option_spec(cls.name, options)
+        words = {w: (lambda v, w=w: w) for w in (*ROTATIONS, "dither", "int8")}
+        known = {**words, "tile": int, "t": int, "m": float}
+        rest = []
+        lat = rate = None
+        for opt in options:
+            if opt in LATTICES and lat is None:
+                lat = opt
+            elif re.fullmatch(r"\d+(\.\d+)?bps", opt) and rate is None:
+                rate = float(opt[:-3])
+            else:
+                rest.append(opt)
+        if lat is None or rate is None:
+            raise CodecError(f"{spec}: give a lattice and a rate; usage: {_USAGE}")
+        try:
+            positional, flags = split_flags(rest, spec, known)
+        except ValueError as err:
+            if isinstance(err, CodecError):
+                raise
+            raise CodecError(f"{spec}: {err}; usage: {_USAGE}") from None
+        if positional:
+            raise CodecError(f"{spec}: unexpected options {positional}; usage: {_USAGE}")
+        rotations = [r for r in ROTATIONS if r in flags]
+        if len(rotations) > 1:
+            raise CodecError(f"{spec}: give at most one rotation, got {rotations}")
+        kwargs: dict[str, Any] = dict(lattice=lat, rate=rate,
+                                      rotation=rotations[0] if rotations else "none",
+                                      dither="dither" in flags, int8="int8" in flags)
+        if "tile" in flags:
+            kwargs["tile"] = flags["tile"]
+        if "t" in flags:
+            kwargs["block_tokens"] = flags["t"]
+        if "m" in flags:
+            kwargs["margin"] = flags["m"]
+        return cls(**kwargs)
+
+    @property
+    def spec(self) -> str:
+        """``hyperquant:e8,3bps[,signs][,dither][,int8][,tile32][,t16][,m3]``."""
+        parts = [self.lattice, f"{self.rate:g}bps"]
+        if self.rotation != "none":
+            parts.append(self.rotation)
+        if self.dither:
+            parts.append("dither")
+        if self.int8:
+            parts.append("int8")
+        if self.tile is not None:
+            parts.append(f"tile{self.tile}")
+        if not self.int8 and self.block_tokens != DEFAULT_BLOCK_TOKENS:
+            parts.append(f"t{self.block_tokens}")
+        if not self.int8 and self.margin != DEFAULT_MARGIN:
+            parts.append(f"m{self.margin:g}")
+        return f"{self.name}:{','.join(parts)}"
+
+    # -- geometry ----------------------------------------------------------------------
+    def check_head_dim(self, head_dim: int) -> None:
+        """A multiple of the tile, the tile (default ``head_dim``) a power of two."""
+        Codec.check_head_dim(self, head_dim)
+        tile = self.tile or head_dim
+        if tile & (tile - 1) or tile < self.lat.dim or head_dim % tile:
+            raise CodecError(
+                f"{self.spec}: head_dim {head_dim} needs a power-of-two Hadamard tile "
+                f">= {self.lat.dim} that divides it (tile {tile}); set tileN")
+
+    def plan(self, head_dim: int) -> _Plan:
+        """Scale, SNR and block budget for ``head_dim`` (from the calibration)."""
+        self.check_head_dim(head_dim)
+        return _plan(self, head_dim)
+
+    # -- the protocol ------------------------------------------------------------------
+    def init(self, key: jax.Array, head_dim: int) -> Params:
+        """``rht_signs`` float32[D]; ``rotation`` (float32[D] signs or [D, D] Haar) unless
+        ``none``; ``dither_key`` uint32[2] with dither."""
+        self.check_head_dim(head_dim)
+        k_rht, k_rot, k_dither = jax.random.split(key, 3)
+        params = {"rht_signs": random_signs(k_rht, head_dim)}
+        if self.rotation == "signs":
+            params["rotation"] = random_signs(k_rot, head_dim)
+        elif self.rotation == "haar":
+            params["rotation"] = haar_orthogonal(k_rot, head_dim)
+        if self.dither:
+            params["dither_key"] = jax.random.bits(k_dither, (2,), jnp.uint32)
+        return params
+
+    def _rotate(self, params: Params, unit: jax.Array, tile: int) -> jax.Array:
+        from kvjax.rotations import randomized_hadamard
+
+        y = randomized_hadamard(unit, params["rht_signs"], block=tile)
+        if self.rotation == "signs":
+            y = y * params["rotation"]
+        elif self.rotation == "haar":
+            y = jnp.einsum("...d,de->...e", y, params["rotation"], precision=EXACT)
+        return y
+
+    def _unrotate(self, params: Params, y: jax.Array, tile: int) -> jax.Array:
+        from kvjax.rotations import inverse_randomized_hadamard
+
+        if self.rotation == "signs":
+            y = y * params["rotation"]
+        elif self.rotation == "haar":
+            y = jnp.einsum("...e,de->...d", y, params["rotation"], precision=EXACT)
+        return inverse_randomized_hadamard(y, params["rht_signs"], block=tile)
+
+    def _dither(self, params: Params, norm: jax.Array, head_dim: int) -> jax.Array:
+        """Dither ``[..., nb, tN, D]`` from the key and the block's stored norms
+        ``norm[..., nb, tN]`` (float32 values of fp16 numbers)."""
+        bits = jax.lax.bitcast_convert_type(norm.astype(jnp.float16), jnp.uint16)
+        block_hash = _mix(bits.astype(jnp.uint32))  # [..., nb]
+        tokens = norm.shape[-1]
+        seeds = block_hash[..., None] * jnp.uint32(0x9E3779B1) + jnp.arange(
+            tokens, dtype=jnp.uint32)
+        base = jax.random.wrap_key_data(params["dither_key"], impl="threefry2x32")
+        lat = self.lat
+
+        def one(seed):
+            return lat.voronoi_sample(jax.random.fold_in(base, seed),
+                                      (head_dim // lat.dim,)).reshape(head_dim)
+
+        flat = jax.vmap(one)(seeds.reshape(-1))
+        return flat.reshape(*seeds.shape, head_dim)
+
+    def _encode(self, params: Params, x: jax.Array) -> Codes:
+        head_dim = x.shape[-1]
+        if params["rht_signs"].shape[-1] != head_dim:
+            raise CodecError(f"{self.spec}: vectors of head_dim {head_dim} given to "
+                             f"parameters made for head_dim {params['rht_signs'].shape[-1]}")
+        plan = self.plan(head_dim)
+        x = jnp.clip(x, -FP16_MAX, FP16_MAX)
+        exact_norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
+        norm = jnp.where(exact_norm > 0, jnp.maximum(jnp.minimum(exact_norm, FP16_MAX),
+                                                     FP16_TINY), 0.0)
+        norm = round_to_dtype(norm, jnp.float16)
+        unit = x / jnp.where(exact_norm > 0, exact_norm, 1.0)
+        y = self._rotate(params, unit, plan.tile) * math.sqrt(head_dim)
+        tokens = self.block_tokens
+        lead = y.shape[:-2]
+        nb = y.shape[-2] // tokens
+        y = y.reshape(*lead, nb, tokens, head_dim)
+        norm_blocks = norm.reshape(*lead, nb, tokens)
+        u = self._dither(params, norm_blocks, head_dim) if self.dither else None
+        lat = self.lat
+        if self.int8:
+            codes, _ = quantize_symbols(lat, plan.alpha * y, u)
+            codes = jnp.clip(codes, -127, 127).astype(jnp.int8)
+            return {"codes": codes.reshape(*lead, nb * tokens, head_dim),
+                    "norm": norm.astype(jnp.float16)}
+        elements = tokens * head_dim
+        levels = []
+        for j in range(LADDER):
+            alpha = plan.alpha * 2.0 ** (-j / 2)
+            _, symbols = quantize_symbols(lat, alpha * y, u)
+            symbols = symbols.reshape(*lead, nb, elements)
+            k1, k2, bits = block_payload(lat, symbols, plan.n_sub)
+            levels.append((symbols, k1, k2, bits))
+        capacity = 32 * plan.words
+        fits = jnp.stack([bits <= capacity for *_, bits in levels], axis=-1)
+        level = jnp.where(jnp.any(fits, -1), jnp.argmax(fits, -1), SIGN_LEVEL).astype(jnp.int32)
+
+        def pick(i):
+            stacked = jnp.stack([lv[i] for lv in levels], axis=0)
+            index = jnp.minimum(level, LADDER - 1)
+            index = index.reshape(1, *index.shape, *([1] * (stacked.ndim - 1 - level.ndim)))
+            return jnp.take_along_axis(stacked, index, axis=0)[0]
+
+        symbols, k1, k2 = pick(0), pick(1), pick(2)
+        streams = symbols.reshape(*lead, nb, plan.n_sub, plan.substream)
+        classes = _symbol_classes(lat, plan.substream)
+        k = symbol_parameters(k1, k2, classes)
+        words, offsets, _ = rice.encode(streams, k, plan.words)
+        sign_words = _sign_words(y.reshape(*lead, nb, elements), plan.words)
+        use_signs = (level == SIGN_LEVEL)[..., None]
+        words = jnp.where(use_signs, sign_words, words)
+        k1 = jnp.where(use_signs, 0, k1)
+        k2 = jnp.where(use_signs, 0, k2)
+        start = offsets.at[..., 0].set(level)
+        index = (start.astype(jnp.uint32) | (k1.astype(jnp.uint32) << 24)
+                 | (k2.astype(jnp.uint32) << 28))
+        return {"stream": words, "index": index, "norm": norm_blocks.astype(jnp.float16)}
+
+    def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
+        """``|x| R^T (P - U) / (alpha_level sqrt(D))`` per token, cast to ``dtype``."""
+        head_dim = params["rht_signs"].shape[-1]
+        plan = self.plan(head_dim)
+        lat = self.lat
+        if self.int8:
+            c = codes["codes"].astype(jnp.int32)
+            lead = c.shape[:-2]
+            norm = codes["norm"].astype(jnp.float32)
+            u = (self._dither(params, norm.reshape(*lead, -1, 1), head_dim).reshape(c.shape)
+                 if self.dither else None)
+            pts = reconstruct(lat, c.reshape(*c.shape[:-1], head_dim // lat.dim, lat.dim), u)
+            y = pts / (plan.alpha * math.sqrt(head_dim))
+            return (norm * self._unrotate(params, y, plan.tile)).astype(dtype)
+        index = codes["index"]
+        lead, nb = index.shape[:-2], index.shape[-2]
+        tokens = codes["norm"].shape[-1]
+        start = (index & 0xFFFFFF).astype(jnp.int32)
+        level = start[..., 0]
+        offsets = start.at[..., 0].set(0)
+        k1 = ((index >> 24) & 15).astype(jnp.int32)
+        k2 = ((index >> 28) & 15).astype(jnp.int32)
+        classes = _symbol_classes(lat, plan.substream)
+        k = symbol_parameters(k1, k2, classes)
+        symbols = rice.decode(codes["stream"], offsets, k)
+        c = lat.unstrip(symbols.reshape(*lead, nb, tokens, head_dim // lat.dim, lat.dim))
+        norm = codes["norm"].astype(jnp.float32)
+        u = self._dither(params, norm, head_dim) if self.dither else None
+        pts = reconstruct(lat, c, u)  # [..., nb, tN, D]
+        scale = plan.alpha * 2.0 ** (-jnp.minimum(level, LADDER - 1).astype(jnp.float32) / 2)
+        y = pts / (scale[..., None, None] * math.sqrt(head_dim))
+        signs = _unpack_signs(codes["stream"], tokens * head_dim).reshape(y.shape)
+        y_sign = signs * math.sqrt(2.0 / math.pi) / math.sqrt(head_dim)
+        y = jnp.where((level == SIGN_LEVEL)[..., None, None], y_sign, y)
+        x = norm[..., None] * self._unrotate(params, y, plan.tile)
+        return x.reshape(*lead, nb * tokens, head_dim).astype(dtype)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """``32 (W + n_sub) / (tN D) + 16 / D``, or ``8 + 16 / D`` with int8."""
+        self.check_head_dim(head_dim)
+        if self.int8:
+            return exact_bits(8 * head_dim + 16, head_dim)
+        plan = self.plan(head_dim)
+        elements = self.block_tokens * head_dim
+        return exact_bits(32 * (plan.words + plan.n_sub) + 16 * self.block_tokens, elements)
+
+    # -- diagnostics -------------------------------------------------------------------
+    def fallback_levels(self, codes: Codes) -> jax.Array:
+        """Per block: 0 at the calibrated scale, 1..3 a coarser one, 4 the sign fallback."""
+        if self.int8:
+            return jnp.zeros(codes["norm"].shape[:-1], jnp.int32)
+        return (codes["index"][..., 0] & 0xFFFFFF).astype(jnp.int32)
+
+    def fallback_blocks(self, codes: Codes) -> int:
+        """How many blocks of ``codes`` did not fit their budget at the calibrated scale."""
+        return int(jnp.sum(self.fallback_levels(codes) > 0))
+
+    def payload_bits(self, codes: Codes) -> jax.Array:
+        """Realized bits of each block's stream (int32 ``[..., nb]``), read from the words."""
+        if self.int8:
+            return jnp.full(codes["norm"].shape[:-1], 8 * codes["codes"].shape[-1], jnp.int32)
+        return rice.used_bits(codes["stream"])
+
+
+def _mix(bits: jax.Array) -> jax.Array:
+    """A 32-bit hash of each row of ``bits[..., n]`` (uint32), order-sensitive."""
+    h = jnp.full(bits.shape[:-1], 0x811C9DC5, jnp.uint32)
+    for i in range(bits.shape[-1]):
+        h = (h ^ bits[..., i]) * jnp.uint32(0x01000193)
+        h = h ^ (h >> 15)
+    return h
+
+
+def _sign_words(y: jax.Array, num_words: int) -> jax.Array:
+    """Bits ``y >= 0`` of ``y[..., N]`` packed LSB-first into ``num_words`` words."""
+    from kvjax.packing import pack_bits
+
+    words = pack_bits((y >= 0).astype(jnp.uint32), 1)
+    pad = num_words - words.shape[-1]
+    return jnp.pad(words, [(0, 0)] * (words.ndim - 1) + [(0, pad)])
+
+
+def _unpack_signs(words: jax.Array, count: int) -> jax.Array:
+    from kvjax.packing import unpack_bits
+
+    n = -(-count // 32)
+    bits = unpack_bits(words[..., :n], 1, count)
+    return 2.0 * bits.astype(jnp.float32) - 1.0
+
+
+@functools.cache
+def _plan(codec: HyperQuantCodec, head_dim: int) -> _Plan:
+    cal = calibration(codec.lattice, head_dim, max(codec.block_tokens, 1), codec.dither)
+    snr = cal.snr_for_rate(codec.rate)
+    alpha = alpha_for_snr(codec.lat, snr)
+    elements = codec.block_tokens * head_dim
+    n_sub, size = substreams(elements, codec.lat.dim)
+    budget = codec.rate * elements + codec.margin * cal.std_at(snr)
+    words = max(math.ceil(budget / 32), -(-elements // 32))
+    return _Plan(alpha=alpha, snr_db=snr, words=words, n_sub=n_sub, substream=size,
+                 tile=codec.tile or head_dim)

@@ -1,0 +1,162 @@
+"""Rice coding of non-negative integer symbols in sub-streams, vectorized in JAX.
+
+A Rice code with parameter ``k`` writes a symbol ``u`` as its quotient ``q = u >> k`` in
+unary (``q`` zeros and a terminating one) and its ``k`` low bits: ``q + 1 + k`` bits.
+Symbols are grouped in *sub-streams*, each with its own parameter(s) and start bit
+offset, so any sub-stream decodes independently.
+
+Layout of one sub-stream. Its ``S`` remainders come first, ``k`` bits each (most
+significant first), then its ``S`` unary quotients. The bit count is exactly that of the
+textbook interleaved Rice code (the same codewords, reordered), but both directions
+become data-parallel: the remainders sit at offsets known from ``k`` alone, and the
+``i``-th quotient ends at the ``i``-th one of the unary region, which a cumulative sum
+finds for every symbol at once. Encoding is lengths -> cumulative sums -> one scatter
+of the set bits into 32-bit words (bit ``p`` of a stream is bit ``p % 32`` of word
+``p // 32``); decoding is a gather for the remainders and a cumulative sum plus a
+scatter for the quotients. No serial scan either way.
+
+Sub-streams of a buffer follow each other with no gap; their start offsets are returned
+by the encoder and must be given to the decoder. A buffer has a fixed number of words:
+bits past its end are dropped and the encoder reports the length the code needed, so a
+caller detects overflow by comparing it with the capacity.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+#: largest Rice parameter (parameters are stored in 4-bit fields)
+MAX_PARAMETER = 15
+
+
+def code_lengths(symbols: jax.Array, k: jax.Array) -> jax.Array:
+    """Bits of each symbol's Rice codeword, ``(u >> k) + 1 + k`` (int32)."""
+    u = jnp.asarray(symbols, jnp.uint32)
+    k = jnp.asarray(k, jnp.uint32)
+    return ((u >> k) + 1 + k).astype(jnp.int32)
+
+
+def parameter_costs(symbols: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Total code length of ``symbols[..., S]`` under every parameter ``0..15``:
+    int32 ``[..., 16]``; ``mask[..., S]`` (bool) selects the symbols that count."""
+    u = jnp.asarray(symbols, jnp.uint32)[..., None]
+    k = jnp.arange(MAX_PARAMETER + 1, dtype=jnp.uint32)
+    lengths = ((u >> k) + 1 + k).astype(jnp.int32)
+    if mask is not None:
+        lengths = jnp.where(jnp.asarray(mask)[..., None], lengths, 0)
+    return jnp.sum(lengths, axis=-2)
+
+
+def best_parameter(symbols: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """The Rice parameter (int32 ``[...]``) that codes ``symbols[..., S]`` in the fewest bits."""
+    return jnp.argmin(parameter_costs(symbols, mask), axis=-1).astype(jnp.int32)
+
+
+def encode(symbols: jax.Array, k: jax.Array, num_words: int):
+    """Rice-code sub-streams into a fixed buffer of 32-bit words.
+
+    Args:
+        symbols: uint32 ``[..., n_sub, S]``: ``n_sub`` sub-streams of ``S`` symbols.
+        k: Rice parameter of every symbol, int ``[..., n_sub, S]`` in ``0..15`` (a
+            sub-stream may mix parameters, e.g. one per symbol class).
+        num_words: buffer capacity in uint32 words.
+
+    Returns:
+        ``(words, offsets, total)``: uint32 ``[..., num_words]``, the int32 start bit of
+        each sub-stream ``[..., n_sub]``, and the int32 bits the whole code needs
+        ``[...]`` (above ``32 * num_words`` the tail was dropped).
+    """
+    symbols = jnp.asarray(symbols, jnp.uint32)
+    k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), symbols.shape)
+    lead = symbols.shape[:-2]
+    flat = _encode_block_batch(symbols.reshape(-1, *symbols.shape[-2:]),
+                               k.reshape(-1, *k.shape[-2:]), num_words)
+    words, offsets, total = flat
+    return (words.reshape(*lead, num_words), offsets.reshape(*lead, -1), total.reshape(lead))
+
+
+def decode(words: jax.Array, offsets: jax.Array, k: jax.Array) -> jax.Array:
+    """Inverse of :func:`encode`: symbols uint32 ``[..., n_sub, S]`` from the words, the
+    sub-streams' start bits ``[..., n_sub]`` and every symbol's parameter ``k[..., n_sub, S]``."""
+    words = jnp.asarray(words, jnp.uint32)
+    offsets = jnp.asarray(offsets, jnp.int32)
+    k = jnp.asarray(k, jnp.int32)
+    lead = k.shape[:-2]
+    words = jnp.broadcast_to(words, (*lead, words.shape[-1]))
+    offsets = jnp.broadcast_to(offsets, (*lead, k.shape[-2]))
+    out = _decode_block_batch(words.reshape(-1, words.shape[-1]),
+                              offsets.reshape(-1, offsets.shape[-1]),
+                              k.reshape(-1, *k.shape[-2:]))
+    return out.reshape(k.shape)
+
+
+def used_bits(words: jax.Array) -> jax.Array:
+    """One past the highest set bit of ``words[..., W]`` (int32 ``[...]``): the length of a
+    Rice-coded buffer, whose last bit is always a unary terminator."""
+    words = jnp.asarray(words, jnp.uint32)
+    top = 32 - jax.lax.clz(words).astype(jnp.int32)  # 0 for a zero word
+    index = jnp.arange(words.shape[-1], dtype=jnp.int32)
+    return jnp.max(jnp.where(top > 0, 32 * index + top, 0), axis=-1)
+
+
+def _layout(k: jax.Array, quotient_plus_one: jax.Array):
+    """Start offsets and remainder starts of a block's sub-streams."""
+    stream_len = jnp.sum(k + quotient_plus_one, axis=-1)
+    offsets = jnp.cumsum(stream_len) - stream_len
+    remainder_start = offsets[:, None] + jnp.cumsum(k, axis=-1) - k
+    unary_start = offsets + jnp.sum(k, axis=-1)
+    return offsets, remainder_start, unary_start, jnp.sum(stream_len)
+
+
+_BIT = jnp.arange(MAX_PARAMETER, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+@functools.partial(jax.vmap, in_axes=(0, 0, None))
+def _encode_block_batch(u: jax.Array, k: jax.Array, num_words: int):
+    capacity = 32 * num_words
+    q = (u >> k.astype(jnp.uint32)).astype(jnp.int32)
+    offsets, rem_start, unary_start, total = _layout(k, q + 1)
+    # remainder bits, most significant first: bit b of a symbol is (u >> (k - 1 - b)) & 1
+    has_bit = _BIT < k[..., None]
+    shift = jnp.clip(k[..., None] - 1 - _BIT, 0, 31).astype(jnp.uint32)
+    rem_bits = (u[..., None] >> shift) & 1
+    rem_pos = jnp.where(has_bit & (rem_bits == 1), rem_start[..., None] + _BIT, capacity)
+    # the terminating one of each quotient
+    term_pos = unary_start[:, None] + jnp.cumsum(q + 1, axis=-1) - 1
+    pos = jnp.concatenate([rem_pos.reshape(-1), term_pos.reshape(-1)])
+    pos = jnp.where(pos < capacity, pos, capacity)
+    values = jnp.left_shift(jnp.uint32(1), (pos & 31).astype(jnp.uint32))
+    words = jnp.zeros(num_words, jnp.uint32).at[pos >> 5].add(values, mode="drop")
+    return words, offsets.astype(jnp.int32), total.astype(jnp.int32)
+
+
+@jax.jit
+@jax.vmap
+def _decode_block_batch(words: jax.Array, offsets: jax.Array, k: jax.Array) -> jax.Array:
+    n_sub, size = k.shape
+    bits = ((words[:, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1).reshape(-1)
+    bits = bits.astype(jnp.int32)
+    capacity = bits.shape[0]
+    rem_start = offsets[:, None] + jnp.cumsum(k, axis=-1) - k
+    unary_start = offsets + jnp.sum(k, axis=-1)
+    # remainders: a gather of k bits per symbol
+    has_bit = _BIT < k[..., None]
+    rem_bit = bits[jnp.clip(rem_start[..., None] + _BIT, 0, capacity - 1)]
+    shift = jnp.clip(k[..., None] - 1 - _BIT, 0, 31)
+    rem = jnp.sum(jnp.where(has_bit, rem_bit << shift, 0), axis=-1)
+    # quotients: the i-th one at or after a sub-stream's unary start ends its i-th symbol
+    ones_before = jnp.cumsum(bits) - bits  # ones strictly before each position
+    base = ones_before[jnp.clip(unary_start, 0, capacity - 1)]  # [n_sub]
+    rank = ones_before[None, :] - base[:, None]  # [n_sub, capacity]
+    is_end = (bits[None, :] == 1) & (rank >= 0) & (rank < size)
+    target = jnp.where(is_end, rank, size)
+    position = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), target.shape)
+    ends = jax.vmap(lambda t, p: jnp.zeros(size, jnp.int32).at[t].set(p, mode="drop"))(
+        target, position)
+    previous = jnp.concatenate([unary_start[:, None] - 1, ends[:, :-1]], axis=-1)
+    q = ends - previous - 1
+    return ((q << k) | rem).astype(jnp.uint32)
