@@ -137,8 +137,13 @@ class Codec:
             )
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise CodecError(f"{self.spec}: expected floating input, got {x.dtype}")
-        if not isinstance(x, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(x))):
-            raise CodecError(f"{self.spec}: input contains NaN or Inf")
+        if not isinstance(x, jax.core.Tracer):
+            # a concrete array may still meet the check inside a trace (a closed-over
+            # constant): evaluate it eagerly there too
+            with jax.ensure_compile_time_eval():
+                finite = bool(jnp.all(jnp.isfinite(x)))
+            if not finite:
+                raise CodecError(f"{self.spec}: input contains NaN or Inf")
         return sanitize(x)
 
 

@@ -137,7 +137,7 @@ def _encode_block_batch(u: jax.Array, k: jax.Array, num_words: int):
 @jax.jit
 @jax.vmap
 def _decode_block_batch(words: jax.Array, offsets: jax.Array, k: jax.Array) -> jax.Array:
-    n_sub, size = k.shape
+    size = k.shape[-1]
     bits = ((words[:, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1).reshape(-1)
     bits = bits.astype(jnp.int32)
     capacity = bits.shape[0]

@@ -66,6 +66,10 @@ CONFIGS = [
     # per-head rotation signs and a [D, D] sketch among the codec parameters (the frame
     # TurboQuant shares), byte streams of mixed-width fields, fp16 radii beside the angles
     dict(k="octopus:b2,qjl", v="polarquant:b2,l3", residual_window=2, sink_tokens=0),
+    # Rice streams in per-block budgets of 4 tokens with dither keyed on the stored norms;
+    # int8 lattice codes with a Haar rotation among the parameters
+    dict(k="hyperquant:e8,3bps,signs,dither,t4", v="hyperquant:a2,2bps,haar,int8",
+         residual_window=3, sink_tokens=1),
 ]
 
 

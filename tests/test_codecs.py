@@ -541,7 +541,7 @@ def test_parse_kv_pairs_kivi_keys_with_token_values():
     assert parse_kv(k="kivi:4,g64", v="fp8") == (KiviCodec(bits=4, group=64), Fp8Codec())
 
 
-VALID_CODECS = (r"valid codecs: bf16, f32, fp8, hqmq, int, kivi, octopus, polarquant, "
+VALID_CODECS = (r"valid codecs: bf16, f32, fp8, hqmq, hyperquant, int, kivi, octopus, polarquant, "
                 r"saw, turboquant")
 
 

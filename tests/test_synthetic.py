@@ -25,7 +25,7 @@ SMALL_NEEDLE = {"head_dim": 16, "distractors": 63, "seeds": 4}
 #: a spec per registered codec name; names missing here are tried bare
 EXAMPLES = {"int": "int:4", "kivi": "kivi:2,g32", "saw": "saw:h16,signs",
             "turboquant": "turboquant:b3", "polarquant": "polarquant:b2",
-            "octopus": "octopus:b2"}
+            "octopus": "octopus:b2", "hyperquant": "hyperquant:e8,2bps"}
 
 
 @functools.cache

@@ -28,8 +28,10 @@ Encode path of one vector ``x[D]`` (the paper's Figure 1, KV side):
 
 Rate calibration. The Rice rate is a monotone function of the SNR. For each (lattice,
 head dim, block geometry, dither) it is measured once on iid Gaussian vectors (which the
-rotation and normalization make every input look like) over a 0.25 dB grid, kept on
-disk next to the Lloyd-Max codebooks, and inverted by interpolation:
+rotation and normalization make every input look like) over a 0.25 dB grid, and
+inverted by interpolation. Head dims 64 and 128 at the default block ship with the
+package (``kvjax/data/hyperquant_calibration.npz``); other geometries are measured on
+first use (seconds) and kept on disk next to the Lloyd-Max codebooks.
 ``RATEbps`` (1.5..5) is the realized Rice payload per element, to about 0.01 bps on
 Gaussian data.
 
@@ -217,14 +219,53 @@ def _calibration_file(name: str, head_dim: int, block_tokens: int, dither: bool)
     return codebook_dir() / (re.sub(r"[^A-Za-z0-9.+-]+", "_", text) + ".npz")
 
 
+#: tables that ship with the package (head dims 64 and 128, the default block), so that
+#: the common geometries need no measurement; :func:`write_shipped_calibrations` makes it
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "hyperquant_calibration.npz"
+SHIPPED_HEAD_DIMS = (64, 128)
+
+
+def _shipped_key(name: str, head_dim: int, block_tokens: int, dither: bool) -> str:
+    return f"{name}-d{head_dim}-t{block_tokens}-s{SUBSTREAM}-dither{int(dither)}"
+
+
+def _read_shipped(key: str, elements: int) -> Calibration | None:
+    try:
+        with np.load(SHIPPED) as f:
+            if f"{key}/rate" not in f.files or not np.array_equal(f["snr_db"], SNR_GRID):
+                return None
+            return Calibration(f["snr_db"], f[f"{key}/rate"], f[f"{key}/block_std"], elements)
+    except (OSError, ValueError):
+        return None
+
+
+def write_shipped_calibrations(path: Path = SHIPPED) -> Path:
+    """Measure every lattice x head dim in :data:`SHIPPED_HEAD_DIMS` x dither at the
+    default block and write them to ``path`` (the file the package ships)."""
+    arrays = {"snr_db": SNR_GRID}
+    for name in LATTICES:
+        for head_dim in SHIPPED_HEAD_DIMS:
+            for dither in (False, True):
+                key = _shipped_key(name, head_dim, DEFAULT_BLOCK_TOKENS, dither)
+                rate, std = measure_calibration(name, head_dim, DEFAULT_BLOCK_TOKENS, dither)
+                arrays[f"{key}/rate"], arrays[f"{key}/block_std"] = rate, std
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
+    return path
+
+
 @functools.cache
 def calibration(name: str, head_dim: int, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                 dither: bool = False) -> Calibration:
     """The rate calibration of lattice ``name`` for blocks of ``block_tokens`` vectors of
-    ``head_dim``, measured once (a few seconds) and kept on disk (see the module doc)."""
-    lat = lattice(name)
-    path = _calibration_file(name, head_dim, block_tokens, dither)
+    ``head_dim``: shipped with the package for the common geometries, else measured once
+    (a few seconds) and kept on disk (see the module doc)."""
     elements = block_tokens * head_dim
+    shipped = _read_shipped(_shipped_key(name, head_dim, block_tokens, dither), elements)
+    if shipped is not None:
+        return shipped
+    path = _calibration_file(name, head_dim, block_tokens, dither)
     try:
         with np.load(path) as f:
             cal = Calibration(f["snr_db"], f["rate"], f["block_std"], int(f["block_elements"]))
@@ -232,9 +273,7 @@ def calibration(name: str, head_dim: int, block_tokens: int = DEFAULT_BLOCK_TOKE
             return cal
     except (OSError, KeyError, ValueError):
         pass
-    rate, std = _measure_rates(lat, head_dim, block_tokens, dither)
-    # equal random numbers at every SNR make the curve monotone; enforce it against ties
-    rate = np.maximum.accumulate(rate)
+    rate, std = measure_calibration(name, head_dim, block_tokens, dither)
     cal = Calibration(SNR_GRID.copy(), rate, std, elements)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -246,6 +285,15 @@ def calibration(name: str, head_dim: int, block_tokens: int = DEFAULT_BLOCK_TOKE
     except OSError:
         pass
     return cal
+
+
+def measure_calibration(name: str, head_dim: int, block_tokens: int, dither: bool):
+    """``(rate, block_std)`` over :data:`SNR_GRID` on :data:`CALIBRATION_VECTORS` seeded
+    Gaussian vectors (the same at every SNR, which keeps the curve monotone)."""
+    # the first use may come from inside a traced encode: measure eagerly all the same
+    with jax.ensure_compile_time_eval():
+        rate, std = _measure_rates(lattice(name), head_dim, block_tokens, dither)
+    return np.maximum.accumulate(rate), std
 
 
 def _measure_rates(lat: Lattice, head_dim: int, block_tokens: int, dither: bool):
@@ -614,7 +662,9 @@ def _unpack_signs(words: jax.Array, count: int) -> jax.Array:
 
 @functools.cache
 def _plan(codec: HyperQuantCodec, head_dim: int) -> _Plan:
-    cal = calibration(codec.lattice, head_dim, max(codec.block_tokens, 1), codec.dither)
+    # int8 stores the lattice points the default Rice stream would: same calibration
+    tokens = DEFAULT_BLOCK_TOKENS if codec.int8 else codec.block_tokens
+    cal = calibration(codec.lattice, head_dim, tokens, codec.dither)
     snr = cal.snr_for_rate(codec.rate)
     alpha = alpha_for_snr(codec.lat, snr)
     elements = codec.block_tokens * head_dim
