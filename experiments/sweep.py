@@ -47,6 +47,10 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # runs it with the OCTOPUS paper's window and boundary layers)
     "rotation": ("bf16", *(f"{c}:b{b}" for b in (2, 3, 4)
                            for c in ("turboquant", "polarquant", "octopus"))),
+    # HyperQuant's E8 over the rate range and the other lattices at 3 bps
+    # (experiments/hyperquant_lm.py runs the paper's whole KV protocol)
+    "hyperquant": ("bf16", *(f"hyperquant:e8,{r}bps" for r in (1.7, 2, 2.5, 3, 4)),
+                   "hyperquant:d4,3bps", "hyperquant:a2,3bps", "hyperquant:z,3bps"),
     # SAW rotation blocks, sign flips and rotated V at 4 bits, vs plain int:4 (D = 64)
     "saw": ("bf16", "int:4", "saw:h16", "saw:h32", "saw:h64", "saw:h64,signs",
             "saw:h64,kv", "saw:h64,b8", "saw:h64,b3", "saw:h64,b2", "int:3", "int:2"),
@@ -220,7 +224,7 @@ def run_sweep(
 
 CSV_FIELDS = ("config", "family", "k_codec", "v_codec", "bits_per_element",
               "k_bits_per_element", "v_bits_per_element", "ppl", "delta_pct", "nll",
-              "tokens", "needle_accuracy", "seconds", "model", "corpus", "windows",
+              "tokens", "needle_accuracy", "fallback_blocks", "seconds", "model", "corpus", "windows",
               "window_len", "chunk", "residual_window", "sinks", "raw_k_layers", "seed", "git")
 
 

@@ -629,6 +629,19 @@ def _write_back(seg: Segment, view: Segment, i: jax.Array) -> Segment:
 # -- accounting --------------------------------------------------------------------------
 
 
+def fallback_blocks(cache: KVCache) -> int:
+    """Blocks stored below their codec's nominal precision because a variable-length code
+    did not fit its fixed budget (codecs with ``fallback_levels``, e.g. HyperQuant's Rice
+    streams); 0 for every fixed-rate codec. Empty slots hold zeros (level 0)."""
+    total = 0
+    for seg in cache.segments:
+        for store in (seg.k, seg.v):
+            levels = getattr(store.codec, "fallback_levels", None)
+            if levels is not None and store.slots:
+                total += int(jnp.sum(levels(store.codes) > 0))
+    return total
+
+
 def memory_bytes(cache: KVCache) -> int:
     """Bytes of every array the cache holds (codes, raw regions, codec params, lengths)."""
     return int(sum(leaf.nbytes for leaf in jax.tree.leaves(cache)))

@@ -442,3 +442,21 @@ def test_spec_round_trip(spec):
     codec = parse_codec(spec)
     assert parse_codec(codec.spec) == codec
     assert parse_codec("hyperquant:e8,3.0bps,signs").spec == "hyperquant:e8,3bps,signs"
+
+
+def test_cache_counts_fallback_blocks():
+    from kvjax import cache as kc
+
+    def filled(spec):
+        config = kc.CacheConfig(k=spec, v="int:4")
+        cache = kc.init_cache(jax.random.key(0), config, num_layers=1, batch=1,
+                              num_kv_heads=2, head_dim=D, max_len=64)
+        x = jax.random.normal(jax.random.key(1), (1, 64, 2, D))
+        step = kc.make_step(cache, 64)
+        layer = kc.append(cache.layer(0), x, x, step)
+        return kc.commit(cache.with_layer(0, layer), step)
+
+    tight = filled("hyperquant:e8,3bps,m0")
+    levels = tight.layer(0).k.codec.fallback_levels(tight.layer(0).k.codes)
+    assert kc.fallback_blocks(tight) == int(jnp.sum(levels > 0)) > 0
+    assert kc.fallback_blocks(filled("hyperquant:e8,3bps")) == 0

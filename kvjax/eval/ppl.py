@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import check, stored_bits
+from kvjax.cache import check, fallback_blocks, stored_bits
 
 Forward = Callable[[jax.Array, Any, Any], tuple[jax.Array, Any]]
 NewCache = Callable[[int, int], Any]
@@ -37,6 +37,9 @@ class PerplexityResult:
             from their arrays (residual window, sinks and layer policy included).
         k_bits_per_element, v_bits_per_element: the same for K and V alone.
         seconds: wall time of the whole evaluation (compiles included).
+        fallback_blocks: cache blocks that a variable-length codec stored below its
+            nominal precision because they did not fit its budget
+            (:func:`kvjax.cache.fallback_blocks`; 0 for fixed-rate codecs).
     """
 
     ppl: float
@@ -46,6 +49,7 @@ class PerplexityResult:
     k_bits_per_element: float
     v_bits_per_element: float
     seconds: float
+    fallback_blocks: int = 0
 
 
 @jax.jit
@@ -114,6 +118,7 @@ def perplexity(
     nll_sum, scored_count = 0.0, 0
     bits = {"k": 0.0, "v": 0.0}
     elements = 0
+    fallbacks = 0
     for b0 in batches:
         rows = wins[b0 : b0 + batch_size]
         cache = new_cache(rows.shape[0], window_len)
@@ -129,6 +134,7 @@ def perplexity(
             if bar is not None:
                 bar.update(1)
         check(cache)
+        fallbacks += fallback_blocks(cache)
         measured = stored_bits(cache)
         bits["k"] += measured["k_bits"]
         bits["v"] += measured["v_bits"]
@@ -147,6 +153,7 @@ def perplexity(
         k_bits_per_element=bits["k"] / half_total,
         v_bits_per_element=bits["v"] / half_total,
         seconds=seconds,
+        fallback_blocks=fallbacks,
     )
 
 

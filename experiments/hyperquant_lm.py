@@ -1,0 +1,211 @@
+"""The HyperQuant paper's KV-only language-model protocol on one model and corpus: E8
+across the rate range, the four lattices at 3 and 4 bps, the rotation x dither menu at
+2 bps, each with and without a 32-token residual window, next to the other codecs.
+
+    python experiments/hyperquant_lm.py --docs docs/hyperquant          # all parts
+    python experiments/hyperquant_lm.py --part rates --windows 2         # a quick look
+
+K and V both use the codec (the paper's symmetric K = V); no layer is kept raw unless
+``--boundary`` (K of the first and last block in bf16, the OCTOPUS recipe). Perplexity
+over 8 windows of 512 tokens, every bit measured from the cache arrays: the fp16 norms,
+each block's fixed Rice budget and sub-stream index words, the raw window.
+
+Parts (``--part``, repeatable; default all), each at every ``--residual`` (default 0 and 32):
+
+* ``rates``: ``hyperquant:e8,Rbps`` for R in 1.7..4; ``d4``, ``a2``, ``z`` at 3 and 4 bps.
+* ``bias``: E8 at 2 bps with rotation ``none`` / ``signs`` / ``haar``, with and without
+  dither (the paper's Table 6).
+* ``context``: the other codecs at comparable bits: ``int:4``, ``kivi:2,g32``,
+  ``kivi:4,g32``, ``turboquant:b2..4``, ``octopus:b2``, ``octopus:b3``.
+* ``seeds``: E8 at 2, 3 and 4 bps with two more seeds of the codec parameters (rotation
+  signs; the calibration is data-free and fixed).
+
+Every perplexity goes through :mod:`experiments.sweep` (resumable JSON per configuration
+under ``--out``: a second run only aggregates); tables, CSV, JSON and Pareto plots go to
+``--docs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+if not __package__:  # run as a script: the repository root holds the experiments package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from experiments import sweep as sw
+from experiments.octopus_lm import lazy_evaluator, seed_rows, seed_table
+
+E8_RATES = (1.7, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0)
+OTHER_LATTICES = ("d4", "a2", "z")
+ROTATIONS = ("none", "signs", "haar")
+CONTEXT = ("int:4", "kivi:2,g32", "kivi:4,g32", "turboquant:b2", "turboquant:b3",
+           "turboquant:b4", "octopus:b2", "octopus:b3")
+SEED_RATES = (2.0, 3.0, 4.0)
+EXTRA_SEEDS = (1, 2)
+PARTS = ("rates", "bias", "context", "seeds")
+BOUNDARY = (0, -1)
+
+
+def spec(lattice: str, rate: float, rotation: str = "none", dither: bool = False) -> str:
+    """The canonical spec string of a HyperQuant configuration."""
+    parts = [lattice, f"{rate:g}bps"]
+    if rotation != "none":
+        parts.append(rotation)
+    if dither:
+        parts.append("dither")
+    return "hyperquant:" + ",".join(parts)
+
+
+def rate_configs() -> list[str]:
+    """E8 over the range, then the other lattices at 3 and 4 bps."""
+    return ([spec("e8", r) for r in E8_RATES]
+            + [spec(lat, r) for lat in OTHER_LATTICES for r in (3.0, 4.0)])
+
+
+def bias_configs() -> list[str]:
+    """E8 at 2 bps: three rotations x dither off/on."""
+    return [spec("e8", 2.0, rot, d) for rot in ROTATIONS for d in (False, True)]
+
+
+def seed_configs() -> list[str]:
+    """E8 at 2, 3, 4 bps."""
+    return [spec("e8", r) for r in SEED_RATES]
+
+
+def label(row: dict) -> str:
+    """A table label: the configuration, or ``hyperquant:...`` shortened."""
+    return row["config"].replace("hyperquant:", "hq:")
+
+
+def lm_table(rows: Sequence[dict]) -> str:
+    """Markdown: configuration, measured bits, KV compression, ppl, delta, fallbacks."""
+    lines = ["| codec | bits / element (K, V) | KVx | ppl | vs bf16 | fallback blocks |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["bits_per_element"], r["config"])):
+        lines.append(
+            f"| `{r['config']}` | {r['bits_per_element']:.3f} ({r['k_bits_per_element']:.2f}, "
+            f"{r['v_bits_per_element']:.2f}) | {16 / r['bits_per_element']:.2f} | "
+            f"{r['ppl']:.3f} | {r['delta_pct']:+.2f}% | {r.get('fallback_blocks', 0)} |")
+    return "\n".join(lines)
+
+
+def bias_table(by_window: dict[int, list[dict]]) -> str:
+    """Markdown: rotation x dither at 2 bps, one ppl column per residual window."""
+    windows = sorted(by_window)
+    lookup = {w: {r["config"]: r for r in rows} for w, rows in by_window.items()}
+    head = "| rotation | dither | " + " | ".join(f"ppl (window {w})" for w in windows) + " |"
+    lines = [head, "|---|---|" + "---|" * len(windows)]
+    for rot in ROTATIONS:
+        for d in (False, True):
+            cells = []
+            for w in windows:
+                r = lookup[w].get(spec("e8", 2.0, rot, d))
+                cells.append(f"{r['ppl']:.3f} ({r['delta_pct']:+.1f}%)" if r else "-")
+            lines.append(f"| {rot} | {'yes' if d else 'no'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def window_table(by_window: dict[int, list[dict]]) -> str:
+    """Markdown: each configuration's bits and ppl at every residual window."""
+    windows = sorted(by_window)
+    lookup = {w: {r["config"]: r for r in rows} for w, rows in by_window.items()}
+    configs = list(dict.fromkeys(r["config"] for w in windows for r in by_window[w]))
+    head = "| codec | " + " | ".join(f"bits, ppl (window {w})" for w in windows) + " |"
+    lines = [head, "|---|" + "---|" * len(windows)]
+    for c in configs:
+        cells = []
+        for w in windows:
+            r = lookup[w].get(c)
+            cells.append(f"{r['bits_per_element']:.3f}, {r['ppl']:.3f} "
+                         f"({r['delta_pct']:+.1f}%)" if r else "-")
+        lines.append(f"| `{c}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
+    """Run the chosen parts at every residual window; print and write every table.
+    ``evaluate`` replaces the model (tests)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", action="append", choices=PARTS)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--corpus", default="shakespeare")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--window-len", type=int, default=512)
+    p.add_argument("--residual", type=int, nargs="+", default=[0, 32],
+                   help="raw residual windows (tokens) to run every part at")
+    p.add_argument("--boundary", action="store_true",
+                   help="keep K of the first and last block bf16 (counted in the bits)")
+    p.add_argument("--out", type=Path, default=sw.REPO / "results" / "hyperquant_lm")
+    p.add_argument("--docs", type=Path, default=sw.REPO / "results" / "hyperquant_lm" / "docs",
+                   help="where tables, plots and lm.json go (docs/hyperquant for the "
+                        "published ones)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    parts = args.part or list(PARTS)
+    args.docs.mkdir(parents=True, exist_ok=True)
+    models: dict = {}
+    raw_k = BOUNDARY if args.boundary else ()
+
+    def run(configs, window, seed=0):
+        settings = sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
+                               window_len=args.window_len, chunk=None,
+                               residual_window=window, sinks=0, seed=seed,
+                               raw_k_layers=raw_k)
+        fn = evaluate or lazy_evaluator(settings, models)
+        rows, _ = sw.run_sweep(configs, settings, args.out, fn, progress=not args.no_progress)
+        return sw.with_deltas(rows)
+
+    title = (f"{args.model} on {args.corpus}: {args.windows} x {args.window_len} tokens"
+             + (", K raw in the first and last block" if args.boundary else ""))
+    keep = ("config", "family", "k_codec", "v_codec", "bits_per_element",
+            "k_bits_per_element", "v_bits_per_element", "ppl", "delta_pct",
+            "fallback_blocks")
+    summary: dict = {"model": args.model, "corpus": args.corpus, "windows": args.windows,
+                     "window_len": args.window_len, "raw_k_layers": list(raw_k),
+                     "residual_windows": args.residual, "parts": {}}
+    sections = []
+    main_parts = [pt for pt in ("rates", "bias", "context") if pt in parts]
+    configs_of = {"rates": rate_configs, "bias": bias_configs, "context": lambda: list(CONTEXT)}
+    by_window: dict[int, list[dict]] = {}
+    for window in args.residual:
+        configs = [c for pt in main_parts for c in configs_of[pt]()]
+        if not configs:
+            break
+        rows = run(configs, window)
+        by_window[window] = rows
+        summary["parts"][f"window{window}"] = [{k: r.get(k) for k in keep} for r in rows]
+        sw.write_csv(rows, args.docs / f"lm_w{window}.csv")
+        suffix = f", residual window {window}" if window else ", no residual window"
+        sw.plot_pareto(rows, args.docs / f"lm_pareto_w{window}.png", title + suffix)
+        base = next(r["ppl"] for r in rows if r["config"] == "bf16")
+        sw.plot_pareto(rows, args.docs / f"lm_pareto_w{window}_zoom.png",
+                       "ppl < 1.5x bf16, " + title + suffix, max_ppl=1.5 * base, max_bits=6.0)
+        sections.append(f"## Residual window {window}\n\n" + lm_table(rows))
+    if by_window:
+        if "bias" in main_parts:
+            sections.append("## Rotation and dither at 2 bps (E8)\n\n" + bias_table(by_window))
+        if len(by_window) > 1:
+            sections.append("## With and without the residual window\n\n"
+                            + window_table(by_window))
+    if "seeds" in parts:
+        window = args.residual[0]
+        per_seed = {0: by_window.get(window) or run(seed_configs(), window)}
+        for seed in EXTRA_SEEDS:
+            per_seed[seed] = run(seed_configs(), window, seed)
+        rows = [r for r in seed_rows(per_seed) if r["config"] in seed_configs()]
+        summary["seeds"] = {"residual_window": window, "rows": rows}
+        sections.append(f"## Seeds of the codec parameters (window {window})\n\n"
+                        + seed_table(rows, sorted(per_seed)))
+    text = f"# HyperQuant, KV-only: {title}\n\n" + "\n\n".join(sections)
+    (args.docs / "lm_tables.md").write_text(text + "\n")
+    (args.docs / "lm.json").write_text(json.dumps(summary, indent=1, default=float))
+    print(text)
+    print(f"\ntables: {args.docs / 'lm_tables.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
