@@ -112,7 +112,9 @@ def lazy_evaluator(settings: sw.Settings, cache: dict) -> Callable:
     """:func:`experiments.sweep.model_evaluator`, loaded only when a configuration
     actually needs measuring (an aggregation of finished results loads nothing)."""
     def evaluate(name, cache_config, with_needle):
-        key = (settings.model, settings.corpus, settings.windows, settings.window_len)
+        # the seed draws the codecs' parameters inside the evaluator: part of the key
+        key = (settings.model, settings.corpus, settings.windows, settings.window_len,
+               settings.seed)
         if key not in cache:
             cache[key] = sw.model_evaluator(settings)
         return cache[key](name, cache_config, with_needle)

@@ -224,8 +224,9 @@ def run_sweep(
 
 CSV_FIELDS = ("config", "family", "k_codec", "v_codec", "bits_per_element",
               "k_bits_per_element", "v_bits_per_element", "ppl", "delta_pct", "nll",
-              "tokens", "needle_accuracy", "fallback_blocks", "seconds", "model", "corpus", "windows",
-              "window_len", "chunk", "residual_window", "sinks", "raw_k_layers", "seed", "git")
+              "tokens", "needle_accuracy", "fallback_blocks", "seconds", "model", "corpus",
+              "windows", "window_len", "chunk", "residual_window", "sinks", "raw_k_layers",
+              "seed", "git")
 
 
 def with_deltas(rows: Sequence[dict]) -> list[dict]:

@@ -50,3 +50,25 @@ def test_protocol_seeds_and_unprotected(tmp_path, capsys):
                             "--no-progress"], evaluate=again) == 0
     assert again.seen == []
     assert "written:" in capsys.readouterr().out
+
+
+def test_lazy_evaluator_loads_once_per_seed(monkeypatch):
+    """The seed draws the codec parameters inside the evaluator, so each seed needs its
+    own; the same seed reuses the loaded one."""
+    from experiments import sweep as sw
+
+    built = []
+
+    def fake_model_evaluator(settings):
+        built.append(settings.seed)
+        return lambda name, cache_config, with_needle: {"seed": settings.seed}
+
+    monkeypatch.setattr(sw, "model_evaluator", fake_model_evaluator)
+    cache = {}
+    base = sw.Settings(model="m", corpus="c", windows=1, window_len=8, chunk=None,
+                       residual_window=0, sinks=0, seed=0)
+    runs = [octopus_lm.lazy_evaluator(base, cache),
+            octopus_lm.lazy_evaluator(sw.dataclasses.replace(base, seed=1), cache),
+            octopus_lm.lazy_evaluator(base, cache)]
+    assert [fn("x", None, False)["seed"] for fn in runs] == [0, 1, 0]
+    assert built == [0, 1]
