@@ -87,12 +87,18 @@ from kvjax.codec import (
     Codes,
     Params,
     register,
-    round_to_dtype,
     split_flags,
 )
-from kvjax.codecs.intn import FP16_MAX, FP16_TINY, exact_bits, option_spec
+from kvjax.codecs.intn import FP16_MAX, exact_bits, option_spec
+from kvjax.codecs.rotated import stored_norm
 from kvjax.lattices import LATTICES, Lattice, lattice
-from kvjax.rotations import haar_orthogonal, random_signs
+from kvjax.packing import pack_bits, unpack_bits
+from kvjax.rotations import (
+    haar_orthogonal,
+    inverse_randomized_hadamard,
+    random_signs,
+    randomized_hadamard,
+)
 
 MIN_RATE, MAX_RATE = 1.5, 5.0
 ROTATIONS = ("none", "signs", "haar")
@@ -476,8 +482,6 @@ class HyperQuantCodec(Codec):
         return params
 
     def _rotate(self, params: Params, unit: jax.Array, tile: int) -> jax.Array:
-        from kvjax.rotations import randomized_hadamard
-
         y = randomized_hadamard(unit, params["rht_signs"], block=tile)
         if self.rotation == "signs":
             y = y * params["rotation"]
@@ -486,8 +490,6 @@ class HyperQuantCodec(Codec):
         return y
 
     def _unrotate(self, params: Params, y: jax.Array, tile: int) -> jax.Array:
-        from kvjax.rotations import inverse_randomized_hadamard
-
         if self.rotation == "signs":
             y = y * params["rotation"]
         elif self.rotation == "haar":
@@ -520,9 +522,7 @@ class HyperQuantCodec(Codec):
         plan = self.plan(head_dim)
         x = jnp.clip(x, -FP16_MAX, FP16_MAX)
         exact_norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
-        norm = jnp.where(exact_norm > 0, jnp.maximum(jnp.minimum(exact_norm, FP16_MAX),
-                                                     FP16_TINY), 0.0)
-        norm = round_to_dtype(norm, jnp.float16)
+        norm = stored_norm(x)
         unit = x / jnp.where(exact_norm > 0, exact_norm, 1.0)
         y = self._rotate(params, unit, plan.tile) * math.sqrt(head_dim)
         tokens = self.block_tokens
@@ -645,16 +645,12 @@ def _mix(bits: jax.Array) -> jax.Array:
 
 def _sign_words(y: jax.Array, num_words: int) -> jax.Array:
     """Bits ``y >= 0`` of ``y[..., N]`` packed LSB-first into ``num_words`` words."""
-    from kvjax.packing import pack_bits
-
     words = pack_bits((y >= 0).astype(jnp.uint32), 1)
     pad = num_words - words.shape[-1]
     return jnp.pad(words, [(0, 0)] * (words.ndim - 1) + [(0, pad)])
 
 
 def _unpack_signs(words: jax.Array, count: int) -> jax.Array:
-    from kvjax.packing import unpack_bits
-
     n = -(-count // 32)
     bits = unpack_bits(words[..., :n], 1, count)
     return 2.0 * bits.astype(jnp.float32) - 1.0
