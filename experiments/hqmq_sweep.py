@@ -24,7 +24,6 @@ under ``--out``); tables, plots and ``hqmq.json`` go to ``--docs``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -176,17 +175,9 @@ def plot_diagnostic(rows: Sequence[dict], path: Path, title: str, multiplier: fl
 
 def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
     """Run the chosen parts; print every table. ``evaluate`` replaces the model (tests)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", action="append", choices=PARTS)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--corpus", default="shakespeare")
-    p.add_argument("--windows", type=int, default=8)
-    p.add_argument("--window-len", type=int, default=256)
-    p.add_argument("--out", type=Path, default=sw.REPO / "results" / "hqmq")
-    p.add_argument("--docs", type=Path, default=sw.REPO / "results" / "hqmq" / "docs",
-                   help="where tables, plots and hqmq.json go (docs/hqmq for the "
-                        "published ones)")
-    p.add_argument("--no-progress", action="store_true")
+    p = sw.protocol_parser(__doc__.split("\n\n")[0], PARTS, "hqmq",
+                           window_len=256, summary="hqmq.json",
+                           published="docs/hqmq")
     args = p.parse_args(argv)
     parts = args.part or list(PARTS)
     args.docs.mkdir(parents=True, exist_ok=True)

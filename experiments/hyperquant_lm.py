@@ -27,7 +27,6 @@ under ``--out``: a second run only aggregates); tables, CSV, JSON and Pareto plo
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -128,21 +127,13 @@ def window_table(by_window: dict[int, list[dict]]) -> str:
 def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
     """Run the chosen parts at every residual window; print and write every table.
     ``evaluate`` replaces the model (tests)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", action="append", choices=PARTS)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--corpus", default="shakespeare")
-    p.add_argument("--windows", type=int, default=8)
-    p.add_argument("--window-len", type=int, default=512)
+    p = sw.protocol_parser(__doc__.split("\n\n")[0], PARTS, "hyperquant_lm",
+                           window_len=512, summary="lm.json",
+                           published="docs/hyperquant")
     p.add_argument("--residual", type=int, nargs="+", default=[0, 32],
                    help="raw residual windows (tokens) to run every part at")
     p.add_argument("--boundary", action="store_true",
                    help="keep K of the first and last block bf16 (counted in the bits)")
-    p.add_argument("--out", type=Path, default=sw.REPO / "results" / "hyperquant_lm")
-    p.add_argument("--docs", type=Path, default=sw.REPO / "results" / "hyperquant_lm" / "docs",
-                   help="where tables, plots and lm.json go (docs/hyperquant for the "
-                        "published ones)")
-    p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     parts = args.part or list(PARTS)
     args.docs.mkdir(parents=True, exist_ok=True)

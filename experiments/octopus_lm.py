@@ -27,7 +27,6 @@ to ``--docs``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -125,18 +124,10 @@ def lazy_evaluator(settings: sw.Settings, cache: dict) -> Callable:
 def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
     """Run the chosen parts; print and write every table. ``evaluate`` replaces the model
     (tests)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", action="append", choices=PARTS)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--corpus", default="shakespeare")
-    p.add_argument("--windows", type=int, default=8)
-    p.add_argument("--window-len", type=int, default=512)
+    p = sw.protocol_parser(__doc__.split("\n\n")[0], PARTS, "octopus_lm",
+                           window_len=512, summary="lm.json",
+                           published="docs/octopus")
     p.add_argument("--window", type=int, default=32, help="raw residual window (tokens)")
-    p.add_argument("--out", type=Path, default=sw.REPO / "results" / "octopus_lm")
-    p.add_argument("--docs", type=Path, default=sw.REPO / "results" / "octopus_lm" / "docs",
-                   help="where tables, plots and lm.json go (docs/octopus for the "
-                        "published ones)")
-    p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     parts = args.part or list(PARTS)
     args.docs.mkdir(parents=True, exist_ok=True)

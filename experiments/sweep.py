@@ -349,6 +349,25 @@ def model_evaluator(settings: Settings, *, needle_batch: int | None = None,
     return evaluate
 
 
+def protocol_parser(description: str, parts: Sequence[str], name: str, *,
+                    window_len: int, summary: str, published: str) -> argparse.ArgumentParser:
+    """The arguments every codec's protocol script shares: which parts to run, the model
+    and corpus, the windows, and where rows (``results/NAME``) and the tables, plots and
+    ``summary`` (``--docs``; ``published`` names the folder of the published ones) go."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--part", action="append", choices=parts)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--corpus", default="shakespeare")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--window-len", type=int, default=window_len)
+    p.add_argument("--out", type=Path, default=REPO / "results" / name)
+    p.add_argument("--docs", type=Path, default=REPO / "results" / name / "docs",
+                   help=f"where tables, plots and {summary} go ({published} for the "
+                        "published ones)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The arguments of the sweep script."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
