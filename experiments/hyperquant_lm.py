@@ -27,7 +27,6 @@ under ``--out``: a second run only aggregates); tables, CSV, JSON and Pareto plo
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -191,10 +190,7 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         sections.append(f"## Seeds of the codec parameters (window {window})\n\n"
                         + seed_table(rows, sorted(per_seed)))
     text = f"# HyperQuant, KV-only: {title}\n\n" + "\n\n".join(sections)
-    (args.docs / "lm_tables.md").write_text(text + "\n")
-    (args.docs / "lm.json").write_text(json.dumps(summary, indent=1, default=float))
-    print(text)
-    print(f"\ntables: {args.docs / 'lm_tables.md'}")
+    sw.publish_tables(args.docs, text, summary)
     return 0
 
 

@@ -27,7 +27,6 @@ to ``--docs``.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -189,10 +188,7 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         summary["unprotected"] = [{k: r[k] for k in keep} for r in rows]
         sections.append("## Without boundary-1\n\n" + "\n".join(lines))
     text = "\n\n".join(sections)
-    (args.docs / "lm_tables.md").write_text(text + "\n")
-    (args.docs / "lm.json").write_text(json.dumps(summary, indent=1, default=float))
-    print(text)
-    print(f"\nwritten: {args.docs}")
+    sw.publish_tables(args.docs, text, summary)
     return 0
 
 

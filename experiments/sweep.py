@@ -368,6 +368,15 @@ def protocol_parser(description: str, parts: Sequence[str], name: str, *,
     return p
 
 
+def publish_tables(docs: Path, text: str, summary: dict, *, name: str = "lm") -> None:
+    """Write a protocol's tables (``NAME_tables.md``) and summary (``NAME.json``) to
+    ``docs``, print the tables and where they went."""
+    (docs / f"{name}_tables.md").write_text(text + "\n")
+    (docs / f"{name}.json").write_text(json.dumps(summary, indent=1, default=float))
+    print(text)
+    print(f"\nwritten: {docs / f'{name}_tables.md'}, {docs / f'{name}.json'}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The arguments of the sweep script."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],

@@ -31,7 +31,7 @@ def test_parts_windows_and_files(tmp_path, capsys):
     again = FakeEvaluate()
     assert hl.main(argv, evaluate=again) == 0
     assert again.seen == []
-    assert "tables:" in capsys.readouterr().out
+    assert "written:" in capsys.readouterr().out
 
 
 def test_boundary_option_keeps_first_and_last_k_raw(tmp_path):
