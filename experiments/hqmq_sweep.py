@@ -216,11 +216,8 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         lines = dominance_lines(rows)
         (args.docs / "sweep.md").write_text(table + "\n\n" + "\n".join(lines) + "\n")
         sw.write_csv(rows, args.docs / "sweep.csv")
-        sw.plot_pareto(rows, args.docs / "pareto.png", "HQMQ vs naive int, " + title)
-        base = next(r["ppl"] for r in rows if r["config"] == "bf16")
-        sw.plot_pareto(rows, args.docs / "pareto_zoom.png",
-                       "HQMQ vs naive int (ppl < 1.5x bf16, bits < 7), " + title,
-                       max_ppl=1.5 * base, max_bits=7.0)
+        sw.plot_pareto_views(rows, args.docs / "pareto.png", "HQMQ vs naive int, " + title,
+                             max_bits=7.0)
         summary["sweep"] = [{k: r[k] for k in ("config", "family", "bits_per_element", "ppl",
                                                "delta_pct")} for r in rows]
         print(table, "", *lines, sep="\n")

@@ -169,10 +169,8 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         summary["parts"][f"window{window}"] = [{k: r.get(k) for k in keep} for r in rows]
         sw.write_csv(rows, args.docs / f"lm_w{window}.csv")
         suffix = f", residual window {window}" if window else ", no residual window"
-        sw.plot_pareto(rows, args.docs / f"lm_pareto_w{window}.png", title + suffix)
-        base = next(r["ppl"] for r in rows if r["config"] == "bf16")
-        sw.plot_pareto(rows, args.docs / f"lm_pareto_w{window}_zoom.png",
-                       "ppl < 1.5x bf16, " + title + suffix, max_ppl=1.5 * base, max_bits=6.0)
+        sw.plot_pareto_views(rows, args.docs / f"lm_pareto_w{window}.png", title + suffix,
+                             max_bits=6.0)
         sections.append(f"## Residual window {window}\n\n" + lm_table(rows))
     if by_window:
         if "bias" in main_parts:

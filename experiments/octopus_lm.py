@@ -155,12 +155,7 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         table = sw.markdown_table(protocol)
         lines = orderings(protocol)
         sw.write_csv(protocol, args.docs / "lm.csv")
-        sw.plot_pareto(protocol, args.docs / "lm_pareto.png",
-                       "boundary-1, " + title)
-        base = next(r["ppl"] for r in protocol if r["config"] == "bf16")
-        sw.plot_pareto(protocol, args.docs / "lm_pareto_zoom.png",
-                       "ppl < 1.5x bf16, boundary-1, " + title,
-                       max_ppl=1.5 * base, max_bits=8.0)
+        sw.plot_pareto_views(protocol, args.docs / "lm_pareto.png", "boundary-1, " + title)
         summary["protocol"] = [{k: r[k] for k in keep} for r in protocol]
         sections.append("## Protocol (seed 0)\n\n" + table
                         + "\n\nOrder by perplexity at each nominal b:\n\n" + "\n".join(lines))

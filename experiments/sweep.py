@@ -39,6 +39,12 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "bf16", "fp8", "int:8", "int:6", "int:5", "int:4", "int:3", "int:2",
         "kivi:8,g32", "kivi:4,g32", "kivi:3,g32", "kivi:2,g32",
         "saw:h64", "saw:h64,b3", "saw:h64,b2",
+        # each paper codec at two or three of its own operating points (the papers'
+        # protocol scripts sweep them in full)
+        "hqmq:s96,r4", "hqmq:s24,r3",
+        "turboquant:b3", "turboquant:b2", "polarquant:b3", "polarquant:b2",
+        "octopus:b3", "octopus:b2",
+        "hyperquant:e8,4bps", "hyperquant:e8,3bps", "hyperquant:e8,2bps",
     ),
     "int": ("bf16", "int:8", "int:7", "int:6", "int:5", "int:4", "int:3", "int:2"),
     "kivi": ("bf16", "kivi:8,g32", "kivi:4,g32", "kivi:3,g32", "kivi:2,g32",
@@ -317,6 +323,23 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
     plt.close(fig)
 
 
+#: the zoomed plot keeps the codecs within this factor of bf16's perplexity
+ZOOM_PPL = 1.5
+
+
+def plot_pareto_views(rows: Sequence[dict], path: Path, title: str, *,
+                      max_bits: float = 8.0) -> tuple[Path, Path]:
+    """The whole front at ``path`` and a zoom beside it (``*_zoom.png``): the codecs
+    within :data:`ZOOM_PPL` of bf16's perplexity and at most ``max_bits``, where the
+    front is decided. Returns both paths."""
+    plot_pareto(rows, path, title)
+    base = next(r["ppl"] for r in rows if r["config"] == "bf16")
+    zoom = path.with_name(f"{path.stem}_zoom{path.suffix}")
+    plot_pareto(rows, zoom, f"ppl < {ZOOM_PPL:g}x bf16, bits <= {max_bits:g}; {title}",
+                max_ppl=ZOOM_PPL * base, max_bits=max_bits)
+    return path, zoom
+
+
 def model_evaluator(settings: Settings, *, needle_batch: int | None = None,
                     progress: bool = False) -> Evaluate:
     """Load the model and corpus once; return the function that measures one config."""
@@ -454,7 +477,7 @@ def main(argv: Sequence[str] | None = None, evaluate: Evaluate | None = None) ->
                                                 if settings.residual_window else "")
              + (f", K raw in layers {list(settings.raw_k_layers)}"
                 if settings.raw_k_layers else ""))
-    plot_pareto(rows, run_dir / "pareto.png", title)
+    plot, zoom = plot_pareto_views(rows, run_dir / "pareto.png", title)
     print(table)
     if settings.needle_trials:
         from kvjax.eval.needle import accuracy_table
@@ -465,7 +488,7 @@ def main(argv: Sequence[str] | None = None, evaluate: Evaluate | None = None) ->
         print(f"\nneedle retrieval (exact match, {settings.needle_trials} trial(s)):\n")
         print(needle_table)
     print(f"\nresults: {run_dir}/configs/*.json, {run_dir / 'summary.csv'}")
-    print(f"plot:    {run_dir / 'pareto.png'}")
+    print(f"plot:    {plot}, {zoom}")
     return 0
 
 

@@ -50,6 +50,8 @@ def test_sweep_writes_results_and_resumes(tmp_path, capsys):
         assert key in stored, key
     assert stored["family"] == "int" and stored["k_codec"] == stored["v_codec"] == "int:4"
     assert (run_dir / "pareto.png").stat().st_size > 10_000
+    assert str(run_dir / "pareto_zoom.png") in out
+    assert (run_dir / "pareto_zoom.png").stat().st_size > 10_000
     with open(run_dir / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["config"] for r in rows] == ["bf16", "int:4", "int:2/int:8"]
