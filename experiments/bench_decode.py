@@ -36,7 +36,7 @@ import numpy as np
 
 from kvjax.codecs import SawCodec
 from kvjax.codecs.intn import dequantize
-from kvjax.packing import unpack_bits
+from kvjax.primitives.packing import unpack_bits
 from pallas_kernels.int_decode.api import NUM_WARPS, default_blocking, default_splits
 from pallas_kernels.int_decode.kernel import codes_partial, operand_width, pad_query_rows
 from pallas_kernels.int_decode.reference import merge_partials, normalize

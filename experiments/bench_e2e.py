@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import CacheConfig
 from kvjax.eval.memory import cache_bytes
+from kvjax.spec import CacheConfig
 from models.config import ModelConfig
 from models.generate import generate
 from models.llama import init_params

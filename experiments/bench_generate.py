@@ -27,7 +27,7 @@ import torch
 import transformers
 
 import models
-from kvjax.cache import CacheConfig
+from kvjax.spec import CacheConfig
 from models.generate import generate
 
 PROMPT_TEXT = (

@@ -83,7 +83,7 @@ def dominance_lines(rows: Sequence[dict]) -> list[str]:
 
 def bits_table(head_dims: Sequence[int] = (64, 128)) -> str:
     """HQMQ's fractional bits (the paper's count) and the bits stored, per head dim."""
-    from kvjax.codec import parse_codec
+    from kvjax.spec import parse_codec
 
     head = "| codec |" + "".join(f" paper D={d} | stored D={d} |" for d in head_dims)
     lines = [head, "|---|" + "---|---|" * len(head_dims)]
@@ -114,7 +114,8 @@ def chunk_norm_diagnostic(model: str, corpus: str, windows: int, window_len: int
     tokens (as ``medC`` judges them), from a float32 cache of the windows."""
     import jax.numpy as jnp
 
-    from kvjax.cache import CacheConfig, dense
+    from kvjax.cache import dense
+    from kvjax.spec import CacheConfig
     from models import llama
     from models.evaluate import load_model_and_windows
 

@@ -6,7 +6,7 @@
 Parts:
 
 1. **Second moments.** ``G`` of ``z``, ``a2``, ``d4``, ``e8`` by Monte-Carlo: ``--samples``
-   points uniform on the Voronoi cell (:meth:`kvjax.lattices.Lattice.voronoi_sample`),
+   points uniform on the Voronoi cell (:meth:`kvjax.primitives.lattices.Lattice.voronoi_sample`),
    ``G = E|U|^2 / (n V^(2/n))``, with its standard error, the exact value, the paper's
    value and the granular gain over ``Z``, ``10 log10(G(Z) / G)`` dB.
 2. **Rice rate at 21 dB** per lattice and head dim: the shipped calibration
@@ -73,7 +73,6 @@ if not __package__:  # run as a script: the repository root holds kvjax and expe
 import jax
 import jax.numpy as jnp
 
-from kvjax import rice
 from kvjax.codecs.hyperquant import (
     CALIBRATION_VECTORS,
     MAX_RATE,
@@ -86,7 +85,8 @@ from kvjax.codecs.hyperquant import (
     quantize_symbols,
     substreams,
 )
-from kvjax.lattices import Lattice, lattice, zigzag
+from kvjax.primitives import rice
+from kvjax.primitives.lattices import Lattice, lattice, zigzag
 
 #: the paper's order (best lattice first)
 LATTICE_ORDER = ("e8", "d4", "a2", "z")

@@ -19,7 +19,6 @@ import sys
 from collections.abc import Sequence
 
 from kvjax.cli import DEFAULT_PROBE_CODECS
-from kvjax.codec import parse_kv
 from kvjax.eval.memory import (
     MODEL_SHAPES,
     bytes_per_token,
@@ -27,6 +26,7 @@ from kvjax.eval.memory import (
     max_context,
     model_shape,
 )
+from kvjax.spec import parse_kv
 
 GIB = 2**30
 DEFAULT_CONTEXTS = (32768, 131072)

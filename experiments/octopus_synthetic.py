@@ -63,7 +63,6 @@ if not __package__:  # run as a script: the repository root holds kvjax and expe
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import parse_codec
 from kvjax.codecs.octopus import (
     direction_codebook,
     joint_round,
@@ -72,7 +71,8 @@ from kvjax.codecs.octopus import (
     to_triplets,
 )
 from kvjax.eval.synthetic import needle, reconstruction
-from kvjax.rotations import random_signs, randomized_hadamard
+from kvjax.primitives.rotations import random_signs, randomized_hadamard
+from kvjax.spec import parse_codec
 
 PARTS = ("keys", "needle", "split", "grid")
 #: family -> spec template, in table order

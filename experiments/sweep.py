@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvjax.cache import CacheConfig
-from kvjax.codec import CodecError, parse_kv
+from kvjax.codec import CodecError
+from kvjax.spec import CacheConfig, parse_kv
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,8 +20,8 @@ import time
 import jax
 from tqdm import tqdm
 
-from kvjax.codec import parse_codec
 from kvjax.eval.synthetic import needle, reconstruction
+from kvjax.spec import parse_codec
 
 try:
     from kvjax.cli import DEFAULT_PROBE_CODECS

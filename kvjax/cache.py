@@ -38,67 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import Codec, codes_nbytes, parse_codec, parse_kv, round_to_dtype
+from kvjax.codec import Codec, codes_nbytes, round_to_dtype
+from kvjax.spec import CacheConfig
 
 _ROLE_IDS = {"k": 0, "v": 1}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CacheConfig:
-    """What a cache stores and how: codecs, residual window, sinks, per-layer policy.
-
-    Attributes:
-        k, v: codecs (or spec strings) for keys and values.
-        residual_window: the ``W`` most recent tokens stay raw.
-        sink_tokens: the first tokens of every row stay raw (attention sinks).
-        raw_k_layers, raw_v_layers: layers (negative indices count from the end) whose
-            K or V is stored uncompressed with ``raw_codec``.
-        raw_codec: the codec for raw layers (default ``bf16``).
-    """
-
-    k: Codec | str
-    v: Codec | str
-    residual_window: int = 0
-    sink_tokens: int = 0
-    raw_k_layers: tuple[int, ...] = ()
-    raw_v_layers: tuple[int, ...] = ()
-    raw_codec: Codec | str = "bf16"
-
-    def __post_init__(self):
-        for name in ("k", "v", "raw_codec"):
-            object.__setattr__(self, name, parse_codec(getattr(self, name)))
-        for name in ("residual_window", "sink_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int | np.integer) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        for name in ("raw_k_layers", "raw_v_layers"):
-            object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
-
-    @classmethod
-    def from_specs(
-        cls, codec: str | None = None, *, k: str | None = None, v: str | None = None, **kw
-    ) -> CacheConfig:
-        """Build from ``--codec SPEC`` or ``--k SPEC --v SPEC`` (see :func:`parse_kv`)."""
-        k_codec, v_codec = parse_kv(codec, k=k, v=v)
-        return cls(k=k_codec, v=v_codec, **kw)
-
-    def layer_codecs(self, num_layers: int) -> list[tuple[Codec, Codec]]:
-        """The (K codec, V codec) of every layer after the per-layer policy."""
-        def normalize(layers, what):
-            out = set()
-            for i in layers:
-                j = i + num_layers if i < 0 else i
-                if not 0 <= j < num_layers:
-                    raise ValueError(f"{what} names layer {i}, model has {num_layers} layers")
-                out.add(j)
-            return out
-
-        raw_k = normalize(self.raw_k_layers, "raw_k_layers")
-        raw_v = normalize(self.raw_v_layers, "raw_v_layers")
-        return [
-            (self.raw_codec if i in raw_k else self.k, self.raw_codec if i in raw_v else self.v)
-            for i in range(num_layers)
-        ]
 
 
 def _register(cls, data: tuple[str, ...], meta: tuple[str, ...]):

@@ -17,7 +17,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvjax.codec import CodecError, parse_kv, registered
+from kvjax.codec import CodecError
+from kvjax.spec import parse_kv, registered
 
 DEFAULT_PROBE_CODECS = (
     "bf16", "fp8", "int:8", "int:6", "int:4", "int:3", "int:2",
@@ -170,7 +171,7 @@ def _cmd_probe(args) -> int:
 
 def _cmd_generate(args) -> int:
     import models
-    from kvjax.cache import CacheConfig
+    from kvjax.spec import CacheConfig
     from models.generate import generate
 
     _check_kv_flags(args)
@@ -208,7 +209,7 @@ def _cmd_generate(args) -> int:
 
 def _cmd_ppl(args) -> int:
     import models
-    from kvjax.cache import CacheConfig
+    from kvjax.spec import CacheConfig
     from models.evaluate import cache_perplexity, check_window_len, load_model_and_windows
 
     _check_kv_flags(args)
@@ -255,9 +256,9 @@ def _cmd_needle(args) -> int:
     import jax.numpy as jnp
 
     import models
-    from kvjax.cache import CacheConfig
-    from kvjax.data import load_corpus
+    from kvjax.eval.corpus import load_corpus
     from kvjax.eval.needle import accuracy_table, check_grid
+    from kvjax.spec import CacheConfig
     from models.evaluate import check_needle_lengths, needle_cases, needle_retrieval
 
     check_grid(args.lengths, args.depths, args.trials)

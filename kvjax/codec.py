@@ -13,15 +13,9 @@ are ``[..., T // block_tokens]`` (one entry per block), so a cache can store the
 fixed block slots. The cache calls ``init``/``encode``/``decode`` once per
 (layer, kv head, K|V) through ``jax.vmap``; a codec never sees the head axis.
 
-Spec strings. One grammar serves the CLI, sweeps and results files::
-
-    name[:opt,opt,...]      e.g.  bf16   fp8   int:4   kivi:2,g32   kivi:2,g32,token
-
-Any lossy token-wise codec also takes the outlier options ``medC[,mbN][,mpP]``
-(``int:4,med3``, ``hqmq:s96,r4,med3``): see :mod:`kvjax.codecs.outliers`.
-
-Options are positional values or ``<letter(s)><value>`` flags; each codec's
-``from_options`` documents its own. ``parse_codec(codec.spec)`` returns an equal codec.
+Spec strings (``int:4``, ``kivi:2,g32``) are parsed by :mod:`kvjax.spec`, which sits
+above the codecs; this module imports no codec. ``register`` puts a class in the
+registry that the grammar reads.
 """
 
 from __future__ import annotations
@@ -180,9 +174,15 @@ def measured_bits_per_element(codes: Codes, num_elements: int) -> float:
     return 8.0 * codes_nbytes(codes) / num_elements
 
 
-# -- registry and spec grammar ------------------------------------------------------
+# -- registry ------------------------------------------------------
 
 _REGISTRY: dict[str, type[Codec]] = {}
+
+
+def registry() -> Mapping[str, type[Codec]]:
+    """Name -> class of every codec registered so far (no codec is imported here:
+    :func:`kvjax.spec.registered` loads the built-in ones first)."""
+    return dict(_REGISTRY)
 
 
 def register(cls: type[Codec]) -> type[Codec]:
@@ -193,60 +193,6 @@ def register(cls: type[Codec]) -> type[Codec]:
         raise TypeError(f"codec name '{cls.name}' is taken by {_REGISTRY[cls.name].__name__}")
     _REGISTRY[cls.name] = cls
     return cls
-
-
-def registered() -> Mapping[str, type[Codec]]:
-    """Name -> codec class of every registered codec."""
-    _load_builtin_codecs()
-    return dict(_REGISTRY)
-
-
-def _load_builtin_codecs() -> None:
-    import kvjax.codecs  # noqa: F401  (registers on import)
-
-
-def parse_codec(spec: str | Codec) -> Codec:
-    """A codec from a spec string such as ``int:4`` (a codec passes through)."""
-    if isinstance(spec, Codec):
-        return spec
-    if not isinstance(spec, str) or not spec.strip():
-        raise CodecError(f"empty codec spec; valid codecs: {', '.join(sorted(registered()))}")
-    name, _, rest = spec.strip().partition(":")
-    registry = registered()
-    if name not in registry:
-        raise CodecError(
-            f"unknown codec '{name}' in spec '{spec}'; valid codecs: {', '.join(sorted(registry))}"
-        )
-    options = [o.strip() for o in rest.split(",")] if rest else []
-    if any(not o for o in options):
-        raise CodecError(f"empty option in codec spec '{spec}'")
-    from kvjax.codecs.outliers import MedOutlierCodec, split_outlier_options
-
-    options, outliers = split_outlier_options(spec, options)
-    codec = registry[name].from_options(options)
-    return MedOutlierCodec(base=codec, **outliers) if outliers else codec
-
-
-def parse_kv(
-    codec: str | Codec | None = None,
-    *,
-    k: str | Codec | None = None,
-    v: str | Codec | None = None,
-) -> tuple[Codec, Codec]:
-    """The (K codec, V codec) pair from ``--codec`` or from ``--k`` and ``--v``.
-
-    One spec for both uses the codec for K and its :meth:`Codec.value_codec` for V
-    (KIVI quantizes keys per channel and values per token). ``k``/``v`` override.
-    """
-    if codec is None and (k is None or v is None):
-        if k is None and v is None:
-            raise CodecError("give a codec spec, or both a K spec and a V spec")
-        if codec is None:
-            raise CodecError("give both a K spec and a V spec (or one spec for both)")
-    base = parse_codec(codec) if codec is not None else None
-    k_codec = parse_codec(k) if k is not None else base
-    v_codec = parse_codec(v) if v is not None else base.value_codec()
-    return k_codec, v_codec
 
 
 # -- option parsing shared by codecs -------------------------------------------------

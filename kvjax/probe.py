@@ -15,18 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import attend, dense_attention
-from kvjax.cache import (
-    CacheConfig,
-    Step,
-    append,
-    check,
-    commit,
-    dense,
-    init_cache,
-    make_step,
-    stored_bits,
-)
+from kvjax.cache import Step, append, check, commit, dense, init_cache, make_step, stored_bits
 from kvjax.codec import EXACT, Codec, measured_bits_per_element
+from kvjax.spec import CacheConfig
 
 
 def gaussian_kv(seed: int, tokens: int, heads: int, head_dim: int) -> tuple[np.ndarray, ...]:

@@ -12,10 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import CacheConfig
-from kvjax.data import load_corpus, tokenize_prefix, windows
 from kvjax.eval import needle as needle_task
+from kvjax.eval.corpus import load_corpus, tokenize_prefix, windows
 from kvjax.eval.ppl import PerplexityResult, perplexity
+from kvjax.spec import CacheConfig
 from models import chat_prompt_ids, llama
 from models.config import ModelConfig
 from models.generate import generate

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import CacheConfig, KVCache, check, memory_bytes
+from kvjax.cache import KVCache, check, memory_bytes
+from kvjax.spec import CacheConfig
 from models.config import ModelConfig
 from models.llama import Params, hidden_states, lm_logits, new_cache
 

@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import attend
-from kvjax.cache import CacheConfig, KVCache, Step, append, commit, init_cache, make_step
+from kvjax.cache import KVCache, Step, append, commit, init_cache, make_step
 from kvjax.cache import scan_layers as _scan_layers
+from kvjax.spec import CacheConfig
 from models.config import ModelConfig, RopeScaling
 
 Params = dict[str, Any]

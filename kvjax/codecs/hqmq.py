@@ -4,7 +4,7 @@ Each vector is cut into ``C = ceil(D / 4)`` chunks of 4 (zero-padded when ``4`` 
 divide ``D``), each chunk a quaternion ``x = r u`` with radius ``r = |x|`` and direction
 ``u`` on S^3. The direction becomes the codeword ``q_p * q_s`` (Hamilton product) with the
 largest inner product ``<u, q_p q_s>``, ``q_p`` one of the 24 Hurwitz units (the group 2T,
-:mod:`kvjax.quaternion`) and ``q_s`` one of ``S`` seeded Haar-random unit quaternions
+:mod:`kvjax.primitives.quaternion`) and ``q_s`` one of ``S`` seeded Haar-random unit quaternions
 drawn per (layer, kv head, K|V) by :meth:`HqmqCodec.init`: ``24 S`` codewords from ``S``
 stored quaternions. The radius is quantized uniformly to ``B`` bits on ``[0, scale]``,
 ``scale`` the vector's largest chunk radius (stored fp16), levels ``k * scale / (2**B-1)``.
@@ -12,14 +12,14 @@ stored quaternions. The radius is quantized uniformly to ``B`` bits on ``[0, sca
 Encoding without trying all ``24 S`` codewords: right multiplication by a unit quaternion
 is an isometry, so ``<u, q_p q_s> = <u conj(q_s), q_p>``; for each ``q_s`` the best ``q_p``
 is the unit of 2T nearest to ``w_s = u conj(q_s)``, found in closed form
-(:func:`kvjax.quaternion.nearest_hurwitz`). Cost: one Hamilton product and a dozen
+(:func:`kvjax.primitives.quaternion.nearest_hurwitz`). Cost: one Hamilton product and a dozen
 comparisons per (chunk, ``q_s``) instead of 24 dot products; chunks go through in
 batches of :data:`ENCODE_BATCH`, so a long prefill's memory stays bounded.
 
 Storage. The joint index ``24 s + p`` has ``log2(24 S)`` bits of information, not a
-whole number; :func:`kvjax.packing.radix_fields` splits ``24 S = odd * 2**t`` and packs the
-odd part's digits in mixed radix (5 base-9 digits per 16 bits for S in 24, 48, 96, 192),
-the rest as plain bits. A vector's ``C`` indices and ``C`` radius codes form one bit
+whole number; :func:`kvjax.primitives.packing.radix_fields` splits ``24 S = odd * 2**t``
+and packs the odd part's digits in mixed radix (5 base-9 digits per 16 bits for S in 24,
+48, 96, 192), the rest as plain bits. A vector's ``C`` indices and ``C`` radius codes form one bit
 stream, stored as bytes (the last word's unused bytes are not stored)::
 
     stream    uint8[..., T, H]    H = ceil(bits(C indices of 24 S, C radii of B bits) / 8)
@@ -58,7 +58,7 @@ from kvjax.codec import (
     split_flags,
 )
 from kvjax.codecs.intn import FP16_MAX, FP16_TINY, exact_bits, head_dim_marker, option_spec
-from kvjax.packing import (
+from kvjax.primitives.packing import (
     fields_bits,
     from_units,
     pack_fields,
@@ -68,7 +68,7 @@ from kvjax.packing import (
     to_units,
     unpack_fields,
 )
-from kvjax.quaternion import (
+from kvjax.primitives.quaternion import (
     NUM_HURWITZ,
     conjugate,
     haar_quaternions,

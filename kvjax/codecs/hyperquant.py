@@ -10,7 +10,7 @@ Encode path of one vector ``x[D]`` (the paper's Figure 1, KV side):
 3. **Normalize**: ``|x|`` is stored in fp16 and the unit vector scaled to
    ``Y = alpha sqrt(D) x / |x|``, so that ``Y``'s coordinates have mean square ``alpha^2``.
    ``alpha = sqrt(sigma_q^2 10^(SNR / 10))``, ``sigma_q^2`` the lattice's per-coordinate
-   noise power (:attr:`kvjax.lattices.Lattice.noise_power`), and the SNR is the one the
+   noise power (:attr:`kvjax.primitives.lattices.Lattice.noise_power`), and the SNR is the one the
    rate calibration maps the target rate to.
 4. **Dither** (``dither``): ``U``, uniform on the lattice's Voronoi cell, is added before
    quantizing and subtracted after. It is drawn from a seeded key (a parameter) folded
@@ -19,9 +19,9 @@ Encode path of one vector ``x[D]`` (the paper's Figure 1, KV side):
    the draw of the key, and the reconstruction is then exactly unbiased
    (Schuchman; Zamir and Feder): ``E[<q, x_hat>] = <q, x>`` for every cached ``x``.
 5. **Quantize** each run of ``n`` coordinates to the closest point of ``LATTICE`` in
-   ``{z, a2, d4, e8}`` (:mod:`kvjax.lattices`, integer realizations).
-6. **Strip** the bits membership pins (:meth:`kvjax.lattices.Lattice.strip`).
-7. **Rice code** (:mod:`kvjax.rice`) the symbols of a block of ``tN`` tokens (default 8)
+   ``{z, a2, d4, e8}`` (:mod:`kvjax.primitives.lattices`, integer realizations).
+6. **Strip** the bits membership pins (:meth:`kvjax.primitives.lattices.Lattice.strip`).
+7. **Rice code** (:mod:`kvjax.primitives.rice`) the symbols of a block of ``tN`` tokens (default 8)
    in sub-streams of at most 512 symbols, each with the Rice parameter(s) that code it
    in the fewest bits (``e8``, ``z``: one ``k``; ``d4``: ``k`` and ``k - 1`` for the
    halved symbol; ``a2``: one each for ``t_y`` and ``n_x``).
@@ -78,8 +78,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import rice
-from kvjax.codebooks import codebook_dir
 from kvjax.codec import (
     EXACT,
     Codec,
@@ -91,9 +89,11 @@ from kvjax.codec import (
 )
 from kvjax.codecs.intn import FP16_MAX, exact_bits, option_spec
 from kvjax.codecs.rotated import stored_norm
-from kvjax.lattices import LATTICES, Lattice, lattice
-from kvjax.packing import pack_bits, unpack_bits
-from kvjax.rotations import (
+from kvjax.primitives import rice
+from kvjax.primitives.codebooks import codebook_dir
+from kvjax.primitives.lattices import LATTICES, Lattice, lattice
+from kvjax.primitives.packing import pack_bits, unpack_bits
+from kvjax.primitives.rotations import (
     haar_orthogonal,
     inverse_randomized_hadamard,
     random_signs,
@@ -390,7 +390,7 @@ class HyperQuantCodec(Codec):
 
     @property
     def lat(self) -> Lattice:
-        """The :class:`~kvjax.lattices.Lattice`."""
+        """The :class:`~kvjax.primitives.lattices.Lattice`."""
         return lattice(self.lattice)
 
     # -- spec ------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Every vector (one token of one head) gets its own range: ``zero = min``,
 ``scale = (max - min) / (2**N - 1)``, both stored as fp16, and each element becomes
 ``q = round((x - zero) / scale)`` clipped to ``[0, 2**N - 1]``, bit-packed with
-:func:`kvjax.packing.pack_bits`. This is the "naive int" baseline of the HQMQ paper and
+:func:`kvjax.primitives.packing.pack_bits`. This is the "naive int" baseline of the HQMQ paper and
 the building block that KIVI reuses along other axes (:mod:`kvjax.codecs.kivi`).
 
 Codes of ``x[..., T, D]``::
@@ -37,7 +37,7 @@ from kvjax.codec import (
     register,
     round_to_dtype,
 )
-from kvjax.packing import pack_bits, unpack_bits
+from kvjax.primitives.packing import pack_bits, unpack_bits
 
 MIN_BITS, MAX_BITS = 2, 8
 #: largest finite fp16: the scale and zero are fp16, so no vector may reach beyond it

@@ -76,7 +76,7 @@ from kvjax.codecs.intn import (
     saturate,
     token_codes,
 )
-from kvjax.packing import pack_bits, unpack_bits
+from kvjax.primitives.packing import pack_bits, unpack_bits
 
 MIN_GROUP, MAX_GROUP = 1, 4096
 DEFAULT_GROUP = 32

@@ -8,7 +8,7 @@ direction ``(0, 0, 1)``).
 
 Norm law. ``rho^2`` of three coordinates of a uniform point on S^{D-1} is
 ``Beta(3/2, (D-3)/2)``: ``f(rho) = 2 rho^2 (1 - rho^2)^((D-5)/2) / B(3/2, (D-3)/2)`` on
-``[0, 1]``, mean square ``3 / D`` (:func:`kvjax.lloyd.sphere_block_norm`).
+``[0, 1]``, mean square ``3 / D`` (:func:`kvjax.primitives.lloyd.sphere_block_norm`).
 
 Direction. The octahedral map sends a unit ``n`` to ``p = n / |n|_1`` on the octahedron
 and reads ``(xi, eta) = (p_x, p_y)`` on the upper half (``p_z >= 0``); the lower half is
@@ -16,7 +16,7 @@ folded out to the square's corners, ``(xi, eta) = ((1 - |p_y|) sgn p_x, (1 - |p_
 sgn p_y)``. Decoding lifts ``(xi, eta, 1 - |xi| - |eta|)``, unfolds it where the third
 coordinate is negative, and normalizes: exact inverse, O(1) arithmetic. For a uniform
 direction ``(xi, eta)`` has density ``1 / (4 pi |p|^3)`` on ``[-1, 1]^2``; one coordinate's
-marginal has a closed form (:func:`kvjax.lloyd.octahedral_coordinate`, derived there),
+marginal has a closed form (:func:`kvjax.primitives.lloyd.octahedral_coordinate`, derived there),
 used where the paper fits the empirical marginal: the same law without sampling noise.
 Both coordinates share one Lloyd-Max codebook.
 
@@ -54,12 +54,12 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax import lloyd
-from kvjax.codebooks import lloyd_codebook
 from kvjax.codec import CodecError, Codes, check_range, parse_int, register
 from kvjax.codecs.intn import option_spec
 from kvjax.codecs.rotated import RotatedCodec
-from kvjax.packing import fields_bits, from_units, pack_fields, to_units, unpack_fields
+from kvjax.primitives import lloyd
+from kvjax.primitives.codebooks import lloyd_codebook
+from kvjax.primitives.packing import fields_bits, from_units, pack_fields, to_units, unpack_fields
 
 MAX_BITS = 8
 MIN_NOMINAL, MAX_NOMINAL = 1, 7

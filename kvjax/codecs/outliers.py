@@ -43,8 +43,8 @@ import jax.numpy as jnp
 
 from kvjax.codec import Codec, CodecError, Codes, Params, split_flags
 from kvjax.codecs.intn import FP16_MAX, exact_bits
-from kvjax.packing import num_words, pack_bits, unpack_bits
-from kvjax.quaternion import num_chunks, to_chunks
+from kvjax.primitives.packing import num_words, pack_bits, unpack_bits
+from kvjax.primitives.quaternion import num_chunks, to_chunks
 
 DEFAULT_MULTIPLIER, DEFAULT_BLOCK, DEFAULT_CAPACITY_PCT = 3.0, 32, 3.0
 MIN_BLOCK, MAX_BLOCK = 1, 1024

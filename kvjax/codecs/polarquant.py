@@ -13,7 +13,7 @@ vector is its ``D - 1`` angles alone.
 Angle laws. For a Gaussian vector (and so, the angles being scale-free, for a uniform
 point on the sphere, which the rotation makes of ``y``) the level-1 angles are uniform on
 ``[0, 2 pi)`` and a level-``l`` angle has density ``∝ sin(2 psi)^(2^(l-1) - 1)``
-(:func:`kvjax.lloyd.polar_angle`, derived there), independent across angles. Each level
+(:func:`kvjax.primitives.lloyd.polar_angle`, derived there), independent across angles. Each level
 gets its own Lloyd-Max codebook for its law, data-free and kept on disk.
 
 Bits. Han et al. spend more bits on the wide level-1 angles than on the concentrated
@@ -44,12 +44,12 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax import lloyd
-from kvjax.codebooks import lloyd_codebook
 from kvjax.codec import CodecError, Codes, check_range, parse_int, register, round_to_dtype
 from kvjax.codecs.intn import option_spec
 from kvjax.codecs.rotated import RotatedCodec
-from kvjax.packing import fields_bits, from_units, pack_fields, to_units, unpack_fields
+from kvjax.primitives import lloyd
+from kvjax.primitives.codebooks import lloyd_codebook
+from kvjax.primitives.packing import fields_bits, from_units, pack_fields, to_units, unpack_fields
 
 MIN_BITS, MAX_BITS = 1, 7
 MAX_LEVELS = 16
@@ -57,7 +57,7 @@ MAX_LEVELS = 16
 
 def level_codebook(level: int, bits: int) -> lloyd.LloydMaxQuantizer:
     """The Lloyd-Max codebook of a level-``level`` angle: uniform on ``[0, 2 pi)`` at
-    level 1, :func:`kvjax.lloyd.polar_angle` of ``2^(level-1)`` after."""
+    level 1, :func:`kvjax.primitives.lloyd.polar_angle` of ``2^(level-1)`` after."""
     if level == 1:
         return lloyd_codebook(lloyd.uniform(0.0, 2.0 * math.pi), bits)
     return lloyd_codebook(lloyd.polar_angle(2 ** (level - 1)), bits)

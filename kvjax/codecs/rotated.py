@@ -47,8 +47,12 @@ from kvjax.codec import (
 )
 from kvjax.codecs.intn import FP16_MAX, FP16_TINY, exact_bits
 from kvjax.codecs.kivi import KiviCodec
-from kvjax.packing import pack_bits, unpack_bits
-from kvjax.rotations import inverse_randomized_hadamard, random_signs, randomized_hadamard
+from kvjax.primitives.packing import pack_bits, unpack_bits
+from kvjax.primitives.rotations import (
+    inverse_randomized_hadamard,
+    random_signs,
+    randomized_hadamard,
+)
 
 #: channel group of the value codec (the paper's V group of 32)
 VALUE_GROUP = 32

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from kvjax.codec import EXACT, Codec, CodecError, Codes, Params, check_range, register
 from kvjax.codecs.intn import MAX_BITS, MIN_BITS, IntCodec, option_spec
-from kvjax.rotations import block_hadamard, random_signs
+from kvjax.primitives.rotations import block_hadamard, random_signs
 
 BLOCKS = (16, 32, 64, 128)
 USAGE = "saw[:hH][,bN][,signs][,kv] with H in 16/32/64/128, N in 2..8"

@@ -9,10 +9,10 @@ coordinate of a uniform point on S^{D-1},
 
     f(t) = Gamma(D/2) / (sqrt(pi) Gamma((D-1)/2)) (1 - t^2)^((D-3)/2),   t in [-1, 1]
 
-(:func:`kvjax.lloyd.sphere_coordinate`: the squared coordinate is Beta(1/2, (D-1)/2)),
+(:func:`kvjax.primitives.lloyd.sphere_coordinate`: the squared coordinate is Beta(1/2, (D-1)/2)),
 exactly for a uniformly random rotation and closely for the randomized Hadamard one. One
 scalar codebook, optimal for that density and data-free, serves every coordinate; it
-is designed once per (D, B) and kept on disk (:func:`kvjax.codebooks.lloyd_codebook`).
+is designed once per (D, B) and kept on disk (:func:`kvjax.primitives.codebooks.lloyd_codebook`).
 Decoding is ``|x| * s * H(c[idx])``; the expected squared error is ``D * mse(B)`` times
 ``|x|^2`` (``mse`` the codebook's per-coordinate error).
 
@@ -36,12 +36,12 @@ from typing import ClassVar
 
 import jax
 
-from kvjax import lloyd
-from kvjax.codebooks import lloyd_codebook
 from kvjax.codec import CodecError, Codes, check_range, packed_words, parse_int, register
 from kvjax.codecs.intn import option_spec
 from kvjax.codecs.rotated import RotatedCodec
-from kvjax.packing import pack_bits, unpack_bits
+from kvjax.primitives import lloyd
+from kvjax.primitives.codebooks import lloyd_codebook
+from kvjax.primitives.packing import pack_bits, unpack_bits
 
 MIN_BITS, MAX_BITS = 1, 8
 

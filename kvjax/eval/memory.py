@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import Codec, codes_nbytes, parse_codec
+from kvjax.codec import Codec, codes_nbytes
+from kvjax.spec import parse_codec
 
 #: seed of the random vectors that are encoded; the byte counts do not depend on it
 DEFAULT_SEED = 0

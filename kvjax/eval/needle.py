@@ -101,7 +101,7 @@ def make_cases(
 ) -> list[NeedleCase]:
     """Build the prompts of every (length, depth, trial), deterministically from ``seed``.
 
-    ``haystack_ids`` is tokenized corpus text (e.g. :func:`kvjax.data.tokenize_prefix`);
+    ``haystack_ids`` is tokenized corpus text (e.g. :func:`kvjax.eval.corpus.tokenize_prefix`);
     trial ``t`` takes its haystack from token ``t * max(lengths)`` on, so the trials read
     different text, and every (length, depth) of one trial shares that text. Numbers are
     drawn per case from ``numpy.random.default_rng(seed)``. Raises ``ValueError`` when a

@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import EXACT, Codec, measured_bits_per_element, parse_codec
+from kvjax.codec import EXACT, Codec, measured_bits_per_element
 from kvjax.probe import row_cosine
+from kvjax.spec import parse_codec
 
 # -- shared helpers -----------------------------------------------------------------
 

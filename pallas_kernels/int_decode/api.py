@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kvjax.cache import Segment
 from kvjax.codecs import IntCodec, SawCodec
-from kvjax.packing import is_planar
+from kvjax.primitives.packing import is_planar
 from pallas_kernels.int_decode.kernel import (
     MIN_DOT,
     codes_partial,

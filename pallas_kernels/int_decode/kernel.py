@@ -87,7 +87,7 @@ def unit_view(codes: jax.Array, layout: str = "halves") -> jax.Array:
 def unit_permutation(head_dim: int, bits: int, layout: str = "halves") -> np.ndarray:
     """Which dim each kernel column holds when planar words are read in units.
 
-    Word ``w`` slot ``i`` holds dim ``i * W + w`` (:mod:`kvjax.packing`); unit ``k`` of
+    Word ``w`` slot ``i`` holds dim ``i * W + w`` (:mod:`kvjax.primitives.packing`); unit ``k`` of
     the word holds slots ``k * c .. k * c + c - 1`` (``c = unit / bits`` codes per unit).
     Column ``j * nu + u`` (bit plane ``j`` of unit ``u = (32 / unit) w + k``, ``nu``
     units per token) is therefore dim ``(k * c + j) * W + w``.

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from kvjax.attention import NEG
 from kvjax.codec import EXACT
 from kvjax.codecs.intn import dequantize
-from kvjax.packing import unpack_bits
+from kvjax.primitives.packing import unpack_bits
 
 
 def codes_partial_reference(
@@ -40,7 +40,7 @@ def codes_partial_reference(
     """Partial softmax of grouped queries over the first ``n_comp[b]`` coded tokens.
 
     q ``[B, K, G, D]`` float32; codes ``uint32[B, K, S, W]`` (planar, see
-    :mod:`kvjax.packing`); scales and zeros ``[B, K, S]`` (fp16 or float32); ``n_comp``
+    :mod:`kvjax.primitives.packing`); scales and zeros ``[B, K, S]`` (fp16 or float32); ``n_comp``
     ``int32[B]``; ``rotation`` ``[K, D, D]`` (keys stored as ``R x``) or None. Returns
     ``o [B, K, G, D]``, ``m [B, K, G]``, ``l [B, K, G]`` in float32; rows with no coded
     token get ``o = 0, l = 0, m = finfo.min``.

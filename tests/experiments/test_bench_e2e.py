@@ -1,0 +1,78 @@
+"""experiments/bench_e2e.py: capacity arithmetic from measured cache bytes, and a smoke run."""
+
+from experiments import bench_e2e
+from kvjax.spec import CacheConfig
+
+
+def test_capacity_from_measured_bytes():
+    config = bench_e2e.SHAPES["tiny"]
+    context = 1000
+    bf16_row = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2 * context
+    # the fixed part of a bf16 cache is a few flags and counters, far below one row
+    free = 10 * bf16_row + bf16_row // 2
+    assert bench_e2e.capacity(config, CacheConfig.from_specs("bf16"), context, free) == 10
+    int4 = bench_e2e.capacity(config, CacheConfig.from_specs("int:4"), context, free)
+    saw = bench_e2e.capacity(config, CacheConfig.from_specs("saw"), context, free)
+    # int:4 at D = 128 stores 4.25 bits per element instead of 16
+    assert int4 == saw and 38 <= int4 <= 39
+
+
+def test_smoke_run_prints_the_table(capsys):
+    args = ["--shape", "tiny", "--context", "40", "--batch", "1", "--new-tokens", "2",
+            "--prefill-chunk", "16", "--codec", "int:4", "--codec", "bf16",
+            "--device-gb", "1", "--layers", "1"]
+    assert bench_e2e.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| codec | batch | context | decode tok/s")
+    assert out[2].startswith("| int:4 | 1 | 40 |") and out[3].startswith("| bf16 | 1 | 40 |")
+
+
+def test_probe_layers_smoke(capsys):
+    from experiments import probe_layers
+
+    args = ["--codec", "int:4", "--layers", "1", "--batch", "1", "--context", "32",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--repeats", "1",
+            "--hlo", "0.0001"]
+    assert probe_layers.main(args) == 0
+    captured = capsys.readouterr()
+    rows = [line for line in captured.out.splitlines() if line.startswith("| int:4")]
+    assert [r.split("|")[3].strip() for r in rows] == ["scan", "unrolled"]
+    assert "MiB" in captured.err   # the large values of the optimized HLO
+
+
+def test_capacity_with_programs_charges_the_temporaries(monkeypatch):
+    """The batch search: cache + the larger compiled program's temporaries must fit."""
+    import dataclasses
+
+    config = dataclasses.replace(bench_e2e.SHAPES["tiny"], num_layers=1)
+    cache_config = CacheConfig.from_specs("int:4")
+    per_row, fixed = bench_e2e.row_bytes(config, cache_config, 42)
+    calls = []
+
+    def fake_temps(params, config, cache_config, *, batch, **kw):
+        calls.append(batch)
+        return 3 * per_row * batch + 1000, per_row * batch   # prefill's are the larger
+
+    monkeypatch.setattr(bench_e2e, "program_temps", fake_temps)
+    free = fixed + 100 * per_row + 10
+    batch, prefill, decode = bench_e2e.capacity_with_programs(
+        None, config, cache_config, context=40, chunk=16, new_tokens=2, free_total=free)
+    # each row costs its cache and 3 rows' worth of temporaries: 24 fit, 25 do not
+    assert calls[0] == 100 and batch == calls[-1] == 24
+    assert fixed + batch * per_row + prefill <= free < fixed + 25 * 4 * per_row + 1000
+    assert decode == per_row * batch
+
+
+def test_program_temps_compile_from_shapes():
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from models.llama import init_params
+
+    config = dataclasses.replace(bench_e2e.SHAPES["tiny"], num_layers=1)
+    params = init_params(jax.random.key(0), config, jnp.bfloat16)
+    prefill, decode = bench_e2e.program_temps(params, config, CacheConfig.from_specs("int:4"),
+                                              batch=2, context=40, chunk=16, new_tokens=2)
+    assert prefill > 0 and decode > 0

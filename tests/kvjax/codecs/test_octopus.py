@@ -1,0 +1,309 @@
+"""OCTOPUS and PolarQuant, and the frame they share with TurboQuant: their laws (triplet
+norm, octahedral coordinate, polar angles) against Monte-Carlo, the octahedral map,
+Lloyd-Max optimality of their codebooks, joint rounding against the full grid, error and
+bit accounting, jit/vmap/seeds, QJL, specs."""
+
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.codec import EXACT, CodecError, measured_bits_per_element
+from kvjax.codecs import KiviCodec, OctopusCodec, PolarQuantCodec
+from kvjax.codecs.octopus import (
+    direction_codebook,
+    joint_round,
+    norm_codebook,
+    octahedral_decode,
+    octahedral_encode,
+    to_triplets,
+)
+from kvjax.codecs.polarquant import inverse_polar_transform, level_codebook, polar_transform
+from kvjax.primitives import lloyd
+from kvjax.primitives.rotations import random_signs, randomized_hadamard
+from kvjax.spec import parse_codec, parse_kv
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def gaussian(shape, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def rotated_units(n, d, seed):
+    """Anisotropic vectors (channel scales 0.2 .. 5), normalized and rotated with random
+    signs per vector: what the codecs quantize."""
+    x = np.asarray(gaussian((n, d), seed)) * np.geomspace(0.2, 5.0, d)
+    signs = jax.vmap(lambda k: random_signs(k, d))(jax.random.split(jax.random.key(seed), n))
+    return np.asarray(randomized_hadamard(x / np.linalg.norm(x, axis=1, keepdims=True), signs))
+
+
+def bin_means(density, edges):
+    """The density's mean over each bin, by the trapezoid rule on a fine grid."""
+    out = []
+    for a, b in itertools.pairwise(edges):
+        fine = np.linspace(a, b, 2001)
+        out.append(np.trapezoid(density.pdf(fine), fine) / (b - a))
+    return np.array(out)
+
+
+def assert_histogram_matches(samples, density, edges, tol):
+    hist, _ = np.histogram(samples, bins=edges)
+    hist = hist / (len(samples) * np.diff(edges))
+    expected = bin_means(density, edges)
+    assert np.abs(hist - expected).max() < tol * expected.max()
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def _encode_decode(codec, params, x):
+    codes = codec.encode(params, x)
+    return codes, codec.decode(params, codes)
+
+
+def relative_error(codec, x, seed=0):
+    params = codec.init(jax.random.key(seed), x.shape[-1])
+    codes, x_hat = _encode_decode(codec, params, x)
+    return float(jnp.sum((x_hat - x) ** 2) / jnp.sum(x**2)), codes
+
+
+# -- laws -------------------------------------------------------------------------------
+
+
+def test_triplet_norm_and_octahedral_coordinates_follow_their_laws():
+    d = 64
+    g = np.asarray(gaussian((3000, d), 5))
+    uniform = g / np.linalg.norm(g, axis=1, keepdims=True)
+    # exact for uniform points on the sphere; close after the randomized Hadamard, which
+    # is not a Haar rotation (anisotropic inputs leave the triplet norms ~6% off the law)
+    for y, tol in ((uniform, 0.04), (rotated_units(3000, d, 1), 0.1)):
+        t = to_triplets(jnp.asarray(y))[:, : d // 3].reshape(-1, 3)
+        rho = np.linalg.norm(np.asarray(t), axis=-1)
+        assert_histogram_matches(rho, lloyd.sphere_block_norm(d, 3), np.linspace(0, 0.6, 25),
+                                 tol)
+        assert np.mean(rho**2) == pytest.approx(3 / d, rel=0.02)
+    # a uniform direction on S^2 (exact), and the rotated triplets' directions (close)
+    g = np.asarray(gaussian((200_000, 3), 2))
+    for directions, tol in ((g, 0.03), (np.asarray(t), 0.1)):
+        xi, eta = octahedral_encode(jnp.asarray(directions))
+        for coord in (xi, eta):
+            assert_histogram_matches(np.asarray(coord), lloyd.octahedral_coordinate(),
+                                     np.linspace(-1, 1, 21), tol)
+
+
+def test_polar_angles_follow_their_laws_per_level():
+    d = 64
+    g = np.asarray(gaussian((3000, d), 6))
+    uniform = g / np.linalg.norm(g, axis=1, keepdims=True)
+    # exact for uniform points; within ~7% after the (non-Haar) randomized Hadamard
+    for y, tol in ((uniform, 0.05), (rotated_units(3000, d, 3), 0.1)):
+        angles, radii = polar_transform(jnp.asarray(y), 4)
+        np.testing.assert_allclose(np.linalg.norm(np.asarray(radii), axis=-1), 1.0, rtol=1e-5)
+        level1 = np.asarray(angles[0]).ravel()
+        assert level1.min() >= 0 and level1.max() < 2 * math.pi
+        assert_histogram_matches(level1, lloyd.uniform(0, 2 * math.pi),
+                                 np.linspace(0, 2 * math.pi, 17), tol)
+        for level in (2, 3, 4):
+            psi = np.asarray(angles[level - 1]).ravel()
+            assert 0 <= psi.min() and psi.max() <= math.pi / 2
+            assert_histogram_matches(psi, lloyd.polar_angle(2 ** (level - 1)),
+                                     np.linspace(0.15, math.pi / 2 - 0.15, 19), tol)
+
+
+def test_octahedral_map_round_trip_and_area():
+    n = np.array(gaussian((5000, 3), 4))
+    n /= np.linalg.norm(n, axis=1, keepdims=True)
+    n[:4] = [[0, 0, 1], [0, 0, -1], [1, 0, 0], [0, -1, 0]]  # vertices, both poles
+    xi, eta = octahedral_encode(jnp.asarray(n))
+    assert np.abs(np.asarray(xi)).max() <= 1 and np.abs(np.asarray(eta)).max() <= 1
+    np.testing.assert_allclose(octahedral_decode(xi, eta), n, atol=2e-6)
+    # the square's area element: solid angle 1 / |p|^3 per unit area, summing to 4 pi,
+    # 1/8 of it per triangle, and 3 sqrt 3 times denser at a face centre than at a vertex
+    grid = (np.arange(800) + 0.5) / 400 - 1
+    gx, gy = np.meshgrid(grid, grid)
+    p = np.asarray(octahedral_decode(jnp.asarray(gx), jnp.asarray(gy)))
+    lifted = np.stack([gx, gy, 1 - np.abs(gx) - np.abs(gy)], -1)
+    folded = np.stack([(1 - np.abs(gy)) * np.sign(gx), (1 - np.abs(gx)) * np.sign(gy),
+                       lifted[..., 2]], -1)
+    raw = np.where(lifted[..., 2:] >= 0, lifted, folded)
+    np.testing.assert_allclose(p, raw / np.linalg.norm(raw, axis=-1, keepdims=True), atol=1e-6)
+    area = np.linalg.norm(raw, axis=-1) ** -3.0
+    assert area.sum() / 400**2 == pytest.approx(4 * math.pi, rel=1e-3)
+    upper_quadrant = (gx > 0) & (gy > 0) & (gx + gy < 1)
+    assert area[upper_quadrant].sum() / area.sum() == pytest.approx(1 / 8, rel=2e-3)
+    assert area.max() / area.min() == pytest.approx(3 * math.sqrt(3), rel=0.01)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+@pytest.mark.parametrize("which", ["octahedral", "triplet_norm", "polar_level3"])
+def test_codebooks_meet_the_lloyd_max_conditions(which, bits):
+    if which == "octahedral":
+        q, density = direction_codebook(bits), lloyd.octahedral_coordinate()
+    elif which == "triplet_norm":
+        q, density = norm_codebook(128, bits), lloyd.sphere_block_norm(128, 3)
+    else:
+        q, density = level_codebook(3, bits), lloyd.polar_angle(4)
+    c, t = np.asarray(q.centroids), np.asarray(q.thresholds)
+    np.testing.assert_allclose(t, 0.5 * (c[1:] + c[:-1]), atol=1e-12)
+    x = np.linspace(density.lo, density.hi, 2_000_001)
+    f = density.pdf(x)
+    assert np.trapezoid(f, x) == pytest.approx(1.0, abs=1e-6)
+    cells = np.searchsorted(t, x)
+    for i in range(2**bits):
+        m = cells == i
+        mean = np.trapezoid(x[m] * f[m], x[m]) / np.trapezoid(f[m], x[m])
+        assert c[i] == pytest.approx(mean, abs=2e-5 * (density.hi - density.lo))
+
+
+def test_zero_bit_codebooks_are_the_mean():
+    q = norm_codebook(128, 0)
+    assert q.bits == 0 and q.thresholds.shape == (0,)
+    # E rho^2 = 3 / D, and the variance is the one level's error
+    assert q.mse + q.centroids[0] ** 2 == pytest.approx(3 / 128, rel=1e-6)
+    assert abs(direction_codebook(0).centroids[0]) < 1e-9
+    for bad in (lambda: lloyd.sphere_block_norm(4, 3), lambda: lloyd.sphere_block_norm(8, 0),
+                lambda: lloyd.polar_angle(0), lambda: lloyd.polar_angle(2.0)):
+        with pytest.raises(ValueError, match="needs"):
+            bad()
+
+
+# -- joint rounding -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direction_bits", [2, 3, 4])
+def test_local_rounding_equals_the_full_grid_and_beats_scalar_rounding(direction_bits):
+    t = to_triplets(jnp.asarray(rotated_units(100, 128, 5)))[:, :42].reshape(-1, 3)
+    direction, norm = direction_codebook(direction_bits), norm_codebook(128, 2)
+    local = jnp.stack(joint_round(t, direction, norm))
+    full = jnp.stack(joint_round(t, direction, norm, full_grid=True))
+    np.testing.assert_array_equal(local, full)
+
+    def error(i_xi, i_eta, i_rho):
+        m = octahedral_decode(lloyd.dequantize(i_xi, direction), lloyd.dequantize(i_eta, direction))
+        return np.asarray(jnp.sum((t - lloyd.dequantize(i_rho, norm)[:, None] * m) ** 2, -1))
+
+    xi, eta = octahedral_encode(t)
+    scalar = error(lloyd.quantize(xi, direction), lloyd.quantize(eta, direction),
+                   lloyd.quantize(jnp.linalg.norm(t, axis=-1), norm))
+    joint = error(*local)
+    assert np.all(joint <= scalar + 1e-7)
+    assert joint.sum() < 0.97 * scalar.sum()
+
+
+# -- the codecs ------------------------------------------------------------------------------
+
+
+STORED_BITS = {  # per element at D = 128, byte-rounded streams + the fp16 norm
+    "octopus:b2": 2.5, "octopus:d2,n2": 2 + 3 / 16, "octopus:b3": 3.5,
+    "octopus:d3,n3": 3 + 3 / 16, "octopus:d0,n3": 1 + 3 / 16, "octopus:d3,n0": 2 + 3 / 16,
+    "octopus:b2,qjl": 2.5 + 1 / 8, "turboquant:b2": 2.125, "polarquant:b2": 2.125,
+    "polarquant:b3,l4": 4.0, "polarquant:b1": 1.125,
+}
+
+
+def test_bits_match_the_arrays_and_errors_order_as_the_design_says():
+    x = gaussian((256, 128), 7)
+    err = {}
+    for spec, bits in STORED_BITS.items():
+        codec = parse_codec(spec)
+        err[spec], codes = relative_error(codec, x)
+        assert measured_bits_per_element(codes, x.size) == codec.bits_per_element(128) == bits
+    # the (b+1, b-1) split beats the uniform one by far more than its extra third of a bit
+    assert err["octopus:b2"] < 0.7 * err["octopus:d2,n2"]
+    assert err["octopus:b3"] < 0.75 * err["octopus:d3,n3"]
+    assert err["octopus:b2"] < 0.8 * err["turboquant:b2"]
+    # full-depth PolarQuant spends TurboQuant's bits within B and errs about as much
+    assert err["polarquant:b2"] == pytest.approx(err["turboquant:b2"], rel=0.15)
+    assert 0.1 < err["turboquant:b2"] < 0.13 and 0.07 < err["octopus:b2"] < 0.095
+    # no direction bits: every triplet along one axis; no norm bits: one norm level
+    assert err["octopus:d0,n3"] > 0.8 and err["octopus:d3,n0"] > err["octopus:d3,n3"]
+
+
+@pytest.mark.parametrize("spec", ["octopus:b2", "polarquant:b2,l3", "turboquant:b3"])
+def test_seeds_jit_vmap_zero_rows_and_bad_input(spec):
+    codec = parse_codec(spec)
+    keys = jax.random.split(jax.random.key(8), 3)
+    params = jax.vmap(lambda k: codec.init(k, 32))(keys)
+    assert not np.array_equal(params["signs"][0], params["signs"][1])
+    x = np.array(gaussian((3, 8, 32), 9))
+    x[1, 2] = 0.0
+    codes = jax.jit(jax.vmap(codec.encode))(params, jnp.asarray(x))
+    decoded = jax.jit(jax.vmap(codec.decode))(params, codes)
+    for h in range(3):
+        one, x_hat = _encode_decode(codec, jax.tree.map(lambda a, h=h: a[h], params),
+                                    jnp.asarray(x[h]))
+        for name in one:
+            np.testing.assert_array_equal(codes[name][h], one[name])
+        np.testing.assert_allclose(decoded[h], x_hat, atol=1e-6)
+    assert not np.asarray(decoded[1, 2]).any()
+    assert np.isfinite(np.asarray(decoded)).all()
+    bad = x[0].copy()
+    bad[3, 3] = np.inf
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        codec.encode(jax.tree.map(lambda a: a[0], params), jnp.asarray(bad))
+    for head_dim in (96, 1, 0):
+        with pytest.raises(CodecError, match="head_dim"):
+            codec.init(jax.random.key(0), head_dim)
+    with pytest.raises(CodecError, match="head_dim"):
+        codec.encode(jax.tree.map(lambda a: a[0], params), jnp.asarray(x[0, :, :16]))
+
+
+def test_polar_transform_inverts_and_too_many_levels_is_an_error():
+    y = gaussian((5, 32), 10)
+    for levels in (1, 3, 5):
+        angles, radii = polar_transform(y, levels)
+        assert [a.shape[-1] for a in angles] == [32 >> level for level in range(1, levels + 1)]
+        np.testing.assert_allclose(inverse_polar_transform(angles, radii), y, atol=1e-5)
+    with pytest.raises(CodecError, match="6 levels need head_dim >= 64"):
+        parse_codec("polarquant:b2,l6").init(jax.random.key(0), 32)
+
+
+def test_octopus_qjl_is_unbiased_over_draws():
+    codec = parse_codec("octopus:b2,qjl")
+    assert (codec.direction_bits, codec.norm_bits) == (2, 0) and not codec.scores_reconstruct
+    d = 32
+    x, q = gaussian((4, d), 11), gaussian((3, d), 12)
+
+    @jax.jit
+    def estimate(key, x, q):
+        params = codec.init(key, d)
+        codes = codec.encode(params, x)
+        via_decode = jnp.matmul(q, codec.decode(params, codes).T, precision=EXACT)
+        return codec.scores(params, q, codes), via_decode
+
+    s, via_decode = jax.vmap(estimate, in_axes=(0, None, None))(
+        jax.random.split(jax.random.key(13), 2000), x, q)
+    np.testing.assert_allclose(s, via_decode, atol=1e-3)
+    err = np.asarray(s) - np.asarray(q @ x.T)
+    stderr = err.std(axis=0) / np.sqrt(err.shape[0])
+    assert np.all(np.abs(err.mean(axis=0)) < 4 * stderr + 1e-3)
+    assert np.abs(err).mean() > 0.1  # any one draw errs
+
+
+@pytest.mark.parametrize(("spec", "needle"), [
+    ("octopus", "expected bB"), ("octopus:3", "expected bB"), ("octopus:b0", "1..7"),
+    ("octopus:b8", "1..7"), ("octopus:b1,qjl", "2..8"), ("octopus:b2,d3", "expected bB"),
+    ("octopus:d3", "expected bB"), ("octopus:d9,n1", "0..8"), ("octopus:d0,n0", "both 0"),
+    ("octopus:b2,qjl,qjl", "expected bB"), ("polarquant", "expected bB"),
+    ("polarquant:b0", "1..7"), ("polarquant:b2,l0", "1..16"), ("polarquant:b2,x1", "expected"),
+    ("polarquant:b2,qjl", "expected bB"),
+])
+def test_bad_specs(spec, needle):
+    with pytest.raises(CodecError, match=needle):
+        parse_codec(spec)
+
+
+def test_specs_round_trip_and_value_codecs():
+    for spec in ("octopus:b3", "octopus:b3,qjl", "octopus:d4,n1", "polarquant:b2",
+                 "polarquant:b3,l4"):
+        assert parse_codec(spec).spec == spec and parse_codec(parse_codec(spec).spec) == \
+            parse_codec(spec)
+    assert parse_codec("octopus:d4,n2") == OctopusCodec.nominal(3)
+    assert parse_codec("octopus:qjl,b3") == OctopusCodec(direction_bits=3, norm_bits=1, qjl=True)
+    assert parse_codec("polarquant:l4,b3") == PolarQuantCodec(bits=3, levels=4)
+    for spec, v_bits in (("octopus:b3", 3), ("octopus:b2,qjl", 2), ("polarquant:b1", 2),
+                         ("octopus:d4,n1", 3)):
+        assert parse_kv(spec)[1] == KiviCodec(bits=v_bits, group=32, per_token=True)

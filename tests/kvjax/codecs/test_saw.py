@@ -1,0 +1,192 @@
+"""Tests of the SAW-INT4 codec (block-diagonal Hadamard rotation + token-wise INT-N)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.codec import CodecError, measured_bits_per_element
+from kvjax.codecs import IntCodec, SawCodec
+from kvjax.primitives.rotations import hadamard
+from kvjax.spec import parse_codec, parse_kv
+
+KEY = jax.random.key(0)
+
+
+def gaussian(shape, seed=0):
+    return np.array(jax.random.normal(jax.random.key(seed), shape), np.float32)
+
+
+def with_outlier_channels(tokens, d, channels=(3, 17, 40), scale=30.0, seed=0):
+    x = gaussian((tokens, d), seed)
+    x[:, list(channels)] *= scale
+    return x
+
+
+# eager dispatch compiles every primitive of the rotation and the packing on its own; one
+# program is faster (test_jit_vmap_and_determinism checks eager == jit)
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def _encode_decode(codec, params, x):
+    codes = codec.encode(params, x)
+    return codes, codec.decode(params, codes)
+
+
+def roundtrip(codec, x, key=KEY):
+    params = codec.init(key, x.shape[-1])
+    codes, x_hat = _encode_decode(codec, params, jnp.asarray(x))
+    return params, codes, np.asarray(x_hat)
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("saw", SawCodec()),
+    ("saw:h64", SawCodec(block=64)),
+    ("saw:h16,b8,signs", SawCodec(block=16, bits=8, signs=True)),
+    ("saw:kv,h128", SawCodec(rotate_values=True)),
+])
+def test_spec_grammar(spec, expected):
+    codec = parse_codec(spec)
+    assert codec == expected
+    assert parse_codec(codec.spec) == codec
+    assert codec.spec.startswith("saw:h")
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("saw:h48", "16, 32, 64, 128"),
+    ("saw:h256", "16, 32, 64, 128"),
+    ("saw:b1", "2..8"),
+    ("saw:b9", "2..8"),
+    ("saw:h64,h64", "twice"),
+    ("saw:signs,signs", "twice"),
+    ("saw:rot", "unknown option"),
+])
+def test_bad_specs(spec, needle):
+    with pytest.raises(CodecError, match=needle):
+        parse_codec(spec)
+
+
+def test_keys_only_by_default():
+    k, v = parse_kv("saw:h64")
+    assert k == SawCodec(block=64) and v == IntCodec(bits=4)
+    k, v = parse_kv("saw:h64,kv")
+    assert k == v == SawCodec(block=64, rotate_values=True)
+
+
+@pytest.mark.parametrize("block", [16, 64, 128])
+@pytest.mark.parametrize("signs", [False, True])
+def test_rotation_is_orthogonal_and_matches_dense_hadamard(block, signs):
+    codec = SawCodec(block=block, signs=signs)
+    params = codec.init(KEY, 128)
+    x = gaussian((5, 128))
+    y = np.asarray(codec.rotate(params, x))
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1),
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(codec.unrotate(params, y)), x, atol=1e-5)
+    # dense reference: block-diagonal orthonormal Sylvester-Hadamard after the signs
+    h = np.asarray(hadamard(np.eye(block, dtype=np.float32)))
+    dense = np.kron(np.eye(128 // block), h) @ np.diag(np.asarray(params["signs"]))
+    np.testing.assert_allclose(y, x @ dense.T, atol=1e-5)
+
+
+def test_reconstruction_is_int_of_the_rotated_vector():
+    codec = SawCodec(block=64, signs=True)
+    x = gaussian((33, 128))
+    params, codes, x_hat = roundtrip(codec, x)
+    y = codec.rotate(params, x)
+    int4 = IntCodec(bits=4)
+    y_hat = np.asarray(int4.decode(None, int4.encode(None, y)))
+    np.testing.assert_array_equal(np.asarray(codec.decode_rotated(params, codes)), y_hat)
+    np.testing.assert_allclose(x_hat, np.asarray(codec.unrotate(params, y_hat)), atol=1e-5)
+    # error within half a quantization step of the rotated grid, rotated back (norms kept)
+    step = np.asarray(codes["scale"], np.float32)
+    err = np.linalg.norm(x_hat - x, axis=-1)
+    assert np.all(err <= 0.5 * step[:, 0] * np.sqrt(128) + 1e-3)
+
+
+@pytest.mark.parametrize("block", [16, 64, 128])
+def test_rotation_beats_plain_int4_on_outlier_channels(block):
+    x = with_outlier_channels(256, 128)
+    _, _, x_saw = roundtrip(SawCodec(block=block), x)
+    _, _, x_int = roundtrip(IntCodec(bits=4), x)
+    mse_saw, mse_int = np.mean((x_saw - x) ** 2), np.mean((x_int - x) ** 2)
+    assert mse_saw < 0.5 * mse_int, (mse_saw, mse_int)
+
+
+def test_larger_blocks_mix_more():
+    x = with_outlier_channels(256, 128)
+    errs = [np.mean((roundtrip(SawCodec(block=b), x)[2] - x) ** 2) for b in (16, 64, 128)]
+    assert errs[0] > errs[1] > errs[2]
+
+
+@pytest.mark.parametrize("signs", [False, True])
+def test_scores_rotate_the_query_and_equal_decode_then_dot(signs):
+    codec = SawCodec(block=32, signs=signs)
+    x = gaussian((40, 64))
+    params, codes, x_hat = roundtrip(codec, x)
+    q = gaussian((3, 64), seed=1)
+    got = np.asarray(codec.scores(params, jnp.asarray(q), codes))
+    np.testing.assert_allclose(got, q @ x_hat.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("d,bits", [(64, 4), (128, 4), (128, 8), (96, 2), (96, 3)])
+def test_bits_formula_equals_measured(d, bits):
+    codec = SawCodec(block=32, bits=bits)
+    _, codes, _ = roundtrip(codec, gaussian((17, d)))
+    assert measured_bits_per_element(codes, 17 * d) == codec.bits_per_element(d)
+    assert codec.bits_per_element(d) == IntCodec(bits=bits).bits_per_element(d)
+    assert SawCodec().bits_per_element(128) == 4.25
+
+
+def test_jit_vmap_and_determinism():
+    codec = SawCodec(block=64, signs=True)
+    x = gaussian((4, 9, 128))
+    params = codec.init(KEY, 128)
+    eager = codec.encode(params, jnp.asarray(x))
+    jitted = jax.jit(codec.encode)(params, jnp.asarray(x))
+    mapped = jax.vmap(codec.encode, in_axes=(None, 0))(params, jnp.asarray(x))
+    for leaf in ("codes", "scale", "zero"):
+        np.testing.assert_array_equal(np.asarray(eager[leaf]), np.asarray(jitted[leaf]))
+        np.testing.assert_array_equal(np.asarray(eager[leaf]), np.asarray(mapped[leaf]))
+    # same seed, same signs; another seed, other signs
+    np.testing.assert_array_equal(np.asarray(codec.init(KEY, 128)["signs"]),
+                                  np.asarray(params["signs"]))
+    assert not np.array_equal(np.asarray(codec.init(jax.random.key(1), 128)["signs"]),
+                              np.asarray(params["signs"]))
+    assert np.all(np.asarray(SawCodec(block=64).init(KEY, 128)["signs"]) == 1.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_raises(bad):
+    codec = SawCodec(block=64)
+    x = gaussian((4, 128))
+    x[2, 5] = bad
+    with pytest.raises(CodecError):
+        codec.encode(codec.init(KEY, 128), jnp.asarray(x))
+
+
+def test_zero_and_constant_rows():
+    codec = SawCodec(block=64, signs=True)
+    x = gaussian((6, 128))
+    x[1] = 0.0
+    x[4] = 2.5   # a constant row is not constant once rotated: it quantizes like any other
+    _, codes, x_hat = roundtrip(codec, x)
+    np.testing.assert_array_equal(x_hat[1], 0.0)
+    step = float(np.asarray(codes["scale"], np.float32)[4, 0])
+    assert step > 0
+    assert np.linalg.norm(x_hat[4] - 2.5) <= 0.5 * step * np.sqrt(128) + 1e-3
+    assert np.all(np.isfinite(x_hat))
+
+
+@pytest.mark.parametrize("d", [48, 80, 100])
+def test_head_dim_not_divisible_by_block(d):
+    codec = SawCodec(block=32)
+    with pytest.raises(CodecError, match="does not divide"):
+        codec.init(KEY, d)
+    with pytest.raises(CodecError, match="does not divide"):
+        codec.bits_per_element(d)
+    with pytest.raises(CodecError, match="does not divide"):
+        SawCodec().init(KEY, 64)

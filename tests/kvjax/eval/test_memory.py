@@ -1,0 +1,174 @@
+"""Cache memory measured from encoded arrays (kvjax.eval.memory, experiments/memory_table.py)."""
+
+import json
+from fractions import Fraction
+
+import jax
+import pytest
+
+from experiments import memory_table
+from kvjax.cache import init_cache, memory_bytes
+from kvjax.cli import DEFAULT_PROBE_CODECS
+from kvjax.codec import CodecError
+from kvjax.codecs import IntCodec
+from kvjax.eval.memory import (
+    MODEL_SHAPES,
+    bytes_per_token,
+    cache_bytes,
+    max_context,
+    model_shape,
+)
+from kvjax.spec import CacheConfig, parse_kv
+
+
+def _dims(name):
+    s = model_shape(name)
+    return dict(num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim)
+
+
+def test_model_shapes_match_the_hf_configs():
+    expect = {"smollm2-135m": (30, 9, 3, 64), "llama-3-8b": (32, 32, 8, 128),
+              "mistral-7b": (32, 32, 8, 128), "qwen2.5-7b": (28, 28, 4, 128),
+              "llama-3-70b": (80, 64, 8, 128)}
+    got = {n: (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim)
+           for n, s in MODEL_SHAPES.items()}
+    assert got == expect
+    assert round(MODEL_SHAPES["llama-3-8b"].weight_bytes_bf16 / 1e9, 1) == 16.1
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "llama-3-8b", "llama-3-70b"])
+def test_bf16_is_two_bytes_per_element(name):
+    d = _dims(name)
+    out = bytes_per_token("bf16", "bf16", **d)
+    expect = 2 * d["num_layers"] * d["num_kv_heads"] * d["head_dim"] * 2
+    assert out["bytes"] == expect and out["k_bytes"] == out["v_bytes"] == expect / 2
+    assert out["bits_per_element"] == 16 and out["block_tokens"] == 1
+
+
+def test_int4_at_head_dim_128_is_four_and_a_quarter_bits():
+    d = _dims("llama-3-8b")
+    out = bytes_per_token(*parse_kv("int:4"), **d)
+    assert out["bits_per_element"] == 4 + 32 / 128 == IntCodec(bits=4).bits_per_element(128)
+    # 16 packed uint32 words and an fp16 scale and zero: 68 bytes per vector
+    per_role = d["num_layers"] * d["num_kv_heads"] * 68
+    assert out["k_bytes"] == out["v_bytes"] == per_role and out["bytes"] == 2 * per_role
+
+
+def test_kivi_keys_cost_a_fraction_of_a_block_per_token():
+    k, v = parse_kv("kivi:2,g96")
+    out = bytes_per_token(k, v, num_layers=1, num_kv_heads=1, head_dim=64)
+    assert out["block_tokens"] == 96
+    # 96 tokens of 64 2-bit codes (4 words each) and one fp16 scale/zero per channel
+    k_expect = Fraction(96 * 4 * 4 + 2 * 64 * 2, 96)
+    assert k_expect.denominator != 1
+    assert out["k_bytes"] == pytest.approx(float(k_expect), rel=1e-15)
+    assert out["k_bytes"] == pytest.approx(k.bits_per_element(64) * 64 / 8, rel=1e-15)
+    # values per token: 4 words and one (scale, zero) for the single 64-channel group
+    assert out["v_bytes"] == 4 * 4 + 2 * 2 == v.bits_per_element(64) * 64 / 8
+    scaled = bytes_per_token(k, v, num_layers=3, num_kv_heads=5, head_dim=64)
+    assert scaled["bytes"] == pytest.approx(15 * out["bytes"], rel=1e-15)
+
+
+@pytest.mark.parametrize("spec", DEFAULT_PROBE_CODECS)
+def test_measured_bits_agree_with_each_codecs_formula(spec):
+    k, v = parse_kv(spec)
+    out = bytes_per_token(k, v, **_dims("smollm2-135m"))
+    assert out["k_bits_per_element"] == pytest.approx(k.bits_per_element(64), rel=1e-12)
+    assert out["v_bits_per_element"] == pytest.approx(v.bits_per_element(64), rel=1e-12)
+
+
+CACHE_CASES = [
+    ("int:4", {}),
+    ("fp8", {"sink_tokens": 2}),
+    ("kivi:4,g4", {"residual_window": 3}),
+    ("kivi:2,g8", {"residual_window": 5, "sink_tokens": 3, "raw_k_layers": (0, -1),
+                   "raw_v_layers": (1,)}),
+]
+
+
+@pytest.mark.parametrize(("spec", "kw"), CACHE_CASES)
+@pytest.mark.parametrize("context", [9, 40, 45])
+def test_cache_bytes_equals_a_real_caches_memory(spec, kw, context):
+    shape = dict(num_layers=3, num_kv_heads=2, head_dim=16)
+    config = CacheConfig.from_specs(spec, **kw)
+    cache = init_cache(jax.random.key(0), config, batch=2, max_len=context, **shape)
+    got = cache_bytes(config.k, config.v, context=context, batch=2, **shape, **kw)
+    assert got == memory_bytes(cache)
+
+
+def test_cache_bytes_is_tokens_times_bytes_per_token_plus_bookkeeping():
+    shape = dict(num_layers=4, num_kv_heads=2, head_dim=32)
+    bookkeeping = 2 * 4 * 3 + 3 * 5  # nonfinite flag per (role, layer, row); length, overflow
+    per_token = bytes_per_token("int:4", "int:4", **shape)["bytes"]
+    total = cache_bytes("int:4", "int:4", context=100, batch=3, **shape)
+    assert total == 3 * 100 * per_token + bookkeeping
+    # KIVI keys: an unfinished group waits raw, so the raw region has G - 1 spare slots
+    k, v = parse_kv("kivi:2,g32")
+    per_token = bytes_per_token(k, v, **shape)["bytes"]
+    spare = 4 * 2 * 31 * 32 * 2  # layers * heads * (G - 1) bf16 tokens of 32 elements
+    assert cache_bytes(k, v, context=128, **shape) == 128 * per_token + spare + 8 + 5
+
+
+def test_max_context_is_the_largest_that_fits():
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=32, residual_window=7)
+    budget = 50_000
+    n = max_context("kivi:2,g32", "kivi:2,g32,token", budget_bytes=budget, **shape)
+    assert cache_bytes("kivi:2,g32", "kivi:2,g32,token", context=n, **shape) <= budget
+    assert cache_bytes("kivi:2,g32", "kivi:2,g32,token", context=n + 1, **shape) > budget
+    assert max_context("bf16", "bf16", budget_bytes=10, **shape) == 0
+
+
+def test_bad_input_is_a_clear_value_error():
+    d = _dims("smollm2-135m")
+    with pytest.raises(ValueError, match="unknown model 'llama-4'; known models: smollm2"):
+        model_shape("llama-4")
+    for context in (0, -5):
+        with pytest.raises(ValueError, match="context must be a positive int"):
+            cache_bytes("int:4", "int:4", context=context, **d)
+    with pytest.raises(ValueError, match="residual_window must be a non-negative int"):
+        cache_bytes("int:4", "int:4", context=8, residual_window=-1, **d)
+    with pytest.raises(ValueError, match="sink_tokens=9 exceeds the context of 8"):
+        cache_bytes("int:4", "int:4", context=8, sink_tokens=9, **d)
+    with pytest.raises(ValueError, match="raw_k_layers names layer 30"):
+        cache_bytes("int:4", "int:4", context=8, raw_k_layers=(30,), **d)
+    with pytest.raises(ValueError, match="head_dim must be a positive int"):
+        bytes_per_token("int:4", "int:4", num_layers=1, num_kv_heads=1, head_dim=0)
+    with pytest.raises(ValueError, match="unknown codec 'int5'"):
+        bytes_per_token("int5", "int:4", **d)
+
+    class EvenHeadDim(IntCodec):
+        def check_head_dim(self, head_dim):
+            super().check_head_dim(head_dim)
+            if head_dim % 2:
+                raise CodecError(f"{self.spec}: head_dim must be even, got {head_dim}")
+
+    odd = EvenHeadDim(bits=4)
+    with pytest.raises(ValueError, match="head_dim must be even, got 63"):
+        bytes_per_token(odd, odd, num_layers=1, num_kv_heads=1, head_dim=63)
+    with pytest.raises(ValueError, match="head_dim must be even, got 63"):
+        cache_bytes(odd, odd, context=8, num_layers=1, num_kv_heads=1, head_dim=63)
+
+
+def test_table_script_prints_the_table(capsys, tmp_path):
+    table = memory_table
+    out_json = tmp_path / "rows.json"
+    argv = ["--codec", "int:4", "--model", "smollm2-135m", "--json", str(out_json)]
+    assert table.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = ("| model | codec | bits/elem | bytes/token | GiB @ 32k | GiB @ 128k "
+              "| vs bf16 @ 128k | max context in 141 GB beside bf16 weights |")
+    assert header in lines
+    row = lines[lines.index(header) + 2]
+    # 30 layers * 3 heads * 2 roles * (8 words + 2 fp16) bytes
+    assert row.startswith("| smollm2-135m | int:4 | 4.5 | 6,480 | 0.198 | 0.791 | 3.56x |")
+    rows = json.loads(out_json.read_text())
+    assert len(rows) == 1 and rows[0]["bytes_per_token"] == 6480
+    assert rows[0]["cache_bytes"]["32768"] == 32768 * 6480 + 2 * 30 + 5
+
+
+def test_table_script_rejects_bad_input(capsys):
+    table = memory_table
+    assert table.main(["--codec", "int:4", "--model", "gpt-5"]) == 2
+    assert "unknown model 'gpt-5'" in capsys.readouterr().err
+    assert table.main(["--codec", "int:4", "--model", "smollm2-135m", "--contexts", "0"]) == 2
+    assert "contexts must be positive" in capsys.readouterr().err

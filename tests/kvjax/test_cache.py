@@ -1,0 +1,278 @@
+"""The compressed cache: bookkeeping, chunking invariance, policy, flags, accounting."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import cache as kc
+from kvjax.codec import Codec, CodecError
+from kvjax.spec import parse_codec
+
+
+def _bf16_exact(rng, shape):
+    """Random float32 values that bf16 represents exactly."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def _new(config, *, batch=2, heads=2, head_dim=16, max_len=40, layers=1, dtype=jnp.float32):
+    return kc.init_cache(jax.random.key(0), config, num_layers=layers, batch=batch,
+                         num_kv_heads=heads, head_dim=head_dim, max_len=max_len, dtype=dtype)
+
+
+def _append_all(cache, k, v, valid=None):
+    """Append one chunk ``[B, T, K, D]`` to every layer and commit."""
+    step = kc.make_step(cache, k.shape[1], valid)
+    for i in range(cache.num_layers):
+        cache = cache.with_layer(i, kc.append(cache.layer(i), k, v, step))
+    return kc.commit(cache, step)
+
+
+def _expected_dense(codec, params, x, sinks, window, block, prefix=None):
+    """What a store must read back after holding ``x[B, K, :prefix, D]``.
+
+    Blocks start at position ``sinks`` whatever the chunking, so the codes of a prefix
+    are those of the whole sequence: one encode of ``x`` serves every prefix.
+    """
+    total = x.shape[2]
+    prefix = total if prefix is None else prefix
+    whole = max(0, total - sinks) // block * block
+    out = np.array(x)
+    if whole:
+        out[:, :, sinks:sinks + whole] = np.asarray(
+            _round_trip(codec, params, jnp.asarray(x[:, :, sinks:sinks + whole])))
+    n_comp = max(0, prefix - sinks - window) // block * block
+    want = np.array(x[:, :, :prefix])
+    want[:, :, sinks:sinks + n_comp] = out[:, :, sinks:sinks + n_comp]
+    return want
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _round_trip(codec, params, x):
+    return kc.decode_heads(codec, params, kc._encode_heads(codec, params, x))
+
+
+CONFIGS = [
+    dict(k="int:4", v="int:4", residual_window=0, sink_tokens=0),
+    dict(k="int:4", v="fp8", residual_window=5, sink_tokens=0),
+    dict(k="int:3", v="int:8", residual_window=3, sink_tokens=2),
+    dict(k="kivi:2,g4", v="kivi:2,g4,token", residual_window=0, sink_tokens=0),
+    dict(k="kivi:4,g4", v="kivi:4,g4,token", residual_window=6, sink_tokens=3),
+    # nested codes in blocks of 4 tokens (median and outlier slots per block)
+    dict(k="hqmq:s7,r3,med2,mb4", v="int:4,med3,mb2", residual_window=2, sink_tokens=1),
+    # per-head rotation signs and a [D, D] sketch among the codec parameters (the frame
+    # TurboQuant shares), byte streams of mixed-width fields, fp16 radii beside the angles
+    dict(k="octopus:b2,qjl", v="polarquant:b2,l3", residual_window=2, sink_tokens=0),
+    # Rice streams in per-block budgets of 4 tokens with dither keyed on the stored norms;
+    # int8 lattice codes with a Haar rotation among the parameters
+    dict(k="hyperquant:e8,3bps,signs,dither,t4", v="hyperquant:a2,2bps,haar,int8",
+         residual_window=3, sink_tokens=1),
+]
+
+
+def _config_id(c):
+    return f"{c['k']}|{c['v']}|w{c['residual_window']}s{c['sink_tokens']}"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_config_id)
+def test_chunked_appends_read_back_like_one_shot_encoding(cfg):
+    config = kc.CacheConfig(**cfg)
+    rng = np.random.default_rng(1)
+    total = 37
+    k = _bf16_exact(rng, (2, total, 2, 16))
+    v = _bf16_exact(rng, (2, total, 2, 16))
+    cache = _new(config)
+    chunks = [1, 4, 1, 1, 7, 2, 1, 9, 1, 1, 9]
+    assert sum(chunks) == total
+    pos = 0
+    for n in chunks:
+        cache = _append_all(cache, k[:, pos:pos + n], v[:, pos:pos + n])
+        pos += n
+        view = cache.layer(0)
+        for role, x in (("k", k), ("v", v)):
+            store = getattr(view, role)
+            _, n_comp, n_raw = (np.asarray(a) for a in store.counts(cache.lengths))
+            assert (n_comp % store.block == 0).all()
+            assert (n_raw <= store.raw_capacity).all() and (n_raw >= 0).all()
+            got = np.asarray(kc.dense(store, cache.lengths))[:, :, :pos]
+            want = _expected_dense(store.codec, store.params, np.swapaxes(x, 1, 2),
+                                   config.sink_tokens, config.residual_window, store.block,
+                                   prefix=pos)
+            np.testing.assert_array_equal(got, want)
+    assert np.asarray(cache.lengths).tolist() == [total, total]
+
+    one_shot = _append_all(_new(config), k, v)
+    for a, b in zip(jax.tree.leaves(one_shot), jax.tree.leaves(cache), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_ragged_rows_hold_their_own_tokens():
+    config = kc.CacheConfig(k="int:8", v="int:8", residual_window=2, sink_tokens=1)
+    rng = np.random.default_rng(2)
+    cache = _new(config, batch=3)
+    k = _bf16_exact(rng, (3, 20, 2, 16))
+    streams = {b: [] for b in range(3)}
+    pos = 0
+    for n, valid in [(6, [6, 2, 0]), (5, [1, 5, 3]), (1, [1, 1, 1]), (8, [0, 8, 4])]:
+        chunk = k[:, pos:pos + n]
+        cache = _append_all(cache, chunk, chunk, valid=jnp.array(valid))
+        for b in range(3):
+            streams[b].extend(chunk[b, : valid[b]])
+        pos += n
+    lengths = np.asarray(cache.lengths)
+    assert lengths.tolist() == [len(streams[b]) for b in range(3)]
+    view = cache.layer(0)
+    got = np.asarray(kc.dense(view.k, cache.lengths))
+    for b in range(3):
+        x = np.swapaxes(np.stack(streams[b])[None], 1, 2)
+        want = _expected_dense(view.k.codec, view.k.params, x, 1, 2, 1)
+        np.testing.assert_array_equal(got[b : b + 1, :, : lengths[b]], want)
+        assert not got[b, :, lengths[b]:].any()
+
+
+def test_decode_appends_compile_once():
+    config = kc.CacheConfig(k="kivi:2,g4", v="kivi:2,g4,token", residual_window=3)
+    cache = _new(config, max_len=64)
+    traces = []
+
+    @jax.jit
+    def step_fn(cache, k):
+        traces.append(1)
+        step = kc.make_step(cache, 1)
+        view = kc.append(cache.layer(0), k, k, step)
+        return kc.commit(cache.with_layer(0, view), step)
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        cache = step_fn(cache, jnp.asarray(rng.standard_normal((2, 1, 2, 16)), jnp.float32))
+    assert len(traces) == 1
+    assert np.asarray(cache.lengths).tolist() == [20, 20]
+
+
+def test_overflow_raises_eagerly_and_flags_under_jit():
+    config = kc.CacheConfig(k="int:4", v="int:4", residual_window=2)
+    cache = _new(config, max_len=8)
+    x = jnp.ones((2, 6, 2, 16))
+    cache = _append_all(cache, x, x)
+    with pytest.raises(ValueError, match="overflow"):
+        kc.make_step(cache, 3)
+    with pytest.raises(ValueError, match="capacity"):
+        kc.make_step(cache, 9)
+    before = np.asarray(kc.dense(cache.layer(0).k, cache.lengths))
+
+    @jax.jit
+    def jitted(cache, k):
+        return _append_all(cache, k, k)
+
+    after = jitted(cache, 5 * jnp.ones((2, 3, 2, 16)))
+    assert np.asarray(after.overflowed).all()
+    assert np.asarray(after.lengths).tolist() == [8, 8]
+    got = np.asarray(kc.dense(after.layer(0).k, after.lengths))
+    np.testing.assert_array_equal(got[:, :, :6], before[:, :, :6])  # nothing overwritten
+    with pytest.raises(ValueError, match="overflow"):
+        kc.check(after)
+
+
+def test_nonfinite_input_is_flagged_and_stored_finite():
+    config = kc.CacheConfig(k="int:4", v="bf16", residual_window=2, sink_tokens=1)
+    cache = _new(config)
+    x = np.ones((2, 6, 2, 16), np.float32)
+    x[1, 3, 0, 5] = np.nan
+    x[1, 0, 1, 2] = np.inf
+    cache = jax.jit(_append_all)(cache, jnp.asarray(x), jnp.asarray(x))
+    for store in (cache.layer(0).k, cache.layer(0).v):
+        assert np.isfinite(np.asarray(kc.dense(store, cache.lengths))).all()
+        assert np.asarray(store.nonfinite).tolist() == [False, True]
+    with pytest.raises(ValueError, match="non-finite"):
+        kc.check(cache)
+
+
+def test_layer_policy_segments_and_scan_match_a_python_loop():
+    config = kc.CacheConfig(k="int:4", v="int:2", raw_k_layers=(0, -1), residual_window=1)
+    cache = _new(config, layers=5)
+    assert [(s.start, s.stop) for s in cache.segments] == [(0, 1), (1, 4), (4, 5)]
+    assert cache.layer(0).k.codec == parse_codec("bf16")
+    assert cache.layer(2).k.codec == parse_codec("int:4")
+    assert cache.layer(4).v.codec == parse_codec("int:2")
+    rng = np.random.default_rng(4)
+    k = jnp.asarray(rng.standard_normal((2, 7, 2, 16)), jnp.float32)
+    scales = jnp.arange(1.0, 6.0)
+
+    def body(carry, scale, view):
+        return carry + 1, kc.append(view, k * scale, k, step)
+
+    step = kc.make_step(cache, 7)
+    n, scanned = kc.scan_layers(body, 0, cache, scales)
+    assert int(n) == 5
+    scanned = kc.commit(scanned, step)
+    looped = cache
+    for i in range(5):
+        looped = looped.with_layer(i, kc.append(looped.layer(i), k * scales[i], k, step))
+    looped = kc.commit(looped, step)
+    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(looped), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_policy_and_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match="layer 7"):
+        _new(kc.CacheConfig(k="int:4", v="int:4", raw_k_layers=(7,)), layers=3)
+    with pytest.raises(ValueError, match="residual_window"):
+        kc.CacheConfig(k="int:4", v="int:4", residual_window=-1)
+    with pytest.raises(ValueError, match="unknown codec"):
+        kc.CacheConfig(k="nope:4", v="int:4")
+    cache = _new(kc.CacheConfig(k="int:4", v="int:4"))
+    step = kc.make_step(cache, 2)
+    with pytest.raises(ValueError, match="does not match"):
+        kc.append(cache.layer(0), jnp.ones((2, 2, 3, 16)), jnp.ones((2, 2, 3, 16)), step)
+    with pytest.raises(ValueError, match="even head_dim"):
+        _new(kc.CacheConfig(k=_EvenOnly(), v="int:4"), head_dim=15)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _EvenOnly(Codec):
+    """A codec that rejects odd head dims, to see the cache ask before allocating."""
+
+    name = "even-only"
+
+    def check_head_dim(self, head_dim):
+        super().check_head_dim(head_dim)
+        if head_dim % 2:
+            raise CodecError(f"{self.name} needs an even head_dim, got {head_dim}")
+
+
+def test_memory_and_bits_come_from_the_arrays():
+    head_dim, window = 64, 4
+    config = kc.CacheConfig(k="int:4", v="int:2", residual_window=window)
+    cache = _new(config, head_dim=head_dim, max_len=40, dtype=jnp.bfloat16)
+    assert kc.memory_bytes(cache) == sum(a.nbytes for a in jax.tree.leaves(cache))
+    x = jnp.ones((2, 36, 2, head_dim))
+    cache = _append_all(cache, x, x)
+    bits = kc.stored_bits(cache)
+    k_codec, v_codec = parse_codec("int:4"), parse_codec("int:2")
+    n_comp = 36 - window
+    for role, codec in (("k", k_codec), ("v", v_codec)):
+        want = (n_comp * codec.bits_per_element(head_dim) + window * 16) / 36
+        assert bits[f"{role}_bits_per_element"] == pytest.approx(want, rel=1e-12)
+    # with no window every stored token is a code: the formula exactly
+    plain = _append_all(_new(kc.CacheConfig(k="int:4", v="int:4"), head_dim=head_dim), x, x)
+    assert kc.stored_bits(plain)["bits_per_element"] == pytest.approx(
+        k_codec.bits_per_element(head_dim), rel=1e-12)
+
+
+def test_kivi_unfinished_key_group_stays_raw():
+    config = kc.CacheConfig(k="kivi:2,g4", v="kivi:2,g4,token")
+    cache = _new(config, max_len=16)
+    rng = np.random.default_rng(5)
+    x = _bf16_exact(rng, (2, 7, 2, 16))
+    cache = _append_all(cache, x, x)
+    k_store, v_store = cache.layer(0).k, cache.layer(0).v
+    _, n_comp, n_raw = (np.asarray(a) for a in k_store.counts(cache.lengths))
+    assert n_comp.tolist() == [4, 4] and n_raw.tolist() == [3, 3]
+    got = np.asarray(kc.dense(k_store, cache.lengths))
+    np.testing.assert_array_equal(got[:, :, 4:7], np.swapaxes(x, 1, 2)[:, :, 4:7])
+    _, v_comp, _ = (np.asarray(a) for a in v_store.counts(cache.lengths))
+    assert v_comp.tolist() == [7, 7]

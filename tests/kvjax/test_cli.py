@@ -1,0 +1,118 @@
+"""``python -m kvjax``: the probe command and its error handling."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvjax.cli import main
+from kvjax.spec import parse_codec
+
+SMALL = ["--head-dim", "32", "--tokens", "64", "--heads", "2", "--queries", "4"]
+
+
+def _probe_json(capsys, *args):
+    assert main(["probe", *args, *SMALL, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_probe_json_fields_and_bits(capsys):
+    out = _probe_json(capsys, "--codec", "int:4")
+    for field in ("codec", "head_dim", "bits_per_element_formula", "bits_per_element_measured",
+                  "rel_mse", "cosine", "ip_abs_err", "attn_rel_err"):
+        assert field in out
+    assert out["codec"] == "int:4" and out["head_dim"] == 32
+    assert out["bits_per_element_measured"] == out["bits_per_element_formula"] == 5.0
+    assert 0 < out["rel_mse"] < 0.03 and 0.98 < out["cosine"] < 1
+    assert 0 < out["attn_rel_err"] < 0.2
+
+
+def test_probe_errors_shrink_with_bits(capsys):
+    rows = _probe_json(capsys, "--codec", "int:2", "--codec", "int:4", "--codec", "int:8")
+    mse = [r["rel_mse"] for r in rows]
+    ip = [r["ip_abs_err"] for r in rows]
+    assert mse[0] > mse[1] > mse[2] > 0 and ip[0] > ip[1] > ip[2] > 0
+    lossless = _probe_json(capsys, "--codec", "bf16")
+    assert lossless["rel_mse"] < 1e-4 and lossless["bits_per_element_measured"] == 16
+
+
+def test_probe_separate_k_and_v(capsys):
+    out = _probe_json(capsys, "--k", "kivi:2,g32", "--v", "int:8")
+    assert out["k_codec"] == "kivi:2,g32" and out["v_codec"] == "int:8"
+    assert out["v_rel_mse"] < out["rel_mse"]
+
+
+def test_probe_table_lists_every_codec(capsys):
+    assert main(["probe", *SMALL, "--codec", "fp8", "--codec", "kivi:2,g16"]) == 0
+    table = capsys.readouterr().out
+    assert "| fp8 |" in table and "| kivi:2,g16 |" in table
+
+
+def test_probe_reads_kv_from_npy(tmp_path, capsys):
+    kv = np.random.default_rng(0).standard_normal((2, 40, 1, 16)).astype(np.float32)
+    path = tmp_path / "kv.npy"
+    np.save(path, kv)
+    out = _probe_json(capsys, "--codec", "int:8", "--npy", str(path))
+    assert out["tokens"] == 40 and out["head_dim"] == 16
+    kv[0, 3, 0, 1] = np.nan
+    np.save(path, kv)
+    assert main(["probe", "--codec", "int:8", "--npy", str(path)]) == 2
+    assert "NaN or Inf" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--codec", "int:9"], "2..8"),
+    (["--codec", "zip:4"], "valid codecs"),
+    (["--codec", "kivi:2,q3"], "unknown option"),
+    (["--k", "int:4"], "--k and --v"),
+    (["--codec", "int:4", "--head-dim", "0"], "positive integer"),
+    (["--codec", "int:4", "--tokens", "x"], "positive integer"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, args, needle):
+    assert main(["probe", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+def test_codecs_command_lists_registered(capsys):
+    assert main(["codecs"]) == 0
+    out = capsys.readouterr().out
+    for name in ("bf16", "fp8", "int", "kivi", "hqmq", "saw", "medC"):
+        assert name in out
+
+
+def test_module_entry_point_runs():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvjax", "probe", "--codec", "fp8", *SMALL, "--json"],
+        capture_output=True, text=True, check=False, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert parse_codec(out["codec"]) == parse_codec("fp8")
+    bad = subprocess.run([sys.executable, "-m", "kvjax", "probe", "--codec", "int:1"],
+                         capture_output=True, text=True, check=False, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.startswith("kvjax: error:")
+
+
+def test_generate_with_the_embedded_model(capsys):
+    args = ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "4"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "Paris" in out["text"] and len(out["tokens"]) == 4
+    assert out["cache_bytes"] > 0 and out["decode_tok_per_s"] > 0 and out["prefill_s"] > 0
+    assert main([*args, "--k", "int:4", "--v", "int:8", "--window", "2"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", "  "], "empty"),
+    (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
+    (["--prompt", "hi", "--codec", "int:1"], "2..8"),
+    (["--prompt", "hi", "--k", "int:4"], "--k and --v"),
+])
+def test_generate_bad_input_exits_2(capsys, args, needle):
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1

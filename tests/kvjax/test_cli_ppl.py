@@ -1,0 +1,39 @@
+"""Tests of ``python -m kvjax ppl``: one real run with the embedded model, and bad input."""
+
+import json
+import math
+
+import pytest
+
+from kvjax.cli import main
+from kvjax.spec import parse_codec
+
+SMOLLM2_HEAD_DIM = 64  # SmolLM2-135M: 576 hidden / 9 heads
+
+
+def test_ppl_real_model_on_shakespeare(capsys):
+    args = ["ppl", "--codec", "int:4", "--windows", "2", "--window-len", "64", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["codec"] == "int:4" and out["k_codec"] == out["v_codec"] == "int:4"
+    assert out["corpus"] == "shakespeare" and out["windows"] == 2 and out["window_len"] == 64
+    assert math.isfinite(out["ppl"]) and out["ppl"] > 1
+    assert math.isfinite(out["bf16_ppl"]) and 1 < out["bf16_ppl"] <= out["ppl"] * 1.5
+    # no residual window or sinks: every stored token is int:4 codes
+    expected = parse_codec("int:4").bits_per_element(SMOLLM2_HEAD_DIM)
+    assert out["bits_per_element"] == pytest.approx(expected)
+    assert out["seconds"] > 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--codec", "int:4", "--corpus", "no-such-corpus"], "no-such-corpus"),
+    ([], "--codec"),
+    (["--k", "int:4"], "--k and --v"),
+    (["--codec", "int:1"], "2..8"),
+    (["--codec", "int:4", "--window-len", "9000"], "context"),
+    (["--codec", "int:4", "--model", "no-such-model"], "no-such-model"),
+])
+def test_ppl_bad_input_exits_2(capsys, args, needle):
+    assert main(["ppl", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1

@@ -1,0 +1,181 @@
+"""Jitted generation on a tiny random llama: correctness, compile-once, batching, sampling.
+
+The cache stores raw tokens in float32 and encodes with ``bf16`` unless a test says
+otherwise. Compile time dominates, so most tests share shapes (B=1 or B=3 prompts,
+``max_len=MAX_LEN``) and hit :mod:`models.generate`'s compiled-function table.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.cache import stored_bits
+from kvjax.spec import CacheConfig
+from models import generate as gen
+from models.config import ModelConfig
+from models.llama import init_params, logits_no_cache
+
+CONFIG = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     max_position_embeddings=64)
+BF16 = CacheConfig(k="bf16", v="bf16")
+MAX_LEN, NEW = 48, 32
+PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(jax.random.PRNGKey(0), CONFIG)
+
+
+def _generate(params, prompts, **kw):
+    kw = {"cache_config": BF16, "max_new_tokens": NEW, "max_len": MAX_LEN,
+          "cache_dtype": jnp.float32, **kw}
+    return gen.generate(params, CONFIG, prompts, **kw)
+
+
+def _cache_lengths_ok(result, prompts, max_new=NEW):
+    # a row that ran to max_new fed back all its tokens but the last; a row stopped by
+    # EOS fed back all of its (EOS-free) tokens and never the EOS itself
+    expected = [len(p) + len(t) - (len(t) == max_new)
+                for p, t in zip(prompts, result.tokens, strict=True)]
+    return np.asarray(result.cache.lengths).tolist() == expected
+
+
+@pytest.fixture(scope="module")
+def batch_result(params):
+    return _generate(params, PROMPTS)
+
+
+def test_greedy_matches_repeated_full_forwards(params):
+    prompt = PROMPTS[0]
+    result = _generate(params, [prompt])
+    assert len(result.tokens[0]) == NEW
+    assert _cache_lengths_ok(result, [prompt])
+    # reference: a fresh full forward over the growing sequence for every new token;
+    # right padding to one width keeps one compiled shape and, being causal, changes
+    # nothing at the last real position
+    seq = list(prompt)
+    width = len(prompt) + NEW
+    for _ in range(NEW):
+        padded = np.zeros((1, width), np.int32)
+        padded[0, : len(seq)] = seq
+        logits = logits_no_cache(params, CONFIG, jnp.asarray(padded), BF16)
+        seq.append(int(np.argmax(np.asarray(logits)[0, len(seq) - 1])))
+    assert result.tokens[0] == seq[len(prompt) :]
+    assert result.prefill_s > 0 and result.decode_s > 0 and result.decode_tok_per_s > 0
+    assert result.cache_bytes > 0
+
+
+@pytest.mark.parametrize("chunk", [2, 5])
+def test_chunked_prefill_gives_the_same_tokens(params, batch_result, chunk):
+    before = gen.TRACE_COUNTS["prefill"]
+    result = _generate(params, PROMPTS, prefill_chunk=chunk)
+    assert result.tokens == batch_result.tokens
+    assert _cache_lengths_ok(result, PROMPTS)
+    assert gen.TRACE_COUNTS["prefill"] - before <= 1   # one compiled chunk shape
+
+
+def test_decode_compiles_once(params):
+    shapes = {"max_new_tokens": 8}
+    before = gen.TRACE_COUNTS.copy()
+    first = _generate(params, [[1, 2, 3, 4]], **shapes)
+    after_first = gen.TRACE_COUNTS.copy()
+    second = _generate(params, [[9, 8, 7, 6]], **shapes)
+    assert after_first["decode"] - before["decode"] == 1
+    # the B=1 prefill may already be compiled by another test (prompts share a bucket)
+    assert after_first["prefill"] - before["prefill"] <= 1
+    assert gen.TRACE_COUNTS == after_first
+    assert first.compile_s > 0 and second.compile_s < first.compile_s
+    assert first.tokens != second.tokens
+
+
+def test_batch_rows_equal_single_prompts(params, batch_result):
+    assert _cache_lengths_ok(batch_result, PROMPTS)
+    for prompt, tokens in zip(PROMPTS, batch_result.tokens, strict=True):
+        assert _generate(params, [prompt]).tokens[0] == tokens
+
+
+def test_eos_stops_a_row(params, batch_result):
+    row0 = batch_result.tokens[0]
+    eos = row0[6]
+    assert eos not in row0[:6]
+    result = _generate(params, PROMPTS, eos_token_ids=[eos])
+    assert result.tokens[0] == row0[:6]
+    for full, cut in zip(batch_result.tokens, result.tokens, strict=True):
+        assert cut == (full[: full.index(eos)] if eos in full else full)
+    assert _cache_lengths_ok(result, PROMPTS)
+
+
+def test_sampling_reproducible_and_seeded(params, batch_result):
+    kw = {"temperature": 0.9, "top_p": 0.95}
+    a = _generate(params, PROMPTS, seed=3, **kw)
+    b = _generate(params, PROMPTS, seed=3, **kw)
+    c = _generate(params, PROMPTS, seed=4, **kw)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+    assert a.tokens != batch_result.tokens
+    assert all(0 <= t < CONFIG.vocab_size for row in a.tokens for t in row)
+    # a nucleus that holds only the most likely token is greedy decoding
+    narrow = _generate(params, PROMPTS, seed=3, temperature=0.9, top_p=1e-6)
+    assert narrow.tokens == batch_result.tokens
+
+
+@pytest.mark.parametrize("spec", ["int:4", "kivi:2,g4"])
+def test_compressed_codecs_run(params, spec):
+    cache_config = CacheConfig.from_specs(spec, residual_window=4)
+    result = _generate(params, [PROMPTS[2]], cache_config=cache_config, max_new_tokens=16,
+                       cache_dtype=jnp.bfloat16)
+    assert len(result.tokens[0]) == 16
+    assert _cache_lengths_ok(result, [PROMPTS[2]], max_new=16)
+    bits = stored_bits(result.cache)["bits_per_element"]
+    assert bits < 16
+
+
+@pytest.mark.parametrize(("prompts", "kw", "match"), [
+    ([], {}, "no prompts"),
+    ([[1, 2], []], {}, "prompt 1 is empty"),
+    ([[1, 200]], {}, "outside"),
+    ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens"),
+    ([[1, 2]], {"prefill_chunk": 0}, "prefill_chunk"),
+    ([[1, 2]], {"temperature": -0.5}, "temperature"),
+    ([[1, 2]], {"temperature": float("nan")}, "temperature"),
+    ([[1, 2]], {"top_p": 0.0}, "top_p"),
+    ([[1, 2]], {"top_p": 1.5}, "top_p"),
+    ([[1] * 40], {"max_new_tokens": 10}, "capacity"),
+    ([[1] * 40], {"max_new_tokens": 30, "max_len": 100}, "max_position_embeddings"),
+])
+def test_bad_inputs(params, prompts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _generate(params, prompts, **kw)
+
+
+def _decode_temp_bytes(num_layers: int, spec: str) -> tuple[int, int]:
+    """(XLA's temporary bytes for the compiled decode loop, bytes of the cache's codes)."""
+    from models.llama import new_cache
+
+    config = ModelConfig(family="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_layers=num_layers, num_heads=2, num_kv_heads=2, head_dim=128,
+                         max_position_embeddings=8192)
+    weights = init_params(jax.random.key(0), config, jnp.bfloat16)
+    cache = new_cache(config, CacheConfig.from_specs(spec), batch=2, max_len=8192)
+    codes = sum(x.nbytes for seg in cache.segments for store in (seg.k, seg.v)
+                for x in jax.tree.leaves(store.codes))
+    compiled = gen._decode_jit.lower(
+        weights, config, 4, True, jnp.zeros((2, 64), jnp.float32), cache,
+        jnp.asarray((-1,), jnp.int32), jax.random.key(1), jnp.float32(1), jnp.float32(1),
+    ).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, codes
+
+
+@pytest.mark.parametrize("spec", ["int:4", "bf16"])
+def test_decode_updates_the_cache_in_place(spec):
+    """A decode step writes its token into the cache's buffers without copying them: the
+    compiled loop's temporaries do not grow with the layers' codes (scanning the cache
+    as scan inputs and outputs made them grow by more than the codes themselves, and a
+    bfloat16 scatter was widened to float32 over the whole stack)."""
+    temp_small, codes_small = _decode_temp_bytes(2, spec)
+    temp_large, codes_large = _decode_temp_bytes(12, spec)
+    assert codes_large - codes_small > 40 * 2**20
+    assert temp_large - temp_small < 0.25 * (codes_large - codes_small)
