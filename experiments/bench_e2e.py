@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.eval.memory import cache_bytes
-from kvjax.spec import CacheConfig
+from kvjax.spec import CacheConfig, parse_cache
 from models.config import ModelConfig
 from models.generate import generate
 from models.llama import init_params
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     rows, checked = [], {}
     rng = np.random.default_rng(0)
     for spec in args.codec or ["bf16", "int:4", "saw"]:
-        cache_config = CacheConfig.from_specs(spec, residual_window=args.window)
+        cache_config = parse_cache(spec, residual_window=args.window)
         max_batch = capacity(config, cache_config, args.context, free) if free > 0 else None
         if args.check_programs and free_total > 0:
             checked[spec] = capacity_with_programs(

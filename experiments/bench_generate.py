@@ -27,7 +27,7 @@ import torch
 import transformers
 
 import models
-from kvjax.spec import CacheConfig
+from kvjax.spec import parse_cache
 from models.generate import generate
 
 PROMPT_TEXT = (
@@ -94,7 +94,7 @@ def time_hf(model, prompt, new_tokens, repeats):
 
 def time_kvjax(params, config, prompt, codec, new_tokens, repeats):
     """Median prefill and decode seconds, compile seconds, cache bytes and the tokens."""
-    cache_config = CacheConfig.from_specs(codec)
+    cache_config = parse_cache(codec)
     runs = [generate(params, config, [prompt], cache_config=cache_config,
                      max_new_tokens=new_tokens, eos_token_ids=(), cache_dtype=jnp.float32)
             for _ in range(repeats + 1)]

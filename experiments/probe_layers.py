@@ -26,11 +26,12 @@ import jax.numpy as jnp
 
 from kvjax import cache as kc
 from kvjax.attention import attend
+from kvjax.spec import parse_cache
 
 
 def filled_cache(spec, *, layers, batch, heads, head_dim, context):
     """A cache of ``context`` tokens per row (zeros: speed does not depend on values)."""
-    config = kc.CacheConfig.from_specs(spec)
+    config = parse_cache(spec)
     cache = kc.init_cache(jax.random.key(0), config, num_layers=layers, batch=batch,
                           num_kv_heads=heads, head_dim=head_dim, max_len=context + 64,
                           dtype=jnp.bfloat16)

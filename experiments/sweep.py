@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvjax.codec import CodecError
-from kvjax.spec import CacheConfig, parse_kv
+from kvjax.spec import CacheConfig, LayerRule, parse_kv
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -126,8 +126,12 @@ def parse_config(config: str, settings: Settings) -> CacheConfig:
         k, v = parse_kv(k=k_spec, v=v_spec)
     else:
         k, v = parse_kv(config)
+    layers = ()
+    if settings.raw_k_layers:
+        select = ",".join(str(i) for i in settings.raw_k_layers)
+        layers = (LayerRule(select=select, role="k", codec="bf16"),)
     return CacheConfig(k=k, v=v, residual_window=settings.residual_window,
-                       sink_tokens=settings.sinks, raw_k_layers=settings.raw_k_layers)
+                       sink_tokens=settings.sinks, layers=layers)
 
 
 def family(config: str) -> str:

@@ -178,10 +178,9 @@ def _cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     codec = None if args.k is not None else (args.codec or "bf16")
-    cache_config = CacheConfig.from_specs(
-        codec, k=args.k, v=args.v,
-        residual_window=args.window, sink_tokens=args.sinks,
-    )
+    k_codec, v_codec = parse_kv(codec, k=args.k, v=args.v)
+    cache_config = CacheConfig(k=k_codec, v=v_codec, residual_window=args.window,
+                               sink_tokens=args.sinks)
     config, params, tokenizer = models.load(args.model or models.DEFAULT_MODEL)
     if tokenizer is None:
         raise ValueError(f"model '{args.model}' has no tokenizer")
@@ -217,8 +216,9 @@ def _cmd_ppl(args) -> int:
         raise ValueError("give --codec SPEC or --k SPEC --v SPEC")
     # bad specs, model names and lengths fail before the corpus and the model are loaded
     cache_kw = {"residual_window": args.window, "sink_tokens": args.sinks}
-    cache_config = CacheConfig.from_specs(args.codec, k=args.k, v=args.v, **cache_kw)
-    baseline = CacheConfig.from_specs("bf16", **cache_kw)
+    k_codec, v_codec = parse_kv(args.codec, k=args.k, v=args.v)
+    cache_config = CacheConfig(k=k_codec, v=v_codec, **cache_kw)
+    baseline = CacheConfig(k="bf16", **cache_kw)
     model_name = args.model or models.DEFAULT_MODEL
     check_window_len(models.context_length(model_name), args.window_len)
     config, params, _, _, wins = load_model_and_windows(model_name, args.corpus,
@@ -263,8 +263,8 @@ def _cmd_needle(args) -> int:
 
     check_grid(args.lengths, args.depths, args.trials)
     specs = list(dict.fromkeys(["bf16", *(args.codec or [])]))
-    configs = [CacheConfig.from_specs(spec, residual_window=args.window,
-                                      sink_tokens=args.sinks) for spec in specs]
+    configs = [CacheConfig(k=spec, residual_window=args.window, sink_tokens=args.sinks)
+               for spec in specs]
     model_name = args.model or models.DEFAULT_MODEL
     # lengths past the model's context fail before the corpus and the model are loaded
     check_needle_lengths(models.context_length(model_name), args.lengths)

@@ -1,6 +1,6 @@
-"""The spec-string grammar of codecs: parsing sits above the codecs.
+"""The spec grammar of codecs and of whole caches; parsing sits above the codecs.
 
-One grammar serves the CLI, sweeps and results files::
+One grammar serves the CLI, sweeps and results files. A codec::
 
     name[:opt,opt,...]      e.g.  bf16   fp8   int:4   kivi:2,g32   kivi:2,g32,token
 
@@ -9,12 +9,28 @@ Any lossy token-wise codec also takes the outlier options ``medC[,mbN][,mpP]``
 
 Options are positional values or ``<letter(s)><value>`` flags; each codec's
 ``from_options`` documents its own. ``parse_codec(codec.spec)`` returns an equal codec.
+
+A whole cache (:func:`parse_cache`, :class:`CacheConfig`): clauses separated by spaces::
+
+    int:4                                  K int:4, V its value codec (int:4)
+    kivi:2,g32 window=32 sinks=4           + a raw residual window and raw sink tokens
+    k=kivi:2,g32 v=int:4                   K and V apart
+    k=int:4 layers[0,-1]:k=bf16            K of the first and last layer stored as bf16
+    k=int:4 layers[4:12]:kv=int:2          layers 4..11 (a slice) at 2 bits, K and V
+    int:4 attn=int_decode,xla,reference    the attention implementations, in order
+
+A first clause without ``=`` is the codec of K, whose value codec (KIVI: the per-token
+variant) serves V unless ``v=`` is given. Layer rules apply in order (a later rule wins
+where two name the same layer) and take ``k``, ``v`` or ``kv``. ``CacheConfig.spec`` is
+canonical: ``parse_cache(config.spec) == config``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -72,60 +88,217 @@ def parse_kv(
 
 # -- whole caches -------------------------------------------------------------------
 
+#: the clauses of a cache spec, for error messages
+CACHE_CLAUSES = ("CODEC", "k=CODEC", "v=CODEC", "window=N", "sinks=N",
+                 "layers[SEL]:k|v|kv=CODEC", "attn=IMPL[,IMPL...]")
+#: a layer selection: indices and Python slices, e.g. ``0,-1`` or ``4:12`` or ``::2``
+_LAYER_RULE = re.compile(r"layers\[([^\]]*)\]:(k|v|kv)=(.+)", re.S)
+_DEFAULT_ATTENTION = ("auto",)
+
+
+class CacheSpecError(CodecError):
+    """A cache spec that does not parse; the message lists the valid clauses."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRule:
+    """Store ``role`` (``"k"``, ``"v"`` or ``"kv"``) of the selected layers with ``codec``.
+
+    ``select`` is the text between the brackets of ``layers[...]``: comma-separated
+    layer indices (negative ones count from the end) and slices ``start:stop[:step]``.
+    """
+
+    select: str
+    role: str
+    codec: Codec
+
+    def __post_init__(self):
+        if self.role not in ("k", "v", "kv"):
+            raise CacheSpecError(f"layer rule role must be k, v or kv, got '{self.role}'")
+        object.__setattr__(self, "codec", parse_codec(self.codec))
+        object.__setattr__(self, "select", self.select.replace(" ", ""))
+        _selection(self.select, None)  # syntax only; the layer count comes later
+
+    def layers(self, num_layers: int) -> set[int]:
+        """The selected layer indices of a model with ``num_layers`` layers."""
+        return _selection(self.select, num_layers)
+
+    @property
+    def spec(self) -> str:
+        return f"layers[{self.select}]:{self.role}={self.codec.spec}"
+
+
+def _selection(select: str, num_layers: int | None) -> set[int]:
+    """Layer indices named by ``select`` (syntax check only when ``num_layers`` is None)."""
+    out: set[int] = set()
+    if not select:
+        raise CacheSpecError("empty layer selection 'layers[]'; e.g. layers[0,-1] or layers[4:12]")
+    for item in select.split(","):
+        try:
+            if ":" in item:
+                bounds = [int(b) if b else None for b in item.split(":")]
+                if len(bounds) > 3 or bounds[2:] == [0]:
+                    raise ValueError
+                if num_layers is not None:
+                    out.update(range(num_layers)[slice(*bounds)])
+                continue
+            index = int(item)
+        except ValueError:
+            raise CacheSpecError(
+                f"bad layer selection '{item}' in layers[{select}]; give indices and "
+                "slices, e.g. layers[0,-1] or layers[4:12]") from None
+        if num_layers is not None:
+            if not -num_layers <= index < num_layers:
+                raise CacheSpecError(
+                    f"layers[{select}] names layer {index}, the model has {num_layers} layers")
+            out.add(index % num_layers)
+    return out
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheConfig:
-    """What a cache stores and how: codecs, residual window, sinks, per-layer policy.
+    """What a cache stores and how: the parsed form of a cache spec (:func:`parse_cache`).
 
     Attributes:
-        k, v: codecs (or spec strings) for keys and values.
+        k: the codec (or spec string) of keys.
+        v: the codec of values; None takes ``k.value_codec()``.
         residual_window: the ``W`` most recent tokens stay raw.
         sink_tokens: the first tokens of every row stay raw (attention sinks).
-        raw_k_layers, raw_v_layers: layers (negative indices count from the end) whose
-            K or V is stored uncompressed with ``raw_codec``.
-        raw_codec: the codec for raw layers (default ``bf16``).
+        layers: per-layer rules, applied in order over the K/V codecs above.
+        attention: names of attention implementations, tried in order
+            (:mod:`kvjax.attention` validates them).
     """
 
     k: Codec | str
-    v: Codec | str
+    v: Codec | str | None = None
     residual_window: int = 0
     sink_tokens: int = 0
-    raw_k_layers: tuple[int, ...] = ()
-    raw_v_layers: tuple[int, ...] = ()
-    raw_codec: Codec | str = "bf16"
+    layers: tuple[LayerRule, ...] = ()
+    attention: tuple[str, ...] = _DEFAULT_ATTENTION
 
     def __post_init__(self):
-        for name in ("k", "v", "raw_codec"):
-            object.__setattr__(self, name, parse_codec(getattr(self, name)))
+        k = parse_codec(self.k)
+        object.__setattr__(self, "k", k)
+        object.__setattr__(self, "v", k.value_codec() if self.v is None else parse_codec(self.v))
         for name in ("residual_window", "sink_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int | np.integer) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        for name in ("raw_k_layers", "raw_v_layers"):
-            object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
+                raise CacheSpecError(f"{name} must be a non-negative int, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        rules = tuple(self.layers)
+        if not all(isinstance(r, LayerRule) for r in rules):
+            raise CacheSpecError("layers must be LayerRule objects (or use parse_cache)")
+        object.__setattr__(self, "layers", rules)
+        attention = (self.attention,) if isinstance(self.attention, str) else self.attention
+        attention = tuple(a.strip() for a in attention)
+        if not attention or not all(attention):
+            raise CacheSpecError("attn= needs at least one implementation name")
+        object.__setattr__(self, "attention", attention)
 
-    @classmethod
-    def from_specs(
-        cls, codec: str | None = None, *, k: str | None = None, v: str | None = None, **kw
-    ) -> CacheConfig:
-        """Build from ``--codec SPEC`` or ``--k SPEC --v SPEC`` (see :func:`parse_kv`)."""
-        k_codec, v_codec = parse_kv(codec, k=k, v=v)
-        return cls(k=k_codec, v=v_codec, **kw)
+    @property
+    def spec(self) -> str:
+        """The canonical cache spec: ``parse_cache(config.spec) == config``."""
+        if self.v == self.k.value_codec():
+            clauses = [self.k.spec]
+        else:
+            clauses = [f"k={self.k.spec}", f"v={self.v.spec}"]
+        if self.residual_window:
+            clauses.append(f"window={self.residual_window}")
+        if self.sink_tokens:
+            clauses.append(f"sinks={self.sink_tokens}")
+        clauses += [rule.spec for rule in self.layers]
+        if self.attention != _DEFAULT_ATTENTION:
+            clauses.append("attn=" + ",".join(self.attention))
+        return " ".join(clauses)
 
     def layer_codecs(self, num_layers: int) -> list[tuple[Codec, Codec]]:
-        """The (K codec, V codec) of every layer after the per-layer policy."""
-        def normalize(layers, what):
-            out = set()
-            for i in layers:
-                j = i + num_layers if i < 0 else i
-                if not 0 <= j < num_layers:
-                    raise ValueError(f"{what} names layer {i}, model has {num_layers} layers")
-                out.add(j)
-            return out
+        """The (K codec, V codec) of every layer after the layer rules."""
+        pairs = [[self.k, self.v] for _ in range(num_layers)]
+        for rule in self.layers:
+            for i in rule.layers(num_layers):
+                if "k" in rule.role:
+                    pairs[i][0] = rule.codec
+                if "v" in rule.role:
+                    pairs[i][1] = rule.codec
+        return [(k, v) for k, v in pairs]
 
-        raw_k = normalize(self.raw_k_layers, "raw_k_layers")
-        raw_v = normalize(self.raw_v_layers, "raw_v_layers")
-        return [
-            (self.raw_codec if i in raw_k else self.k, self.raw_codec if i in raw_v else self.v)
-            for i in range(num_layers)
-        ]
+
+def _split_clauses(text: str) -> list[str]:
+    """Clauses separated by whitespace (commas inside a codec spec never hold spaces,
+    but ``kivi:2, g32`` is forgiven: a clause starting with a space-split option joins
+    the clause before it)."""
+    clauses: list[str] = []
+    for word in text.split():
+        if clauses and (clauses[-1].endswith(",") or word.startswith(",")):
+            clauses[-1] += word
+        else:
+            clauses.append(word)
+    return clauses
+
+
+def _non_negative(clause: str, value: str) -> int:
+    try:
+        out = int(value)
+    except ValueError:
+        out = -1
+    if out < 0:
+        raise CacheSpecError(f"'{clause}': expected a non-negative integer")
+    return out
+
+
+def parse_cache(spec: str | CacheConfig, **defaults: Any) -> CacheConfig:
+    """A :class:`CacheConfig` from a cache spec (see the module docstring).
+
+    ``defaults`` are :class:`CacheConfig` fields for what the spec does not say
+    (``parse_cache("int:4", residual_window=32)``); a field given both ways raises.
+    Raises :class:`CacheSpecError` (a ``ValueError``) with a one-line message that
+    lists the valid clauses.
+    """
+    if isinstance(spec, CacheConfig):
+        return dataclasses.replace(spec, **defaults) if defaults else spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise CacheSpecError(f"empty cache spec; clauses: {' '.join(CACHE_CLAUSES)}")
+    fields: dict[str, Any] = {}
+    rules: list[LayerRule] = []
+
+    def put(name: str, value: Any, clause: str) -> None:
+        if name in fields:
+            raise CacheSpecError(f"'{clause}': {name} is given twice in '{spec}'")
+        fields[name] = value
+
+    for n, clause in enumerate(_split_clauses(spec)):
+        key, eq, value = clause.partition("=")
+        rule = _LAYER_RULE.fullmatch(clause)
+        try:
+            if rule:
+                select, role, codec = rule.groups()
+                rules.append(LayerRule(select=select, role=role, codec=codec))
+            elif not eq or ":" in key or "," in key:
+                if n:
+                    raise CacheSpecError(
+                        f"'{clause}': only the first clause may be a bare codec spec")
+                put("k", parse_codec(clause), clause)
+            elif key in ("k", "v"):
+                put(key, parse_codec(value), clause)
+            elif key == "window":
+                put("residual_window", _non_negative(clause, value), clause)
+            elif key == "sinks":
+                put("sink_tokens", _non_negative(clause, value), clause)
+            elif key == "attn":
+                put("attention", tuple(value.split(",")), clause)
+            else:
+                raise CacheSpecError(f"unknown clause '{clause}'")
+        except CacheSpecError as err:
+            raise CacheSpecError(f"{err}; clauses: {' '.join(CACHE_CLAUSES)}") from None
+        except CodecError as err:
+            raise CacheSpecError(f"in '{clause}': {err}") from None
+    if rules:
+        fields["layers"] = tuple(rules)
+    for name, value in defaults.items():
+        if name in fields:
+            raise CacheSpecError(f"cache spec '{spec}' already sets {name}")
+        fields[name] = value
+    if "k" not in fields:
+        raise CacheSpecError(f"cache spec '{spec}' names no K codec; e.g. 'int:4' or "
+                             "'k=int:4 v=int:2'")
+    return CacheConfig(**fields)

@@ -1,7 +1,7 @@
 """experiments/bench_e2e.py: capacity arithmetic from measured cache bytes, and a smoke run."""
 
 from experiments import bench_e2e
-from kvjax.spec import CacheConfig
+from kvjax.spec import parse_cache
 
 
 def test_capacity_from_measured_bytes():
@@ -10,9 +10,9 @@ def test_capacity_from_measured_bytes():
     bf16_row = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2 * context
     # the fixed part of a bf16 cache is a few flags and counters, far below one row
     free = 10 * bf16_row + bf16_row // 2
-    assert bench_e2e.capacity(config, CacheConfig.from_specs("bf16"), context, free) == 10
-    int4 = bench_e2e.capacity(config, CacheConfig.from_specs("int:4"), context, free)
-    saw = bench_e2e.capacity(config, CacheConfig.from_specs("saw"), context, free)
+    assert bench_e2e.capacity(config, parse_cache("bf16"), context, free) == 10
+    int4 = bench_e2e.capacity(config, parse_cache("int:4"), context, free)
+    saw = bench_e2e.capacity(config, parse_cache("saw"), context, free)
     # int:4 at D = 128 stores 4.25 bits per element instead of 16
     assert int4 == saw and 38 <= int4 <= 39
 
@@ -45,7 +45,7 @@ def test_capacity_with_programs_charges_the_temporaries(monkeypatch):
     import dataclasses
 
     config = dataclasses.replace(bench_e2e.SHAPES["tiny"], num_layers=1)
-    cache_config = CacheConfig.from_specs("int:4")
+    cache_config = parse_cache("int:4")
     per_row, fixed = bench_e2e.row_bytes(config, cache_config, 42)
     calls = []
 
@@ -73,6 +73,6 @@ def test_program_temps_compile_from_shapes():
 
     config = dataclasses.replace(bench_e2e.SHAPES["tiny"], num_layers=1)
     params = init_params(jax.random.key(0), config, jnp.bfloat16)
-    prefill, decode = bench_e2e.program_temps(params, config, CacheConfig.from_specs("int:4"),
+    prefill, decode = bench_e2e.program_temps(params, config, parse_cache("int:4"),
                                               batch=2, context=40, chunk=16, new_tokens=2)
     assert prefill > 0 and decode > 0

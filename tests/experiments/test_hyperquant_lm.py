@@ -18,7 +18,7 @@ def test_parts_windows_and_files(tmp_path, capsys):
     # symmetric K = V, no raw layers, both residual windows
     e8 = [cc for c, cc in fake.seen if c == "hyperquant:e8,3bps"]
     assert {cc.residual_window for cc in e8} == {0, 32}
-    assert all(cc.k == cc.v and cc.raw_k_layers == () for cc in e8)
+    assert all(cc.k == cc.v and cc.layers == () for cc in e8)
     summary = json.loads((docs / "lm.json").read_text())
     assert set(summary["parts"]) == {"window0", "window32"}
     assert {r["config"] for r in summary["seeds"]["rows"]} == set(hl.seed_configs())
@@ -38,5 +38,5 @@ def test_boundary_option_keeps_first_and_last_k_raw(tmp_path):
     fake = FakeEvaluate()
     assert hl.main(["--out", str(tmp_path), "--docs", str(tmp_path / "d"), "--no-progress",
                     "--part", "bias", "--residual", "32", "--boundary"], evaluate=fake) == 0
-    assert {cc.raw_k_layers for _, cc in fake.seen} == {(0, -1)}
+    assert {tuple(r.spec for r in cc.layers) for _, cc in fake.seen} == {("layers[0,-1]:k=bf16",)}
     assert {c for c, _ in fake.seen} == {"bf16", *hl.bias_configs()}

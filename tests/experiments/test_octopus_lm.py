@@ -30,7 +30,7 @@ def test_protocol_seeds_and_unprotected(tmp_path, capsys):
     assert set(octopus_lm.protocol_configs()) <= configs
     protocol = [cc for c, cc in fake.seen if c == "octopus:b2"]
     # boundary-1 and the window in the protocol, neither boundary in the unprotected run
-    assert {cc.raw_k_layers for cc in protocol} == {(0, -1), ()}
+    assert {tuple(r.spec for r in cc.layers) for cc in protocol} == {("layers[0,-1]:k=bf16",), ()}
     assert all(cc.residual_window == 32 for _, cc in fake.seen)
     summary = json.loads((docs / "lm.json").read_text())
     assert len(summary["protocol"]) == len(octopus_lm.protocol_configs()) + 1  # + bf16

@@ -79,7 +79,7 @@ def test_raw_k_layers_reach_the_cache_config_and_name_the_run(tmp_path):
     code, _ = run(tmp_path, "--codec", "int:4", "--raw-k-layers", "0", "-1",
                   evaluate=evaluate)
     assert code == 0
-    assert seen["int:4"].raw_k_layers == (0, -1) and seen["int:4"].raw_v_layers == ()
+    assert seen["int:4"].spec == "int:4 layers[0,-1]:k=bf16"
     run_dir = tmp_path / "smollm2_135m-shakespeare-8x256-rawk0_-1-seed0"
     stored = json.loads((run_dir / "configs" / f"{sweep.config_slug('int:4')}.json").read_text())
     assert stored["raw_k_layers"] == [0, -1]

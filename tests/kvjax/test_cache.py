@@ -10,7 +10,7 @@ import pytest
 
 from kvjax import cache as kc
 from kvjax.codec import Codec, CodecError
-from kvjax.spec import parse_codec
+from kvjax.spec import parse_cache, parse_codec
 
 
 def _bf16_exact(rng, shape):
@@ -192,7 +192,7 @@ def test_nonfinite_input_is_flagged_and_stored_finite():
 
 
 def test_layer_policy_segments_and_scan_match_a_python_loop():
-    config = kc.CacheConfig(k="int:4", v="int:2", raw_k_layers=(0, -1), residual_window=1)
+    config = parse_cache("k=int:4 v=int:2 layers[0,-1]:k=bf16 window=1")
     cache = _new(config, layers=5)
     assert [(s.start, s.stop) for s in cache.segments] == [(0, 1), (1, 4), (4, 5)]
     assert cache.layer(0).k.codec == parse_codec("bf16")
@@ -219,7 +219,7 @@ def test_layer_policy_segments_and_scan_match_a_python_loop():
 
 def test_bad_policy_and_shapes_are_clear_errors():
     with pytest.raises(ValueError, match="layer 7"):
-        _new(kc.CacheConfig(k="int:4", v="int:4", raw_k_layers=(7,)), layers=3)
+        _new(parse_cache("int:4 layers[7]:k=bf16"), layers=3)
     with pytest.raises(ValueError, match="residual_window"):
         kc.CacheConfig(k="int:4", v="int:4", residual_window=-1)
     with pytest.raises(ValueError, match="unknown codec"):

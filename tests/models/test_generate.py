@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvjax.cache import stored_bits
-from kvjax.spec import CacheConfig
+from kvjax.spec import CacheConfig, parse_cache
 from models import generate as gen
 from models.config import ModelConfig
 from models.llama import init_params, logits_no_cache
@@ -124,7 +124,7 @@ def test_sampling_reproducible_and_seeded(params, batch_result):
 
 @pytest.mark.parametrize("spec", ["int:4", "kivi:2,g4"])
 def test_compressed_codecs_run(params, spec):
-    cache_config = CacheConfig.from_specs(spec, residual_window=4)
+    cache_config = parse_cache(spec, residual_window=4)
     result = _generate(params, [PROMPTS[2]], cache_config=cache_config, max_new_tokens=16,
                        cache_dtype=jnp.bfloat16)
     assert len(result.tokens[0]) == 16
@@ -159,7 +159,7 @@ def _decode_temp_bytes(num_layers: int, spec: str) -> tuple[int, int]:
                          num_layers=num_layers, num_heads=2, num_kv_heads=2, head_dim=128,
                          max_position_embeddings=8192)
     weights = init_params(jax.random.key(0), config, jnp.bfloat16)
-    cache = new_cache(config, CacheConfig.from_specs(spec), batch=2, max_len=8192)
+    cache = new_cache(config, parse_cache(spec), batch=2, max_len=8192)
     codes = sum(x.nbytes for seg in cache.segments for store in (seg.k, seg.v)
                 for x in jax.tree.leaves(store.codes))
     compiled = gen._decode_jit.lower(

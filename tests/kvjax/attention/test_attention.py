@@ -7,6 +7,7 @@ import pytest
 
 from kvjax import cache as kc
 from kvjax.attention import attend, decode_attention, dense_attention
+from kvjax.spec import parse_cache
 
 
 def _bf16_exact(rng, shape):
@@ -100,7 +101,7 @@ def test_quantized_attention_is_close_and_improves_with_a_window(spec, tol):
     want = dense_attention(q, k, v, q_positions=jnp.array([[31]]), kv_lengths=jnp.array([32]))
     errs = []
     for window in (0, 16):
-        config = kc.CacheConfig.from_specs(spec, residual_window=window)
+        config = parse_cache(spec, residual_window=window)
         cache = kc.init_cache(jax.random.key(0), config, num_layers=1, batch=1,
                               num_kv_heads=2, head_dim=32, max_len=32, dtype=jnp.float32)
         cache = kc.commit(cache.with_layer(0, kc.append(cache.layer(0), k[:, :31], v[:, :31],

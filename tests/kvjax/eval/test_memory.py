@@ -18,7 +18,7 @@ from kvjax.eval.memory import (
     max_context,
     model_shape,
 )
-from kvjax.spec import CacheConfig, parse_kv
+from kvjax.spec import parse_cache, parse_kv
 
 
 def _dims(name):
@@ -90,7 +90,7 @@ CACHE_CASES = [
 @pytest.mark.parametrize("context", [9, 40, 45])
 def test_cache_bytes_equals_a_real_caches_memory(spec, kw, context):
     shape = dict(num_layers=3, num_kv_heads=2, head_dim=16)
-    config = CacheConfig.from_specs(spec, **kw)
+    config = parse_cache(spec, **kw)
     cache = init_cache(jax.random.key(0), config, batch=2, max_len=context, **shape)
     got = cache_bytes(config.k, config.v, context=context, batch=2, **shape, **kw)
     assert got == memory_bytes(cache)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvjax.eval import perplexity
-from kvjax.spec import CacheConfig, parse_codec
+from kvjax.spec import CacheConfig, parse_cache, parse_codec
 from models import llama
 from models.config import ModelConfig
 
@@ -98,7 +98,7 @@ def test_tokenwise_lossy_codec_bits_and_chunking(params, wins):
 
 
 def test_window_and_raw_layer_are_counted(params, wins):
-    config = CacheConfig(k="int:4", v="int:4", residual_window=4, raw_k_layers=(0,))
+    config = parse_cache("int:4 window=4 layers[0]:k=bf16")
     # two batches (2 + 1 windows): the bits of both final caches are pooled
     got = perplexity(*model_fns(params, config, jnp.bfloat16), wins, batch_size=2)
     # window tokens (bf16) and the raw K layer cost more than the int:4 formula
