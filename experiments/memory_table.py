@@ -18,7 +18,6 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvjax.cli import DEFAULT_PROBE_CODECS
 from kvjax.eval.memory import (
     MODEL_SHAPES,
     bytes_per_token,
@@ -26,6 +25,7 @@ from kvjax.eval.memory import (
     max_context,
     model_shape,
 )
+from kvjax.probe import BASELINE_CODECS
 from kvjax.spec import parse_kv
 
 GIB = 2**30
@@ -110,7 +110,7 @@ def markdown(rows: list[dict], contexts: Sequence[int], device_gb: float) -> str
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the table (and write ``--json``); 0 on success, 2 on bad input."""
     args = parse_args(argv)
-    specs = args.codec or list(DEFAULT_PROBE_CODECS)
+    specs = args.codec or list(BASELINE_CODECS)
     names = args.model or list(MODEL_SHAPES)
     try:
         rows = measure(specs, names, args.contexts, args.window, args.device_gb)

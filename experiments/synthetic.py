@@ -21,14 +21,8 @@ import jax
 from tqdm import tqdm
 
 from kvjax.eval.synthetic import needle, reconstruction
+from kvjax.probe import BASELINE_CODECS
 from kvjax.spec import parse_codec
-
-try:
-    from kvjax.cli import DEFAULT_PROBE_CODECS
-except ImportError:  # the CLI's list is the one source; this is its value when written
-    DEFAULT_PROBE_CODECS = (
-        "bf16", "fp8", "int:8", "int:6", "int:4", "int:3", "int:2", "kivi:4,g32", "kivi:2,g32",
-    )
 
 
 def run(specs, *, head_dim: int, seeds: int, needle_seeds: int, seed: int) -> list[dict]:
@@ -88,7 +82,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    rows = run(args.codec or DEFAULT_PROBE_CODECS, head_dim=args.head_dim, seeds=args.seeds,
+    rows = run(args.codec or BASELINE_CODECS, head_dim=args.head_dim, seeds=args.seeds,
                needle_seeds=args.needle_seeds, seed=args.seed)
     total = time.perf_counter() - start
     print(table(rows))

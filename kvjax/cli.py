@@ -18,12 +18,8 @@ import sys
 from collections.abc import Sequence
 
 from kvjax.codec import CodecError
+from kvjax.probe import BASELINE_CODECS
 from kvjax.spec import parse_kv, registered
-
-DEFAULT_PROBE_CODECS = (
-    "bf16", "fp8", "int:8", "int:6", "int:4", "int:3", "int:2",
-    "kivi:4,g32", "kivi:2,g32",
-)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -150,7 +146,7 @@ def _cmd_probe(args) -> int:
         k_codec, v_codec = parse_kv(k=args.k, v=args.v)
         pairs.append((f"{k_codec.spec} / {v_codec.spec}", k_codec, v_codec))
     else:
-        for spec in args.codec or DEFAULT_PROBE_CODECS:
+        for spec in args.codec or BASELINE_CODECS:
             k_codec, v_codec = parse_kv(spec)
             pairs.append((spec, k_codec, v_codec))
     if args.npy:

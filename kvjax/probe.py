@@ -19,6 +19,12 @@ from kvjax.cache import Step, append, check, commit, dense, init_cache, make_ste
 from kvjax.codec import EXACT, Codec, measured_bits_per_element
 from kvjax.spec import CacheConfig
 
+#: the baseline codecs that probes and tables show when no codec is named
+BASELINE_CODECS = (
+    "bf16", "fp8", "int:8", "int:6", "int:4", "int:3", "int:2",
+    "kivi:4,g32", "kivi:2,g32",
+)
+
 
 def gaussian_kv(seed: int, tokens: int, heads: int, head_dim: int) -> tuple[np.ndarray, ...]:
     """Seeded iid standard Gaussian ``k, v [tokens, heads, head_dim]`` (float32)."""

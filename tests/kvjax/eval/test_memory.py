@@ -8,7 +8,6 @@ import pytest
 
 from experiments import memory_table
 from kvjax.cache import init_cache, memory_bytes
-from kvjax.cli import DEFAULT_PROBE_CODECS
 from kvjax.codec import CodecError
 from kvjax.codecs import IntCodec
 from kvjax.eval.memory import (
@@ -18,6 +17,7 @@ from kvjax.eval.memory import (
     max_context,
     model_shape,
 )
+from kvjax.probe import BASELINE_CODECS
 from kvjax.spec import parse_cache, parse_kv
 
 
@@ -69,7 +69,7 @@ def test_kivi_keys_cost_a_fraction_of_a_block_per_token():
     assert scaled["bytes"] == pytest.approx(15 * out["bytes"], rel=1e-15)
 
 
-@pytest.mark.parametrize("spec", DEFAULT_PROBE_CODECS)
+@pytest.mark.parametrize("spec", BASELINE_CODECS)
 def test_measured_bits_agree_with_each_codecs_formula(spec):
     k, v = parse_kv(spec)
     out = bytes_per_token(k, v, **_dims("smollm2-135m"))
