@@ -273,6 +273,10 @@ def parse_cache(spec: str | CacheConfig, **defaults: Any) -> CacheConfig:
             if rule:
                 select, role, codec = rule.groups()
                 rules.append(LayerRule(select=select, role=role, codec=codec))
+            elif clause.startswith("layers["):
+                raise CacheSpecError(
+                    f"bad layer rule '{clause}'; the form is layers[SEL]:k|v|kv=CODEC, "
+                    "e.g. layers[0,-1]:k=bf16")
             elif not eq or ":" in key or "," in key:
                 if n:
                     raise CacheSpecError(
