@@ -1,10 +1,12 @@
 """End-to-end decode speed and capacity with a compressed cache, random weights.
 
     python experiments/bench_e2e.py                       # Llama-3-8B shapes, 32k prompt (GPU)
-    python experiments/bench_e2e.py --shape tiny --context 256 --batch 2   # a CPU smoke run
+    python experiments/bench_e2e.py --shape smollm2-135m --layers 1 --context 256 --batch 2
+                                                          # a CPU smoke run
 
-For each cache codec and batch size: a random-weight model of the given shapes (bf16
-weights) generates ``--new-tokens`` greedy tokens after a random prompt of ``--context``
+For each cache spec and batch size: a random-weight model of the given shape
+(:data:`kvjax.eval.memory.MODEL_SHAPES`, bf16 weights, positions sized to the run)
+generates ``--new-tokens`` greedy tokens after a random prompt of ``--context``
 tokens, prefilled ``--prefill-chunk`` tokens at a time; reported are decode tokens/s
 (all rows, compilation excluded), milliseconds per decode step, prefill seconds and the
 cache's bytes. The models' attention is ``impl="auto"``: on a GPU the decode steps of
@@ -12,9 +14,9 @@ cache's bytes. The models' attention is ``impl="auto"``: on a GPU the decode ste
 bfloat16 operands, and prefill chunks walk the cache in windows with bfloat16 operands
 (``impl="xla"``; see :data:`kvjax.attention.IMPLS`).
 
-Capacity: the largest batch whose cache of ``--context`` tokens (bytes laid out as
-:func:`kvjax.eval.memory.cache_bytes` counts them, from encoded arrays) fits beside the
-weights in the device's memory (``bytes_limit`` of the GPU, or ``--device-gb``), less
+Capacity: the largest batch whose cache of ``--context`` tokens (the bytes of the arrays
+that :func:`kvjax.cache.init_cache` allocates: :func:`kvjax.eval.memory.cache_bytes`) fits
+beside the weights in the device's memory (``bytes_limit`` of the GPU, or ``--device-gb``), less
 ``--reserve-gb`` for activations. ``--check-programs`` replaces the guessed reserve by
 the temporaries XLA reports for the compiled prefill chunk and decode loop at that
 batch (compiled from shapes, nothing allocated), and finds the largest batch for which
@@ -27,7 +29,6 @@ the capacity buys in tokens/s; it wants JAX's default preallocating allocator
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -37,21 +38,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.eval.memory import cache_bytes
+from kvjax.eval.memory import MODEL_SHAPES, ModelShape, cache_bytes
 from kvjax.spec import CacheConfig, parse_cache
 from models.config import ModelConfig
 from models.generate import generate
 from models.llama import init_params
 
-SHAPES = {
-    "llama3-8b": ModelConfig(family="llama", vocab_size=128256, hidden_size=4096,
-                             intermediate_size=14336, num_layers=32, num_heads=32,
-                             num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                             max_position_embeddings=131072),
-    "tiny": ModelConfig(family="llama", vocab_size=256, hidden_size=256,
-                        intermediate_size=512, num_layers=2, num_heads=8, num_kv_heads=2,
-                        head_dim=128, max_position_embeddings=4096),
-}
+
+def model_config(shape: ModelShape, *, max_len: int, num_layers: int | None = None
+                 ) -> ModelConfig:
+    """The model of ``shape`` (with ``num_layers`` blocks when given), its positions
+    sized to ``max_len`` tokens: random weights have no trained context to respect."""
+    return ModelConfig(
+        family=shape.family, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_layers=num_layers or shape.num_layers,
+        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        rope_theta=shape.rope_theta, tie_word_embeddings=shape.tie_word_embeddings,
+        attention_bias=shape.attention_bias, max_position_embeddings=max_len)
 
 
 def weights_bytes(params) -> int:
@@ -60,13 +63,11 @@ def weights_bytes(params) -> int:
 
 def row_bytes(config: ModelConfig, cache_config: CacheConfig, context: int) -> tuple[int, int]:
     """(bytes of one row's cache of ``context`` tokens, bytes a cache holds whatever its
-    batch: codec parameters), measured from encoded arrays."""
+    batch: codec parameters), from the cache's own arrays."""
     def size(batch):
-        return cache_bytes(cache_config.k, cache_config.v, context=context,
-                           num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                           head_dim=config.head_dim, batch=batch,
-                           residual_window=cache_config.residual_window,
-                           sink_tokens=cache_config.sink_tokens)
+        return cache_bytes(cache_config, context=context, num_layers=config.num_layers,
+                           num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                           batch=batch)
 
     per_row = size(2) - size(1)
     return per_row, size(1) - per_row
@@ -125,14 +126,15 @@ def capacity_with_programs(params, config, cache_config, *, context, chunk, new_
 def main(argv=None) -> int:
     """Run every (codec, batch) and print a markdown table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    p.add_argument("--codec", action="append", default=None,
-                   help="cache codec specs (default: bf16, int:4, saw)")
+    p.add_argument("--shape", choices=list(MODEL_SHAPES), default="llama-3-8b")
+    p.add_argument("--cache", "--codec", dest="cache", action="append", metavar="SPEC",
+                   help="cache spec, repeatable (default: bf16, int:4, saw)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prefill-chunk", type=int, default=1024)
-    p.add_argument("--window", type=int, default=0, help="raw residual window")
+    p.add_argument("--window", type=int, default=None,
+                   help="raw residual window of every spec that sets none (default 0)")
     p.add_argument("--device-gb", type=float, default=None,
                    help="device memory when the backend does not report it")
     p.add_argument("--reserve-gb", type=float, default=8.0)
@@ -148,12 +150,14 @@ def main(argv=None) -> int:
                    "nothing); --at-capacity then runs that batch")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    config = SHAPES[args.shape]
-    if args.layers:
-        config = dataclasses.replace(config, num_layers=args.layers)
-    if args.context + args.new_tokens > config.max_position_embeddings:
-        print("bench_e2e: --context + --new-tokens exceed the model's context",
-              file=sys.stderr)
+    config = model_config(MODEL_SHAPES[args.shape], max_len=args.context + args.new_tokens,
+                          num_layers=args.layers)
+    window = {} if args.window is None else {"residual_window": args.window}
+    try:
+        cache_configs = {spec: parse_cache(spec, **window)
+                         for spec in args.cache or ["bf16", "int:4", "saw"]}
+    except ValueError as err:
+        print(f"bench_e2e: error: {err}", file=sys.stderr)
         return 2
     if args.at_capacity and os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false":
         # the growing allocator fails single allocations of tens of GiB (a layer stack of
@@ -167,8 +171,7 @@ def main(argv=None) -> int:
     free = free_total - args.reserve_gb * 1e9
     rows, checked = [], {}
     rng = np.random.default_rng(0)
-    for spec in args.codec or ["bf16", "int:4", "saw"]:
-        cache_config = parse_cache(spec, residual_window=args.window)
+    for spec, cache_config in cache_configs.items():
         max_batch = capacity(config, cache_config, args.context, free) if free > 0 else None
         if args.check_programs and free_total > 0:
             checked[spec] = capacity_with_programs(
@@ -188,7 +191,8 @@ def main(argv=None) -> int:
                               max_new_tokens=args.new_tokens, eos_token_ids=(),
                               prefill_chunk=chunk)
             rows.append({
-                "codec": spec, "batch": batch, "context": args.context,
+                "codec": spec, "cache": cache_config.spec, "batch": batch,
+                "context": args.context,
                 "decode_tok_per_s": result.decode_tok_per_s,
                 "step_ms": 1e3 * result.decode_s / args.new_tokens,
                 "prefill_s": result.prefill_s,

@@ -2,10 +2,14 @@
 
 Commands:
     codecs     list the registered codecs and their spec grammar
-    probe      measure codecs on seeded Gaussian (or saved) K/V; a table, or JSON
-    generate   generate text with a model whose KV cache uses the given codecs
-    ppl        perplexity on a real corpus with the given codecs, against a bf16 cache
-    needle     needle-in-a-haystack retrieval accuracy per codec, length and depth
+    probe      measure caches on seeded Gaussian (or saved) K/V; a table, or JSON
+    generate   generate text with a model whose KV cache is the given cache spec
+    ppl        perplexity on a real corpus with the given cache, against a bf16 cache
+    needle     needle-in-a-haystack retrieval accuracy per cache, length and depth
+
+Every command that builds a cache takes it as one cache spec (:func:`kvjax.spec.parse_cache`)
+in ``--cache SPEC`` (also spelled ``--codec``); results record its canonical form. A bad
+spec is a usage error: one line that lists what is valid, exit status 2.
 
 This is the one module of kvjax that imports ``models`` (lazily, for ``generate``).
 """
@@ -17,9 +21,12 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvjax.codec import CodecError
 from kvjax.probe import BASELINE_CODECS
-from kvjax.spec import parse_kv, registered
+from kvjax.spec import CACHE_CLAUSES, CacheConfig, parse_cache, registered
+
+CACHE_HELP = ("cache spec, one quoted string of clauses: " + " ".join(CACHE_CLAUSES)
+              + ", e.g. 'k=kivi:2,g32 v=int:4 window=32 sinks=4 layers[0,-1]:k=bf16'; "
+              "python -m kvjax codecs lists the codecs")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,6 +44,33 @@ def _positive(text: str) -> int:
     return value
 
 
+def _cache(text: str) -> CacheConfig:
+    """A ``--cache`` value: the spec parsed, or a usage error with the grammar's message."""
+    try:
+        return parse_cache(text)
+    except ValueError as err:  # CacheSpecError: one line that lists what is valid
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_cache(parser: argparse.ArgumentParser, extra_help: str, **kw) -> None:
+    """The one cache option of a command: ``--cache SPEC``, also spelled ``--codec``."""
+    parser.add_argument("--cache", "--codec", dest="cache", type=_cache, metavar="SPEC",
+                        help=f"{CACHE_HELP}; {extra_help}", **kw)
+
+
+def _bf16_baseline(config: CacheConfig) -> CacheConfig:
+    """The bf16 cache that a cache under test is compared with: its window and sinks."""
+    return CacheConfig(k="bf16", residual_window=config.residual_window,
+                       sink_tokens=config.sink_tokens)
+
+
+def needle_caches(tested: Sequence[CacheConfig]) -> list[CacheConfig]:
+    """The caches a needle run measures: a bf16 cache with the window and sinks of each
+    cache under test (plain bf16 when none is given), then those caches; once each."""
+    baselines = [_bf16_baseline(c) for c in tested] or [CacheConfig(k="bf16")]
+    return list(dict.fromkeys([*baselines, *tested]))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m kvjax``."""
     parser = _Parser(prog="kvjax", description="KV-cache compression for LLMs in JAX")
@@ -45,10 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("codecs", help="list registered codecs and their spec grammar")
 
     p = sub.add_parser("probe", help="codec error, bits and attention error on synthetic K/V")
-    p.add_argument("--codec", action="append", metavar="SPEC",
-                   help="codec spec for K and V (repeat for a table); default: all baselines")
-    p.add_argument("--k", metavar="SPEC", help="K codec spec (with --v)")
-    p.add_argument("--v", metavar="SPEC", help="V codec spec (with --k)")
+    _add_cache(p, "repeat for a table; default: all baselines", action="append")
     p.add_argument("--head-dim", type=_positive, default=128)
     p.add_argument("--tokens", type=_positive, default=1024)
     p.add_argument("--heads", type=_positive, default=2, help="kv heads")
@@ -59,10 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with a compressed KV cache")
     g.add_argument("--prompt", required=True, help="the prompt text")
-    g.add_argument("--codec", metavar="SPEC", default=None,
-                   help="codec spec for K and V (default: bf16)")
-    g.add_argument("--k", metavar="SPEC", help="K codec spec (with --v)")
-    g.add_argument("--v", metavar="SPEC", help="V codec spec (with --k)")
+    _add_cache(g, "default: bf16", default="bf16")
     g.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="registered name, .gguf file or HF checkpoint dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
@@ -70,8 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--window", type=int, default=0, help="raw residual window (tokens)")
-    g.add_argument("--sinks", type=int, default=0, help="raw sink tokens")
     g.add_argument("--prefill-chunk", type=_positive, default=None, metavar="C",
                    help="feed the prompt C tokens at a time (long prompts)")
     g.add_argument("--chat", action="store_true",
@@ -80,17 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one JSON object: text, tokens, prefill_s, decode_tok_per_s, cache_bytes")
 
     q = sub.add_parser("ppl", help="perplexity on a corpus, compressed cache vs bf16 cache")
-    q.add_argument("--codec", metavar="SPEC", default=None, help="codec spec for K and V")
-    q.add_argument("--k", metavar="SPEC", help="K codec spec (with --v)")
-    q.add_argument("--v", metavar="SPEC", help="V codec spec (with --k)")
+    _add_cache(q, "a bf16 cache with its window and sinks is the baseline", required=True)
     q.add_argument("--corpus", default="shakespeare", metavar="NAME|PATH",
                    help="shakespeare, austen, wikitext-2/103, or a UTF-8 text file")
     q.add_argument("--windows", type=_positive, default=4, help="number of windows")
     q.add_argument("--window-len", type=_positive, default=256, help="tokens per window")
     q.add_argument("--chunk", type=_positive, default=None,
                    help="prefill chunk in tokens (default: the whole window)")
-    q.add_argument("--window", type=int, default=0, help="raw residual window (tokens)")
-    q.add_argument("--sinks", type=int, default=0, help="raw sink tokens")
     q.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="registered name, .gguf file or HF checkpoint dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
@@ -98,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--progress", action="store_true", help="a progress bar over chunks")
     q.add_argument("--json", action="store_true", help="one JSON object")
 
-    n = sub.add_parser("needle", help="needle-in-a-haystack retrieval accuracy per codec")
-    n.add_argument("--codec", action="append", metavar="SPEC",
-                   help="codec spec for K and V (repeat for several); bf16 always runs too")
+    n = sub.add_parser("needle", help="needle-in-a-haystack retrieval accuracy per cache")
+    _add_cache(n, "repeat for several; a bf16 cache with the window and sinks of each "
+               "always runs too", action="append")
     n.add_argument("--lengths", type=_positive, nargs="+", default=[512, 1024],
                    metavar="N", help="prompt lengths in tokens")
     n.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
@@ -109,8 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="numbers (and haystacks) per length and depth")
     n.add_argument("--corpus", default="shakespeare", metavar="NAME|PATH",
                    help="haystack text: shakespeare, austen, or a UTF-8 text file")
-    n.add_argument("--window", type=int, default=0, help="raw residual window (tokens)")
-    n.add_argument("--sinks", type=int, default=0, help="raw sink tokens")
     n.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="an instruct model with a chat template (default: SmolLM2-135M-Instruct)")
     n.add_argument("--seed", type=int, default=0, help="seed of the numbers and codecs")
@@ -130,34 +150,17 @@ def _cmd_codecs() -> int:
     return 0
 
 
-def _check_kv_flags(args) -> None:
-    if (args.k is None) != (args.v is None):
-        raise CodecError("--k and --v go together")
-    if args.k is not None and args.codec:
-        raise CodecError("give either --codec or --k/--v, not both")
-
-
 def _cmd_probe(args) -> int:
     from kvjax.probe import gaussian_kv, load_kv, probe
 
-    _check_kv_flags(args)
-    pairs = []
-    if args.k is not None:
-        k_codec, v_codec = parse_kv(k=args.k, v=args.v)
-        pairs.append((f"{k_codec.spec} / {v_codec.spec}", k_codec, v_codec))
-    else:
-        for spec in args.codec or BASELINE_CODECS:
-            k_codec, v_codec = parse_kv(spec)
-            pairs.append((spec, k_codec, v_codec))
+    configs = args.cache or [parse_cache(spec) for spec in BASELINE_CODECS]
     if args.npy:
         k, v = load_kv(args.npy)
     else:
         k, v = gaussian_kv(args.seed, args.tokens, args.heads, args.head_dim)
-    rows = []
-    for spec, k_codec, v_codec in pairs:
-        row = {"codec": spec, "k_codec": k_codec.spec, "v_codec": v_codec.spec}
-        row.update(probe(k_codec, v_codec, k=k, v=v, queries=args.queries, seed=args.seed))
-        rows.append(row)
+    rows = [{"cache": config.spec,
+             **probe(config, k=k, v=v, queries=args.queries, seed=args.seed)}
+            for config in configs]
     if args.json:
         print(json.dumps(rows[0] if len(rows) == 1 else rows, indent=None))
     else:
@@ -167,16 +170,11 @@ def _cmd_probe(args) -> int:
 
 def _cmd_generate(args) -> int:
     import models
-    from kvjax.spec import CacheConfig
     from models.generate import generate
 
-    _check_kv_flags(args)
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
-    codec = None if args.k is not None else (args.codec or "bf16")
-    k_codec, v_codec = parse_kv(codec, k=args.k, v=args.v)
-    cache_config = CacheConfig(k=k_codec, v=v_codec, residual_window=args.window,
-                               sink_tokens=args.sinks)
+    cache_config = args.cache
     config, params, tokenizer = models.load(args.model or models.DEFAULT_MODEL)
     if tokenizer is None:
         raise ValueError(f"model '{args.model}' has no tokenizer")
@@ -195,7 +193,8 @@ def _cmd_generate(args) -> int:
         print(json.dumps({
             "text": text, "tokens": tokens, "prefill_s": result.prefill_s,
             "decode_tok_per_s": result.decode_tok_per_s, "cache_bytes": result.cache_bytes,
-            "k_codec": cache_config.k.spec, "v_codec": cache_config.v.spec,
+            "cache": cache_config.spec, "k_codec": cache_config.k.spec,
+            "v_codec": cache_config.v.spec,
         }))
     else:
         print(text)
@@ -204,17 +203,11 @@ def _cmd_generate(args) -> int:
 
 def _cmd_ppl(args) -> int:
     import models
-    from kvjax.spec import CacheConfig
     from models.evaluate import cache_perplexity, check_window_len, load_model_and_windows
 
-    _check_kv_flags(args)
-    if args.k is None and args.codec is None:
-        raise ValueError("give --codec SPEC or --k SPEC --v SPEC")
     # bad specs, model names and lengths fail before the corpus and the model are loaded
-    cache_kw = {"residual_window": args.window, "sink_tokens": args.sinks}
-    k_codec, v_codec = parse_kv(args.codec, k=args.k, v=args.v)
-    cache_config = CacheConfig(k=k_codec, v=v_codec, **cache_kw)
-    baseline = CacheConfig(k="bf16", **cache_kw)
+    cache_config = args.cache
+    baseline = _bf16_baseline(cache_config)
     model_name = args.model or models.DEFAULT_MODEL
     check_window_len(models.context_length(model_name), args.window_len)
     config, params, _, _, wins = load_model_and_windows(model_name, args.corpus,
@@ -227,11 +220,12 @@ def _cmd_ppl(args) -> int:
     result = run(cache_config)
     base = run(baseline)
     row = {
-        "codec": args.codec or f"{cache_config.k.spec} / {cache_config.v.spec}",
+        "cache": cache_config.spec, "bf16_cache": baseline.spec,
         "k_codec": cache_config.k.spec, "v_codec": cache_config.v.spec,
         "model": model_name, "corpus": str(args.corpus),
         "windows": args.windows, "window_len": args.window_len, "chunk": args.chunk,
-        "residual_window": args.window, "sinks": args.sinks, "seed": args.seed,
+        "residual_window": cache_config.residual_window, "sinks": cache_config.sink_tokens,
+        "seed": args.seed,
         "ppl": result.ppl, "bf16_ppl": base.ppl, "bits_per_element": result.bits_per_element,
         "k_bits_per_element": result.k_bits_per_element,
         "v_bits_per_element": result.v_bits_per_element,
@@ -241,9 +235,9 @@ def _cmd_ppl(args) -> int:
         print(json.dumps(row))
     else:
         delta = 100.0 * (row["ppl"] / row["bf16_ppl"] - 1.0)
-        print("| codec | bits/elem | ppl | bf16 ppl | delta % |")
+        print("| cache | bits/elem | ppl | bf16 ppl | delta % |")
         print("|---|---|---|---|---|")
-        print(f"| {row['codec']} | {row['bits_per_element']:.3f} | {row['ppl']:.4f} | "
+        print(f"| {row['cache']} | {row['bits_per_element']:.3f} | {row['ppl']:.4f} | "
               f"{row['bf16_ppl']:.4f} | {delta:+.2f} |")
     return 0
 
@@ -254,13 +248,10 @@ def _cmd_needle(args) -> int:
     import models
     from kvjax.eval.corpus import load_corpus
     from kvjax.eval.needle import accuracy_table, check_grid
-    from kvjax.spec import CacheConfig
     from models.evaluate import check_needle_lengths, needle_cases, needle_retrieval
 
     check_grid(args.lengths, args.depths, args.trials)
-    specs = list(dict.fromkeys(["bf16", *(args.codec or [])]))
-    configs = [CacheConfig(k=spec, residual_window=args.window, sink_tokens=args.sinks)
-               for spec in specs]
+    configs = needle_caches(args.cache or [])
     model_name = args.model or models.DEFAULT_MODEL
     # lengths past the model's context fail before the corpus and the model are loaded
     check_needle_lengths(models.context_length(model_name), args.lengths)
@@ -269,21 +260,21 @@ def _cmd_needle(args) -> int:
     cases = needle_cases(config, tokenizer, text, lengths=args.lengths, depths=args.depths,
                          trials=args.trials, seed=args.seed)
     rows = []
-    for spec, cache_config in zip(specs, configs, strict=True):
+    for cache_config in configs:
         for row in needle_retrieval(params, config, tokenizer, cache_config, cases,
                                     seed=args.seed, batch_size=args.batch_size,
                                     progress=args.progress):
-            rows.append({"codec": spec, **row})
+            rows.append({"cache": cache_config.spec, **row})
     if args.json:
         print(json.dumps(rows))
     else:
-        print(accuracy_table(rows))
+        print(accuracy_table(rows, key="cache"))
     return 0
 
 
 def format_probe_table(rows: list[dict]) -> str:
     """A markdown table of probe results."""
-    cols = [("codec", "codec", "{}"), ("bits", "bits_per_element_measured", "{:.3f}"),
+    cols = [("cache", "cache", "{}"), ("bits", "bits_per_element_measured", "{:.3f}"),
             ("rel_mse", "rel_mse", "{:.2e}"), ("cosine", "cosine", "{:.5f}"),
             ("ip_abs_err", "ip_abs_err", "{:.4f}"), ("v_rel_mse", "v_rel_mse", "{:.2e}"),
             ("attn_rel_err", "attn_rel_err", "{:.2e}")]
@@ -310,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_ppl(args)
         if args.command == "needle":
             return _cmd_needle(args)
-    except (ValueError, OSError) as err:  # CodecError is a ValueError
+    except (ValueError, OSError) as err:  # CodecError and CacheSpecError are ValueErrors
         print(f"kvjax: error: {err}", file=sys.stderr)
         return 2
     raise AssertionError(f"unhandled command {args.command}")

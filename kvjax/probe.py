@@ -1,9 +1,9 @@
-"""A model-free probe of a K/V codec pair: error, bits and attention error in one call.
+"""A model-free probe of a cache's K/V codecs: error, bits and attention error in one call.
 
 The probe runs the codecs through the same path a model uses: it appends K/V to a
-one-layer :mod:`kvjax.cache` (raw regions in float32, so only the codecs' error is
-measured), reads the keys back and attends with one decode query per (kv head, probe
-query) through :func:`kvjax.attention.attend`.
+one-layer :mod:`kvjax.cache` of the given cache spec (raw regions in float32, so only the
+codecs' error is measured), reads the keys back and attends with one decode query per
+(kv head, probe query) through :func:`kvjax.attention.attend`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 
 from kvjax.attention import attend, dense_attention
 from kvjax.cache import Step, append, check, commit, dense, init_cache, make_step, stored_bits
-from kvjax.codec import EXACT, Codec, measured_bits_per_element
-from kvjax.spec import CacheConfig
+from kvjax.codec import EXACT, measured_bits_per_element
+from kvjax.spec import CacheConfig, parse_cache
 
 #: the baseline codecs that probes and tables show when no codec is named
 BASELINE_CODECS = (
@@ -60,17 +60,18 @@ def _mean_cosine(x, x_hat):
 
 
 def probe(
-    k_codec: Codec,
-    v_codec: Codec,
+    config: CacheConfig | str,
     *,
     k: np.ndarray,
     v: np.ndarray,
     queries: int = 16,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Measure a (K codec, V codec) pair on ``k, v [T, K, D]``.
+    """Measure a cache (a :class:`CacheConfig` or a cache spec) on ``k, v [T, K, D]``.
 
-    Returns ``head_dim``, ``bits_per_element_formula`` (mean of K and V formulas),
+    The cache has one layer, so its window, sinks and the layer rules that select layer 0
+    apply. Returns ``k_codec`` and ``v_codec`` (the specs of that layer's codecs),
+    ``head_dim``, ``bits_per_element_formula`` (mean of K and V formulas),
     ``bits_per_element_measured`` (from the bytes of K and V codes of a direct encode),
     ``cache_bits_per_element`` (from the cache, unfinished codec blocks kept raw),
     key metrics ``rel_mse``, ``cosine``, ``ip_abs_err`` (mean ``|q.k - q.k_hat|`` over
@@ -82,10 +83,11 @@ def probe(
     tokens, heads, head_dim = k.shape
     if tokens < 1:
         raise ValueError("need at least one token")
+    config = parse_cache(config)
+    k_codec, v_codec = config.layer_codecs(1)[0]
     for codec in (k_codec, v_codec):
         codec.check_head_dim(head_dim)
     key = jax.random.key(seed)
-    config = CacheConfig(k=k_codec, v=v_codec)
     cache = init_cache(key, config, num_layers=1, batch=1, num_kv_heads=heads,
                        head_dim=head_dim, max_len=tokens, dtype=jnp.float32)
     kb, vb = jnp.asarray(k)[None], jnp.asarray(v)[None]
@@ -94,7 +96,8 @@ def probe(
     cache = commit(cache.with_layer(0, layer), step)
     check(cache)
 
-    # the cache's slots hold exactly the whole codec blocks of the T tokens, all filled
+    # the slots hold exactly the whole codec blocks of the tokens past the sinks and the
+    # window, all filled
     measured = [
         measured_bits_per_element(store.codes, heads * store.slots * store.block * head_dim)
         for store in (layer.k, layer.v)
@@ -111,6 +114,8 @@ def probe(
     ip = jnp.einsum("hqd,thd->hqt", qh, kb[0], precision=EXACT)
     ip_hat = jnp.einsum("hqd,thd->hqt", qh, k_hat[0], precision=EXACT)
     return {
+        "k_codec": k_codec.spec,
+        "v_codec": v_codec.spec,
         "head_dim": head_dim,
         "tokens": tokens,
         "heads": heads,

@@ -1,11 +1,38 @@
-"""experiments/bench_e2e.py: capacity arithmetic from measured cache bytes, and a smoke run."""
+"""experiments/bench_e2e.py: capacity arithmetic from the cache's bytes, and a smoke run."""
+
+import math
+
+import jax
+import pytest
 
 from experiments import bench_e2e
+from kvjax.eval.memory import MODEL_SHAPES, ModelShape, model_shape
 from kvjax.spec import parse_cache
+
+#: a shape small enough for CPU runs of the whole pipeline
+TINY = ModelShape(name="tiny", num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
+                  num_params=2_229_504, family="llama", vocab_size=256, hidden_size=256,
+                  intermediate_size=512, rope_theta=10000.0)
+
+
+def _one_layer_tiny(max_len=4096):
+    return bench_e2e.model_config(TINY, max_len=max_len, num_layers=1)
+
+
+@pytest.mark.parametrize("shape", [*MODEL_SHAPES.values(), TINY], ids=lambda s: s.name)
+def test_model_configs_have_the_shapes_parameter_counts(shape):
+    """The table's architecture fields give its published parameter count exactly."""
+    from models.llama import param_shapes
+
+    config = bench_e2e.model_config(shape, max_len=1024)
+    leaves = jax.tree.leaves(param_shapes(config), is_leaf=lambda s: isinstance(s, tuple))
+    assert sum(math.prod(s) for s in leaves) == shape.num_params
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim)
 
 
 def test_capacity_from_measured_bytes():
-    config = bench_e2e.SHAPES["tiny"]
+    config = bench_e2e.model_config(model_shape("llama-3-8b"), max_len=1000)
     context = 1000
     bf16_row = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2 * context
     # the fixed part of a bf16 cache is a few flags and counters, far below one row
@@ -17,7 +44,8 @@ def test_capacity_from_measured_bytes():
     assert int4 == saw and 38 <= int4 <= 39
 
 
-def test_smoke_run_prints_the_table(capsys):
+def test_smoke_run_prints_the_table(capsys, monkeypatch):
+    monkeypatch.setitem(MODEL_SHAPES, "tiny", TINY)
     args = ["--shape", "tiny", "--context", "40", "--batch", "1", "--new-tokens", "2",
             "--prefill-chunk", "16", "--codec", "int:4", "--codec", "bf16",
             "--device-gb", "1", "--layers", "1"]
@@ -42,9 +70,7 @@ def test_probe_layers_smoke(capsys):
 
 def test_capacity_with_programs_charges_the_temporaries(monkeypatch):
     """The batch search: cache + the larger compiled program's temporaries must fit."""
-    import dataclasses
-
-    config = dataclasses.replace(bench_e2e.SHAPES["tiny"], num_layers=1)
+    config = _one_layer_tiny()
     cache_config = parse_cache("int:4")
     per_row, fixed = bench_e2e.row_bytes(config, cache_config, 42)
     calls = []
@@ -64,14 +90,11 @@ def test_capacity_with_programs_charges_the_temporaries(monkeypatch):
 
 
 def test_program_temps_compile_from_shapes():
-    import dataclasses
-
-    import jax
     import jax.numpy as jnp
 
     from models.llama import init_params
 
-    config = dataclasses.replace(bench_e2e.SHAPES["tiny"], num_layers=1)
+    config = _one_layer_tiny()
     params = init_params(jax.random.key(0), config, jnp.bfloat16)
     prefill, decode = bench_e2e.program_temps(params, config, parse_cache("int:4"),
                                               batch=2, context=40, chunk=16, new_tokens=2)

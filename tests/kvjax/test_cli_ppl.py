@@ -15,7 +15,8 @@ def test_ppl_real_model_on_shakespeare(capsys):
     args = ["ppl", "--codec", "int:4", "--windows", "2", "--window-len", "64", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["codec"] == "int:4" and out["k_codec"] == out["v_codec"] == "int:4"
+    assert out["cache"] == "int:4" and out["k_codec"] == out["v_codec"] == "int:4"
+    assert out["bf16_cache"] == "bf16"
     assert out["corpus"] == "shakespeare" and out["windows"] == 2 and out["window_len"] == 64
     assert math.isfinite(out["ppl"]) and out["ppl"] > 1
     assert math.isfinite(out["bf16_ppl"]) and 1 < out["bf16_ppl"] <= out["ppl"] * 1.5
@@ -28,7 +29,7 @@ def test_ppl_real_model_on_shakespeare(capsys):
 @pytest.mark.parametrize("args,needle", [
     (["--codec", "int:4", "--corpus", "no-such-corpus"], "no-such-corpus"),
     ([], "--codec"),
-    (["--k", "int:4"], "--k and --v"),
+    (["--cache", "v=int:4"], "names no K codec"),
     (["--codec", "int:1"], "2..8"),
     (["--codec", "int:4", "--window-len", "9000"], "context"),
     (["--codec", "int:4", "--model", "no-such-model"], "no-such-model"),

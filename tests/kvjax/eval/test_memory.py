@@ -1,4 +1,4 @@
-"""Cache memory measured from encoded arrays (kvjax.eval.memory, experiments/memory_table.py)."""
+"""Cache memory from the cache's own shapes (kvjax.eval.memory, experiments/memory_table.py)."""
 
 import json
 from fractions import Fraction
@@ -18,7 +18,7 @@ from kvjax.eval.memory import (
     model_shape,
 )
 from kvjax.probe import BASELINE_CODECS
-from kvjax.spec import parse_cache, parse_kv
+from kvjax.spec import CacheConfig, parse_cache
 
 
 def _dims(name):
@@ -39,7 +39,7 @@ def test_model_shapes_match_the_hf_configs():
 @pytest.mark.parametrize("name", ["smollm2-135m", "llama-3-8b", "llama-3-70b"])
 def test_bf16_is_two_bytes_per_element(name):
     d = _dims(name)
-    out = bytes_per_token("bf16", "bf16", **d)
+    out = bytes_per_token("bf16", **d)
     expect = 2 * d["num_layers"] * d["num_kv_heads"] * d["head_dim"] * 2
     assert out["bytes"] == expect and out["k_bytes"] == out["v_bytes"] == expect / 2
     assert out["bits_per_element"] == 16 and out["block_tokens"] == 1
@@ -47,7 +47,7 @@ def test_bf16_is_two_bytes_per_element(name):
 
 def test_int4_at_head_dim_128_is_four_and_a_quarter_bits():
     d = _dims("llama-3-8b")
-    out = bytes_per_token(*parse_kv("int:4"), **d)
+    out = bytes_per_token("int:4", **d)
     assert out["bits_per_element"] == 4 + 32 / 128 == IntCodec(bits=4).bits_per_element(128)
     # 16 packed uint32 words and an fp16 scale and zero: 68 bytes per vector
     per_role = d["num_layers"] * d["num_kv_heads"] * 68
@@ -55,8 +55,9 @@ def test_int4_at_head_dim_128_is_four_and_a_quarter_bits():
 
 
 def test_kivi_keys_cost_a_fraction_of_a_block_per_token():
-    k, v = parse_kv("kivi:2,g96")
-    out = bytes_per_token(k, v, num_layers=1, num_kv_heads=1, head_dim=64)
+    config = parse_cache("kivi:2,g96")
+    k, v = config.k, config.v
+    out = bytes_per_token(config, num_layers=1, num_kv_heads=1, head_dim=64)
     assert out["block_tokens"] == 96
     # 96 tokens of 64 2-bit codes (4 words each) and one fp16 scale/zero per channel
     k_expect = Fraction(96 * 4 * 4 + 2 * 64 * 2, 96)
@@ -65,57 +66,58 @@ def test_kivi_keys_cost_a_fraction_of_a_block_per_token():
     assert out["k_bytes"] == pytest.approx(k.bits_per_element(64) * 64 / 8, rel=1e-15)
     # values per token: 4 words and one (scale, zero) for the single 64-channel group
     assert out["v_bytes"] == 4 * 4 + 2 * 2 == v.bits_per_element(64) * 64 / 8
-    scaled = bytes_per_token(k, v, num_layers=3, num_kv_heads=5, head_dim=64)
+    scaled = bytes_per_token(config, num_layers=3, num_kv_heads=5, head_dim=64)
     assert scaled["bytes"] == pytest.approx(15 * out["bytes"], rel=1e-15)
 
 
 @pytest.mark.parametrize("spec", BASELINE_CODECS)
 def test_measured_bits_agree_with_each_codecs_formula(spec):
-    k, v = parse_kv(spec)
-    out = bytes_per_token(k, v, **_dims("smollm2-135m"))
+    config = parse_cache(spec)
+    k, v = config.k, config.v
+    out = bytes_per_token(config, **_dims("smollm2-135m"))
     assert out["k_bits_per_element"] == pytest.approx(k.bits_per_element(64), rel=1e-12)
     assert out["v_bits_per_element"] == pytest.approx(v.bits_per_element(64), rel=1e-12)
 
 
 CACHE_CASES = [
-    ("int:4", {}),
-    ("fp8", {"sink_tokens": 2}),
-    ("kivi:4,g4", {"residual_window": 3}),
-    ("kivi:2,g8", {"residual_window": 5, "sink_tokens": 3, "raw_k_layers": (0, -1),
-                   "raw_v_layers": (1,)}),
+    "int:4",
+    "fp8 sinks=2",
+    "kivi:4,g4 window=3",
+    "kivi:2,g8 window=5 sinks=3 layers[0,-1]:k=bf16 layers[1]:v=bf16",
+    "k=int:4 v=kivi:2,g8,token layers[1:]:k=kivi:2,g4",
 ]
 
 
-@pytest.mark.parametrize(("spec", "kw"), CACHE_CASES)
+@pytest.mark.parametrize("spec", CACHE_CASES)
 @pytest.mark.parametrize("context", [9, 40, 45])
-def test_cache_bytes_equals_a_real_caches_memory(spec, kw, context):
+def test_cache_bytes_equals_a_real_caches_memory(spec, context):
     shape = dict(num_layers=3, num_kv_heads=2, head_dim=16)
-    config = parse_cache(spec, **kw)
+    config = parse_cache(spec)
     cache = init_cache(jax.random.key(0), config, batch=2, max_len=context, **shape)
-    got = cache_bytes(config.k, config.v, context=context, batch=2, **shape, **kw)
+    got = cache_bytes(config, context=context, batch=2, **shape)
     assert got == memory_bytes(cache)
 
 
 def test_cache_bytes_is_tokens_times_bytes_per_token_plus_bookkeeping():
     shape = dict(num_layers=4, num_kv_heads=2, head_dim=32)
     bookkeeping = 2 * 4 * 3 + 3 * 5  # nonfinite flag per (role, layer, row); length, overflow
-    per_token = bytes_per_token("int:4", "int:4", **shape)["bytes"]
-    total = cache_bytes("int:4", "int:4", context=100, batch=3, **shape)
+    per_token = bytes_per_token("int:4", **shape)["bytes"]
+    total = cache_bytes("int:4", context=100, batch=3, **shape)
     assert total == 3 * 100 * per_token + bookkeeping
     # KIVI keys: an unfinished group waits raw, so the raw region has G - 1 spare slots
-    k, v = parse_kv("kivi:2,g32")
-    per_token = bytes_per_token(k, v, **shape)["bytes"]
+    per_token = bytes_per_token("kivi:2,g32", **shape)["bytes"]
     spare = 4 * 2 * 31 * 32 * 2  # layers * heads * (G - 1) bf16 tokens of 32 elements
-    assert cache_bytes(k, v, context=128, **shape) == 128 * per_token + spare + 8 + 5
+    assert cache_bytes("kivi:2,g32", context=128, **shape) == 128 * per_token + spare + 8 + 5
 
 
 def test_max_context_is_the_largest_that_fits():
-    shape = dict(num_layers=2, num_kv_heads=2, head_dim=32, residual_window=7)
+    shape = dict(num_layers=2, num_kv_heads=2, head_dim=32)
+    config = "k=kivi:2,g32 v=kivi:2,g32,token window=7"
     budget = 50_000
-    n = max_context("kivi:2,g32", "kivi:2,g32,token", budget_bytes=budget, **shape)
-    assert cache_bytes("kivi:2,g32", "kivi:2,g32,token", context=n, **shape) <= budget
-    assert cache_bytes("kivi:2,g32", "kivi:2,g32,token", context=n + 1, **shape) > budget
-    assert max_context("bf16", "bf16", budget_bytes=10, **shape) == 0
+    n = max_context(config, budget_bytes=budget, **shape)
+    assert cache_bytes(config, context=n, **shape) <= budget
+    assert cache_bytes(config, context=n + 1, **shape) > budget
+    assert max_context("bf16 window=7", budget_bytes=10, **shape) == 0
 
 
 def test_bad_input_is_a_clear_value_error():
@@ -124,17 +126,17 @@ def test_bad_input_is_a_clear_value_error():
         model_shape("llama-4")
     for context in (0, -5):
         with pytest.raises(ValueError, match="context must be a positive int"):
-            cache_bytes("int:4", "int:4", context=context, **d)
+            cache_bytes("int:4", context=context, **d)
     with pytest.raises(ValueError, match="residual_window must be a non-negative int"):
-        cache_bytes("int:4", "int:4", context=8, residual_window=-1, **d)
+        cache_bytes(CacheConfig(k="int:4", residual_window=-1), context=8, **d)
     with pytest.raises(ValueError, match="sink_tokens=9 exceeds the context of 8"):
-        cache_bytes("int:4", "int:4", context=8, sink_tokens=9, **d)
-    with pytest.raises(ValueError, match="raw_k_layers names layer 30"):
-        cache_bytes("int:4", "int:4", context=8, raw_k_layers=(30,), **d)
+        cache_bytes("int:4 sinks=9", context=8, **d)
+    with pytest.raises(ValueError, match=r"layers\[30\] names layer 30"):
+        cache_bytes("int:4 layers[30]:k=bf16", context=8, **d)
     with pytest.raises(ValueError, match="head_dim must be a positive int"):
-        bytes_per_token("int:4", "int:4", num_layers=1, num_kv_heads=1, head_dim=0)
+        bytes_per_token("int:4", num_layers=1, num_kv_heads=1, head_dim=0)
     with pytest.raises(ValueError, match="unknown codec 'int5'"):
-        bytes_per_token("int5", "int:4", **d)
+        bytes_per_token("k=int5 v=int:4", **d)
 
     class EvenHeadDim(IntCodec):
         def check_head_dim(self, head_dim):
@@ -142,11 +144,11 @@ def test_bad_input_is_a_clear_value_error():
             if head_dim % 2:
                 raise CodecError(f"{self.spec}: head_dim must be even, got {head_dim}")
 
-    odd = EvenHeadDim(bits=4)
+    odd = CacheConfig(k=EvenHeadDim(bits=4), v=EvenHeadDim(bits=4))
     with pytest.raises(ValueError, match="head_dim must be even, got 63"):
-        bytes_per_token(odd, odd, num_layers=1, num_kv_heads=1, head_dim=63)
+        bytes_per_token(odd, num_layers=1, num_kv_heads=1, head_dim=63)
     with pytest.raises(ValueError, match="head_dim must be even, got 63"):
-        cache_bytes(odd, odd, context=8, num_layers=1, num_kv_heads=1, head_dim=63)
+        cache_bytes(odd, context=8, num_layers=1, num_kv_heads=1, head_dim=63)
 
 
 def test_table_script_prints_the_table(capsys, tmp_path):
@@ -172,3 +174,18 @@ def test_table_script_rejects_bad_input(capsys):
     assert "unknown model 'gpt-5'" in capsys.readouterr().err
     assert table.main(["--codec", "int:4", "--model", "smollm2-135m", "--contexts", "0"]) == 2
     assert "contexts must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["int:4 window=6 sinks=5", "kivi:2,g8 window=3 sinks=2",
+                                  "k=kivi:2,g8 v=kivi:4,g4,token layers[0]:k=bf16"])
+def test_max_context_is_exact_at_every_budget(spec):
+    """Budgets that land in the sinks, in the window and among whole blocks."""
+    shape = dict(num_layers=2, num_kv_heads=1, head_dim=16, batch=2)
+    sizes = [cache_bytes(spec, context=c, **shape) for c in range(5, 60)]
+    for budget in [*sorted(set(sizes))[::3], sizes[-1] - 1]:
+        n = max_context(spec, budget_bytes=budget, **shape)
+        assert cache_bytes(spec, context=n, **shape) <= budget
+        assert cache_bytes(spec, context=n + 1, **shape) > budget
+    smallest = cache_bytes(spec, context=max(1, parse_cache(spec).sink_tokens), **shape)
+    assert max_context(spec, budget_bytes=smallest, **shape) >= 1
+    assert max_context(spec, budget_bytes=smallest - 1, **shape) == 0

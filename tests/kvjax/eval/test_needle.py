@@ -131,7 +131,7 @@ def test_needle_cli_real_model(capsys):
     args = ["needle", "--lengths", "160", "--depths", "0.5", "--trials", "1", "--json"]
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 1 and rows[0]["codec"] == "bf16" and rows[0]["length"] == 160
+    assert len(rows) == 1 and rows[0]["cache"] == "bf16" and rows[0]["length"] == 160
     # the embedded instruct model finds a number in a short haystack
     assert rows[0]["correct"], rows[0]
 
