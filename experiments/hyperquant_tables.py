@@ -45,18 +45,16 @@ vectors, 4: the sweep's data, 5: its codec parameters), so nothing is measured o
 calibration's own vectors.
 
 With ``--docs DIR`` (default ``results/hyperquant_tables``) the results go to
-``DIR/tables.md`` (the tables with the paper's columns and a "Disagreements" section
-written from the measured numbers), ``DIR/tables.json`` (every number, the settings and
-seeds) and ``DIR/rates.png``.
+``DIR/tables.md`` (the tables with the paper's columns), ``DIR/tables.json`` (every
+number, the settings and seeds, the provenance of the run) and ``DIR/rates.png``. Where
+the numbers disagree with the paper is discussed in ``docs/hyperquant.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import platform
 import shlex
 import sys
 import time
@@ -64,14 +62,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from tqdm import tqdm
-
-if not __package__:  # run as a script: the repository root holds kvjax and experiments
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
 
 from kvjax.codecs.hyperquant import (
     CALIBRATION_VECTORS,
@@ -85,6 +79,8 @@ from kvjax.codecs.hyperquant import (
     quantize_symbols,
     substreams,
 )
+from kvjax.eval.provenance import KEY as PROVENANCE
+from kvjax.eval.sweep import write_json
 from kvjax.primitives import rice
 from kvjax.primitives.lattices import Lattice, lattice, zigzag
 
@@ -496,207 +492,13 @@ def summary_table(rows: Sequence[dict]) -> str:
           f"{r['fallback_blocks']} / {r['blocks']}"] for r in rows])
 
 
-# -- disagreements, from the numbers -------------------------------------------------------------
-
-
-def _names(items: Sequence[str]) -> str:
-    items = [i.upper() if i != "z" else "Z" for i in items]
-    return ", ".join(items) if items else "none"
-
-
-def disagreements(summary: dict) -> list[str]:
-    """Bullet points that set the measured numbers against the paper's statements; every
-    verdict is computed from the values in ``summary``."""
-    out = []
-    g = summary.get("second_moments", {}).get("rows", [])
-    if g:
-        worst = max(g, key=lambda r: abs(r["rel_error"]))
-        off = [r["lattice"] for r in g if abs(r["z_score"]) > 3]
-        paper_off = [r["lattice"] for r in g if abs(r["paper"] / r["exact"] - 1) > 1e-3]
-        text = (f"**G.** The largest Monte-Carlo deviation from the exact G is "
-                f"{100 * worst['rel_error']:+.3f}% ({worst['lattice']}, "
-                f"{worst['z_score']:+.1f} standard errors); "
-                + ("every estimate is within 3 standard errors of the exact value. "
-                   if not off else
-                   f"{_names(off)} are more than 3 standard errors away (a bug in the "
-                   "sampler or the closest-point search would show here). ")
-                + ("The paper's values are the exact ones rounded to 4 digits."
-                   if not paper_off else
-                   f"The paper's G differs from the exact value by more than 0.1% for "
-                   f"{_names(paper_off)}."))
-        out.append(text)
-    ops = summary.get("operating_point", {}).get("rows", [])
-    if ops:
-        d0 = min(r["head_dim"] for r in ops)
-        first = {r["lattice"]: r for r in ops if r["head_dim"] == d0}
-        names = [n for n in LATTICE_ORDER if n in first]
-        diffs = {n: first[n]["rice_calibration"] - first[n]["paper"] for n in names}
-        lo, hi = min(diffs.values()), max(diffs.values())
-        slope = float(np.mean([first[n]["slope_bps_per_db"] for n in names]))
-        db = {n: diffs[n] / first[n]["slope_bps_per_db"] for n in names}
-        snr = [first[n]["snr_measured_db"] for n in names]
-        rounding = 0.005  # the paper gives two digits
-        text = f"**Rice rate at {SNR_DB:g} dB** (D = {d0}, calibration). "
-        if max(abs(v) for v in diffs.values()) <= rounding:
-            text += (f"Every lattice is within the paper's rounding ({lo:+.3f}..{hi:+.3f} "
-                     "bps). ")
-        else:
-            direction = ("higher than" if lo > 0 else "lower than" if hi < 0
-                         else "on both sides of")
-            text += (f"The measured rates are {direction} the paper's by {lo:+.3f}..{hi:+.3f}"
-                     " bps (" + ", ".join(f"{_names([n])} {diffs[n]:+.3f}" for n in names)
-                     + "), i.e. " + ", ".join(f"{db[n]:+.2f}" for n in names)
-                     + f" dB of SNR at the local slope of the curves (≈{slope:.3f} bps/dB). ")
-            # the paper's bf16 arithmetic lost SNR, which lowers its rates
-            bf16 = PAPER["bf16_snr_deficit_db"]
-            shift = bf16 * slope
-            rest = {n: diffs[n] - shift for n in names}
-            rlo, rhi = min(rest.values()), max(rest.values())
-            text += (f"The paper's B.4 mentions a ≈{bf16} dB SNR deficit from bf16 "
-                     f"arithmetic in its measurement, which lowers its rates by "
-                     f"≈{shift:.3f} bps; ")
-            if max(abs(v) for v in rest.values()) <= rounding + 0.002:
-                text += ("with it and the two-digit rounding the differences are "
-                         f"accounted for ({rlo:+.3f}..{rhi:+.3f} left). ")
-            else:
-                text += (f"{rlo:+.3f}..{rhi:+.3f} bps remain after it, more than the "
-                         f"two-digit rounding (±{rounding}). The paper does not state its "
-                         "measurement (sample, normalization, sub-stream and parameter "
-                         "rules) to this precision, so the rest cannot be placed from here. ")
-        text += (f"The SNR convention itself holds: alpha² over the measured quantization "
-                 f"MSE is {min(snr):.3f}..{max(snr):.3f} dB. ")
-        order_measured = sorted(names, key=lambda n: first[n]["rice_calibration"])
-        order_paper = sorted(names, key=lambda n: PAPER["rice_21db"][n])
-        text += ("The ranking " + " < ".join(_names([n]) for n in order_measured)
-                 + (" is the paper's." if order_measured == order_paper else
-                    " differs from the paper's "
-                    + " < ".join(_names([n]) for n in order_paper) + "."))
-        out.append(text)
-        over = {n: first[n]["rice_minus_ideal"] for n in names}
-        paper_over = {n: first[n]["paper_minus_ideal"] for n in names}
-        claim = PAPER["rice_over_ideal"]
-        above = [n for n in names if over[n] > claim]
-        ranges = summary["operating_point"].get("excess_over_ideal", [])
-        excess_text = ""
-        if ranges:
-            elo = min(ranges, key=lambda r: r["min"])
-            ehi = max(ranges, key=lambda r: r["max"])
-            excess_text = (
-                f"Away from {SNR_DB:g} dB the gap is not constant: over "
-                f"{HIGH_RATE:g}..{MAX_RATE:g} bps it runs from {elo['min']:+.3f} "
-                f"({_names([elo['lattice']])}, "
-                f"{elo['min_snr_db']:g} dB) to {ehi['max']:+.3f} "
-                f"({_names([ehi['lattice']])}, {ehi['max_snr_db']:g} dB), rippling with the "
-                "SNR as the best integer Rice parameter steps (middle panel of the figure).")
-        paper_above = [n for n in names if paper_over[n] > claim + 0.005]
-        out.append(
-            f"**Rice - ideal.** Measured {min(over.values()):+.3f}..{max(over.values()):+.3f}"
-            f" bps above R_ideal (paper: within {claim:.2f}). "
-            + ("Every lattice meets the claim. " if not above else
-               f"{_names(above)} {'exceeds' if len(above) == 1 else 'exceed'} it. ")
-            + (f"The paper's own numbers sit {min(paper_over.values()):+.3f}.."
-               f"{max(paper_over.values()):+.3f} above the ideal"
-               + (f", so by its own figures {_names(paper_above)} "
-                  f"{'is' if len(paper_above) == 1 else 'are'} slightly over 0.10 too. "
-                  if paper_above else ". ")
-            + excess_text))
-        ent = {n: first[n]["entropy_minus_ideal"] for n in names}
-        coder = {n: first[n]["rice_minus_entropy"] for n in names}
-        cls = {n: first[n]["class_entropy"] - first[n]["scalar_entropy"] for n in names}
-        tol = PAPER["scalar_entropy_vs_ideal"]
-        far = [n for n in names if abs(ent[n]) > tol]
-        out.append(
-            "**Scalar entropy vs ideal (B.4).** Scalar entropy - R_ideal is "
-            + ", ".join(f"{_names([n])} {ent[n]:+.3f}" for n in names) + " bps"
-            + (f": within the paper's {tol} everywhere. " if not far else
-               f": {_names(far)} are outside the paper's ±{tol}. ")
-            + "The Rice coder's redundancy over the scalar entropy is "
-            + f"{min(coder.values()):+.3f}..{max(coder.values()):+.3f} bps, so the gap "
-            "to the ideal is "
-            + ("mostly the coder's, as the paper says. "
-               if all(coder[n] > abs(ent[n]) for n in names) else
-               "not mostly the coder's for "
-               + _names([n for n in names if coder[n] <= abs(ent[n])]) + ". ")
-            + "Pooling each Rice class's symbols instead of each coordinate's adds "
-            + ", ".join(f"{_names([n])} {cls[n]:+.3f}" for n in names if abs(cls[n]) > 5e-4)
-            + (" bps (the classes mix coordinates with different distributions)."
-               if any(abs(cls[n]) > 5e-4 for n in names) else "nothing."))
-        costs = {n: first[n]["strip_cost"] for n in names}
-        one = {n: first[n]["strip_cost_one_parameter"] for n in names}
-        pinned = {n: first[n]["pinned_bits"] for n in names}
-        gaps = {n: costs[n] - pinned[n] for n in names}
-        text = ("**Cost of not stripping.** Raw - stripped Rice rate: "
-                + ", ".join(f"{_names([n])} {costs[n]:+.3f}" for n in names)
-                + " bps against the pinned bits "
-                + ", ".join(f"{pinned[n]:.2f}" for n in names)
-                + f" (paper: E8 {PAPER['strip_cost']['e8']:+.1f}, "
-                f"A2 {PAPER['strip_cost']['a2']:+.1f}). ")
-        block_dev = max(first[n]["strip_cost_max_block_deviation"] for n in names)
-        if block_dev == 0:
-            text += ("The match is exact, block by block: for a Rice parameter k ≥ 1 "
-                     "(k ≥ 2 for E8's comb), "
-                     "zigzag(2t + p) under k + 1 has the same quotient as zigzag(t) under "
-                     "k, so each pinned low bit costs exactly one Rice bit once the raw "
-                     "class takes the stripped parameter plus one (its best choice). "
-                     "The paper's +1.0 and +0.5 are this identity. ")
-        else:
-            worst = max(names, key=lambda n: abs(gaps[n]))
-            text += (f"The largest departure from the pinned bits is {_names([worst])}'s "
-                     f"{gaps[worst]:+.3f} bps (up to {block_dev:.0f} bits in one block): "
-                     "the identity zigzag(2t + p) >> (k + 1) = zigzag(t) >> k needs k ≥ 1 "
-                     "(k ≥ 2 for E8's comb), "
-                     "and a raw class whose best parameter is not the stripped one plus "
-                     "one departs from it. ")
-        if "a2" in one:
-            text += (f"The per-class parameter matters for A2: with one parameter for "
-                     f"n_x and n_y the raw stream costs {one['a2']:+.3f} bps instead of "
-                     f"{costs['a2']:+.3f}, because the two coordinates' spreads differ by "
-                     "sqrt 3 (0.79 bits) and a single k is wrong for both; the other "
-                     "lattices' raw coordinates are alike, so one parameter is the same.")
-        out.append(text)
-    sw = summary.get("sweep", {}).get("summary", [])
-    if sw:
-        claim = PAPER["target_error"]
-        plain = [r for r in sw if not r["dither"]]
-        dith = [r for r in sw if r["dither"]]
-        worst = max(plain, key=lambda r: r["max_abs_error"]) if plain else None
-        text = "**Realized vs target.** "
-        if worst is not None:
-            fails = [r["lattice"] for r in plain if r["max_abs_error"] > claim]
-            text += (f"The largest |realized - target| without dither is "
-                     f"{worst['max_abs_error']:.4f} bps ({worst['lattice']}); "
-                     + ("every lattice lands within the paper's 0.01. " if not fails else
-                        f"{_names(fails)} miss the paper's 0.01. "))
-        if dith:
-            d = max(dith, key=lambda r: r["max_abs_error"])
-            text += f"With dither (E8) the largest error is {d['max_abs_error']:.4f} bps. "
-        fb = sum(r["fallback_blocks"] for r in sw)
-        total = sum(r["blocks"] for r in sw)
-        text += f"{fb} of {total} blocks fell back to a coarser scale. "
-        rows = summary["sweep"]["rows"]
-        zmax = max(abs(r["z"]) for r in rows)
-        # the largest of n standard normals rarely exceeds sqrt(2 ln n) + 1
-        bound = math.sqrt(2 * math.log(max(len(rows), 2))) + 1.0
-        se = float(np.median([math.hypot(r["se"], r["calibration_se"]) for r in rows]))
-        text += (f"The errors are at most {zmax:.1f} standard errors of the fresh sample "
-                 f"and the {CALIBRATION_VECTORS}-vector calibration table together "
-                 f"(typically {se:.4f} bps), "
-                 + (f"as expected of sampling alone over {len(rows)} targets."
-                    if zmax <= bound else
-                    f"more than sampling alone explains over {len(rows)} targets (≈"
-                    f"{bound:.1f}); the rest comes from the table itself (its interpolation "
-                    "between 0.25 dB grid points, or a difference between the codec's path "
-                    "and the calibration's)."))
-        out.append(text)
-    return out
-
-
 def markdown(summary: dict) -> str:
     """The whole ``tables.md``."""
     st = summary["settings"]
     out = ["# HyperQuant: lattice and rate tables against the paper", "",
            "Reproduce with:", "", "```", summary["command"], "```", "",
-           f"jax {summary['meta']['jax']} on {summary['meta']['backend']}; "
+           f"jax {summary[PROVENANCE]['versions']['jax']} on "
+           f"{summary[PROVENANCE]['device']['backend']}; "
            f"seed {st['seed']} (fresh draws), calibration tables measured on "
            f"`key({CALIBRATION_SEED})`; total {summary['seconds']:.0f} s.", ""]
     if "second_moments" in summary:
@@ -742,9 +544,7 @@ def markdown(summary: dict) -> str:
                 sweep_table(s["rows"]), ""]
         if any(r["dither"] for r in s["rows"]):
             out += ["With dither:", "", dither_table(s["rows"]), ""]
-    out += ["![rates](rates.png)", "", "## Disagreements", ""]
-    out += [f"* {t}" for t in disagreements(summary)]
-    out.append("")
+    out += ["![rates](rates.png)", ""]
     return "\n".join(out)
 
 
@@ -850,8 +650,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     start_all = time.perf_counter()
     summary: dict[str, Any] = {
         "command": shlex.join(["python", "experiments/hyperquant_tables.py", *argv]),
-        "meta": {"jax": jax.__version__, "backend": jax.default_backend(),
-                 "machine": platform.platform()},
         "settings": {"samples": args.samples, "head_dims": head_dims,
                      "vectors": args.vectors, "snr_db": SNR_DB,
                      "block_tokens": BLOCK_TOKENS, "substream": SUBSTREAM,
@@ -899,9 +697,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dither_table(rows), "", sep="\n")
     summary["seconds"] = time.perf_counter() - start_all
 
-    print("Disagreements:", *(f"* {t}" for t in disagreements(summary)), "", sep="\n")
     args.docs.mkdir(parents=True, exist_ok=True)
-    (args.docs / "tables.json").write_text(json.dumps(summary, indent=1) + "\n")
+    summary = write_json(args.docs / "tables.json", summary)
     (args.docs / "tables.md").write_text(markdown(summary))
     plot(summary, args.docs / "rates.png")
     print(f"written: {args.docs / 'tables.md'}, {args.docs / 'tables.json'}, "

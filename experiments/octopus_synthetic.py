@@ -34,9 +34,10 @@ QJL sketch) from ``fold_in(key(seed), s)`` (:mod:`kvjax.eval.synthetic`): every 
 new data and a new rotation, and every codec sees the same data in the same trial.
 
 With ``--docs DIR`` the results go to ``DIR/synthetic.json`` (every part run so far: a
-part run alone replaces only its own entry), ``DIR/synthetic.md`` (the command, the
-tables next to the paper's numbers, and the discussion: the text after the line
-:data:`DISCUSSION` in an existing file is kept) and ``DIR/synthetic.png``.
+part run alone replaces only its own entry; with the provenance of the run),
+``DIR/synthetic.md`` (the command, each part's settings and its tables next to the
+paper's numbers) and ``DIR/synthetic.png``. What the tables say is discussed in
+``docs/octopus.md``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import functools
 import itertools
 import json
 import math
-import platform
 import shlex
 import sys
 import time
@@ -54,14 +54,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from tqdm import tqdm
-
-if not __package__:  # run as a script: the repository root holds kvjax and experiments
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
 
 from kvjax.codecs.octopus import (
     direction_codebook,
@@ -70,6 +66,7 @@ from kvjax.codecs.octopus import (
     octahedral_decode,
     to_triplets,
 )
+from kvjax.eval.sweep import write_json
 from kvjax.eval.synthetic import needle, reconstruction
 from kvjax.primitives.rotations import random_signs, randomized_hadamard
 from kvjax.spec import parse_codec
@@ -88,9 +85,6 @@ DELTAS = (-2, -1, 0, 1, 2)
 RATE_REFS = ("turboquant:b5", "turboquant:b5,qjl")
 GRID_BITS = (2, 3, 4, 5)
 MAX_SPLIT_BITS = 8
-#: the line of synthetic.md after which the hand-written discussion starts
-DISCUSSION = ("<!-- discussion: the text below this line is kept when the script "
-              "rewrites the file -->")
 
 #: the paper's statements (section 4.1, 3.3, 3.5) that the tables are set against
 PAPER = {
@@ -627,15 +621,11 @@ def _gains(summary: dict) -> dict[str, float | None]:
     return {r["codec"]: r.get("self_score_gain") for r in summary.get("keys", {}).get("rows", [])}
 
 
-def markdown(summary: dict, discussion: str) -> str:
-    """synthetic.md: the commands, each part's settings and tables, then ``discussion``."""
+def markdown(summary: dict) -> str:
+    """synthetic.md: the commands, then each part's settings and tables."""
     commands = list(dict.fromkeys(summary[p]["command"] for p in PARTS if p in summary))
     out = ["# OCTOPUS synthetic probes against TurboQuant and PolarQuant", "", "```",
-           *commands, "```", "",
-           "Stored bits per element are printed next to every row: at the same nominal B, "
-           "`octopus:bB` stores more than `turboquant:bB` or `polarquant:bB` (its "
-           "(B+1, B-1) split is 3B+1 bits per triplet: at D=128, 2.5 / 3.5 / 4.5 bits "
-           "against 2.125 / 3.125 / 4.125).", ""]
+           *commands, "```", ""]
     if "keys" in summary:
         s = summary["keys"]
         st = s["settings"]
@@ -648,8 +638,7 @@ def markdown(summary: dict, discussion: str) -> str:
                 "are the codec's formula, checked equal to the bytes of the codes. "
                 "s(k, k) / |k|^2 is the mean ratio of a key's score with itself to its "
                 f"exact value, over {st.get('gain_seeds')} trials of {st['keys']} keys of "
-                "their own (1: no shrinkage; a needle's logit is scaled about this much). "
-                f"({s['seconds']:.0f} s)", "", keys_table(s["rows"]), "",
+                f"their own. ({s['seconds']:.0f} s)", "", keys_table(s["rows"]), "",
                 "### The ratios the paper states", "", ratios_table(s["ratios"]), "",
                 "### Equal stored bits", "",
                 "PolarQuant's and OCTOPUS's MSE and IP error against TurboQuant-MSE's, and "
@@ -657,10 +646,8 @@ def markdown(summary: dict, discussion: str) -> str:
                 "the reference "
                 "is interpolated in stored bits between its two rows around the codec's "
                 "bits (`turboquant:b5` and `turboquant:b5,qjl` are run as rate references "
-                "for this), log-linearly (the smooth rate-distortion curve through them) "
-                "and linearly (for MSE, exactly what TurboQuant gets by giving a fraction "
-                "of the coordinates B+1 bits instead of B). Below 1: better than the "
-                "reference at equal rate.", "", equal_bits_table(s["equal_bits"]), ""]
+                "for this), log-linearly and linearly.", "",
+                equal_bits_table(s["equal_bits"]), ""]
     if "needle" in summary:
         s = summary["needle"]
         st = s["settings"]
@@ -670,27 +657,24 @@ def markdown(summary: dict, discussion: str) -> str:
                 "(e a random unit vector), logits `scores(q, k) / sqrt(D)` over all keys "
                 f"encoded together, softmax mass on the needle over {st['seeds']} seeds "
                 "(new keys, needle position, query noise and codec parameters per seed). "
-                "Codecs are compared by their ratio to the fp32 baseline (exact keys) of "
-                "this protocol, not to the paper's 0.960; the paper's masses are shown "
-                "with their ratio to its own 0.960. The gap to fp32 is paired over trials "
-                f"(± its standard error). ({s['seconds']:.0f} s)", "",
-                needle_table(s, _gains(summary)), ""]
+                "Ratios are to the fp32 baseline (exact keys) of this protocol; the "
+                "paper's masses are shown with their ratio to its own 0.960. The gap to "
+                "fp32 is paired over trials (± its standard error). "
+                f"({s['seconds']:.0f} s)", "", needle_table(s, _gains(summary)), ""]
     if "split" in summary:
         s = summary["split"]
         st = s["settings"]
         out += ["## Bit split", "",
                 f"`octopus:d(b+delta),n(b-delta)` on the keys protocol with {st['seeds']} "
-                f"seeds (not 64), keys [{st['keys']}, {st['head_dim']}]. Note that the "
-                "diagonal is not rate-neutral: a triplet costs 3b + delta bits. Paper: "
-                f"delta = +1 is {PAPER['split_uniform_to_plus1']} vs (b, b); "
+                f"seeds, keys [{st['keys']}, {st['head_dim']}]; a triplet costs 3b + delta "
+                f"bits. Paper: delta = +1 is {PAPER['split_uniform_to_plus1']} vs (b, b); "
                 f"{PAPER['split_plus2']} at delta = +2; {PAPER['split_minus2']} at "
                 f"delta = -2. ({s['seconds']:.0f} s)", "", split_table(s["rows"]), ""]
         if s["rate"]:
             out += ["### Equal rate: OCTOPUS at TurboQuant's 3b bits per triplet", "",
                     "The splits that spend exactly 3b bits per triplet, as `turboquant:bB` "
-                    "spends 3b bits per three coordinates (OCTOPUS still stores a little "
-                    "more per element: its 43rd, zero-padded triplet and the byte "
-                    "rounding), on the same seeds.", "", rate_table(s["rate"]), ""]
+                    "spends 3b bits per three coordinates, on the same seeds.", "",
+                    rate_table(s["rate"]), ""]
     if "grid" in summary:
         s = summary["grid"]
         st = s["settings"]
@@ -700,17 +684,7 @@ def markdown(summary: dict, discussion: str) -> str:
                 "sign-flipped Walsh-Hadamard rotation), `joint_round` with the 3x3 "
                 "neighbours of the scalar seed and with all 4^b_dir directions. Paper: "
                 f"{PAPER['grid']} for b_dir in 2..5.", "", grid_table(s["rows"]), ""]
-    out += [DISCUSSION, discussion.strip("\n"), ""]
     return "\n".join(out)
-
-
-def existing_discussion(path: Path) -> str:
-    """The text after :data:`DISCUSSION` in ``path``, or a placeholder."""
-    if path.exists():
-        text = path.read_text()
-        if DISCUSSION in text:
-            return text.split(DISCUSSION, 1)[1]
-    return "\n## Discussion\n\n(not written yet)\n"
 
 
 # -- main ----------------------------------------------------------------------------------
@@ -772,8 +746,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path = args.docs / "synthetic.json" if args.docs else None
     if json_path is not None and json_path.exists():
         summary = json.loads(json_path.read_text())  # parts not run now are kept
-    summary["meta"] = {"jax": jax.__version__, "backend": jax.default_backend(),
-                       "machine": platform.platform(), "processor": platform.processor()}
     base = {"head_dim": args.head_dim, "seed": args.seed}
     keys_settings = {**base, "keys": args.keys, "queries": args.queries}
 
@@ -821,9 +793,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.docs is not None:
         args.docs.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(summary, indent=1) + "\n")
+        write_json(json_path, summary)
         md = args.docs / "synthetic.md"
-        md.write_text(markdown(summary, existing_discussion(md)))
+        md.write_text(markdown(summary))
         plot(summary, args.docs / "synthetic.png")
         print(f"written: {md}, {json_path}, {args.docs / 'synthetic.png'}")
     return 0

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import hyperquant_tables as hqt
+from kvjax.eval.provenance import KEY
 from kvjax.primitives.lattices import lattice
 
 LATTICES = {"z", "a2", "d4", "e8"}
@@ -44,8 +45,10 @@ def test_files_and_structure(run):
     assert [r["lattice"] for r in summary["sweep"]["rows"] if r["dither"]] == ["e8"]
     assert summary["settings"]["seed"] == 1 and summary["settings"]["head_dims"] == [64]
     assert _finite(summary)
+    assert summary[KEY]["versions"]["jax"] and summary[KEY]["device"]["count"] >= 1
     md = (docs / "tables.md").read_text()
-    assert "## Disagreements" in md and "| e8 | 64 |" in md and "| 3.74 |" in md
+    assert md == hqt.markdown(summary)
+    assert "## 4. Realized vs target rate" in md and "| e8 | 64 |" in md and "| 3.74 |" in md
 
 
 def test_second_moments_near_exact(run):

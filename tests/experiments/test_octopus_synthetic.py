@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from experiments import octopus_synthetic as osyn
+from kvjax.eval.provenance import KEY
 from kvjax.eval.synthetic import _trial_keys, needle_problem
 from kvjax.spec import parse_codec
 
@@ -43,13 +44,12 @@ def test_main_writes_markdown_json_and_figure(run):
     md = (docs / "synthetic.md").read_text()
     assert md.splitlines()[3].startswith("python experiments/octopus_synthetic.py --parts")
     assert "| `octopus:b3` | 4.0000 |" in md and "| 3 | +1 | (4, 2) | 10 | 4.0000 |" in md
-    assert {"keys", "needle", "split", "meta"} <= set(summary) and "grid" not in summary
+    assert {"keys", "needle", "split", KEY} <= set(summary) and "grid" not in summary
+    assert summary[KEY]["command"].startswith("python ")
     assert summary["keys"]["settings"] == {"head_dim": D, "seed": 0, "keys": KEYS,
                                            "queries": 4, "seeds": 2, "gain_seeds": 1}
-    # the discussion below the marker survives a rewrite
-    assert osyn.DISCUSSION in md
-    (docs / "synthetic.md").write_text(md.replace("(not written yet)", "kept text"))
-    assert osyn.existing_discussion(docs / "synthetic.md").strip().endswith("kept text")
+    # the file is the tables and their settings; the discussion lives in docs/octopus.md
+    assert md == osyn.markdown(summary) and "Discussion" not in md
 
 
 def test_keys_rows_bits_and_error_falling_with_bits(run):
