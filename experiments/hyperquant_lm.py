@@ -7,9 +7,9 @@ across the rate range, the four lattices at 3 and 4 bps, the rotation x dither m
 
 K and V both use the codec (the paper's symmetric K = V); no layer is kept raw unless
 ``--cache-options`` says so (``layers[0,-1]:k=bf16``: K of the first and last block in
-bf16, the OCTOPUS recipe). Perplexity
-over 8 windows of 512 tokens, every bit measured from the cache arrays: the fp16 norms,
-each block's fixed Rice budget and sub-stream index words, the raw window.
+bf16, the OCTOPUS recipe). Perplexity over 8 windows of 512 tokens, every bit measured
+from the cache arrays: the fp16 norms, each block's fixed Rice budget and sub-stream
+index words, the raw window.
 
 Parts (``--part``, repeatable; default all), each at every ``--residual`` (default 0 and 32):
 

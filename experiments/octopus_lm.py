@@ -5,9 +5,10 @@ window and the raw boundary blocks.
     python experiments/octopus_lm.py --docs docs/octopus          # all parts
     python experiments/octopus_lm.py --part protocol --windows 4   # a quick look
 
-Recipe (the paper's Sec. 4.2): residual window of 32 raw tokens, V by group-wise INT with
-groups of 32 (``kivi:B,g32,token``, each codec's ``value_codec``), K of the first and last
-transformer block kept bf16 ("boundary-1"), everything counted in the measured bits.
+Recipe (the paper's Sec. 4.2): residual window of 32 raw tokens (``--cache-options``,
+default ``window=32``), V by group-wise INT with groups of 32 (``kivi:B,g32,token``, each
+codec's ``value_codec``), K of the first and last transformer block kept bf16
+("boundary-1", ``layers[0,-1]:k=bf16``), everything counted in the measured bits.
 Perplexity over 8 windows of 512 tokens (the paper: 8 chunks of 512).
 
 Parts (``--part``, repeatable; default all):
@@ -83,18 +84,19 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
     parts = args.part or list(PARTS)
     models: dict = {}
 
+    def settings(seed=0, boundary=True):
+        return sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
+                           window_len=args.window_len, seed=seed,
+                           cache_options=f"{args.cache_options} {BOUNDARY if boundary else ''}")
+
     def run(configs, seed=0, boundary=True):
-        options = f"{args.cache_options} {BOUNDARY if boundary else ''}"
-        settings = sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
-                               window_len=args.window_len, cache_options=options, seed=seed)
-        fn = evaluate or sw.lazy_evaluator(settings, models, sweep_evaluator)
-        rows, _ = sw.run_sweep(configs, settings, args.out, fn, progress=not args.no_progress)
+        fn = evaluate or sw.lazy_evaluator(settings(seed, boundary), models, sweep_evaluator)
+        rows, _ = sw.run_sweep(configs, settings(seed, boundary), args.out, fn,
+                               progress=not args.no_progress)
         return sw.with_deltas(rows)
 
     try:
-        protected = sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
-                                window_len=args.window_len,
-                                cache_options=f"{args.cache_options} {BOUNDARY}")
+        protected = settings()
     except ValueError as err:
         p.error(str(err))
     args.docs.mkdir(parents=True, exist_ok=True)
