@@ -14,11 +14,10 @@ decode-speed ratio and checks that both produced the same tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ import torch
 import transformers
 
 import models
+from kvjax.eval.sweep import write_json
 from kvjax.spec import parse_cache
 from models.generate import generate
 
@@ -140,11 +140,9 @@ def main(argv=None) -> int:
             "matching_prefix": next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens,
                                      strict=False)) if a != b), len(tokens)),
         })
-    meta = {"model": args.model, "dtype": args.dtype, "prompt_tokens": len(ids),
-            "new_tokens": args.new_tokens, "jax": jax.__version__, "torch": torch.__version__,
-            "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
-            "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True, check=False).stdout.strip()}
+    settings = {"model": args.model, "dtype": args.dtype, "prompt_tokens": len(ids),
+                "new_tokens": args.new_tokens, "torch": torch.__version__,
+                "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count()}
     print(f"model {args.model} ({args.dtype}), prompt {len(ids)} tokens, "
           f"{args.new_tokens} new tokens, jax {jax.__version__} on {jax.devices()[0].platform}")
     print("| KV codec | kvjax prefill tok/s | kvjax decode tok/s | HF prefill tok/s | "
@@ -156,8 +154,7 @@ def main(argv=None) -> int:
               f"{r['decode_ratio']:.2f}x | {r['compile_s']:.1f} | {r['cache_bytes']} | "
               f"{'yes' if r['same_tokens_as_hf'] else 'first ' + str(r['matching_prefix'])} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_json(Path(args.json), {"settings": settings, "rows": rows})
     return 0
 
 

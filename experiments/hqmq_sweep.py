@@ -18,8 +18,8 @@ Parts (``--part``, repeatable; default all):
   the largest chunk norm over the median chunk norm (the paper's Figure 7), and the
   fraction of chunks above 3x the median of their block of 32 tokens.
 
-Every perplexity goes through :mod:`experiments.sweep` (resumable JSON per configuration
-under ``--out``); tables, plots and ``hqmq.json`` go to ``--docs``.
+Every perplexity goes through :func:`kvjax.eval.sweep.run_sweep` (resumable JSON per
+configuration under ``--out``); tables, plots and ``hqmq.json`` go to ``--docs``.
 """
 
 from __future__ import annotations
@@ -31,11 +31,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
-if not __package__:  # run as a script: the repository root holds the experiments package
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from experiments import sweep as sw
+from kvjax.cache import dense
+from kvjax.eval import sweep as sw
+from kvjax.spec import CacheConfig, parse_codec
+from models import llama
+from models.evaluate import load_model_and_windows, sweep_evaluator
 
 SECONDARY = (24, 48, 96, 192)
 RADIUS_BITS = (3, 4, 6)
@@ -66,25 +69,28 @@ def dominated_by(rows: Sequence[dict], family: str, rivals: str) -> dict[str, li
     return out
 
 
-def dominance_lines(rows: Sequence[dict]) -> list[str]:
-    """Plain statements of who dominates whom, for the docs."""
-    lines = []
-    for fam, rival in (("int", "hqmq"), ("hqmq", "int"), ("int+med", "hqmq+med"),
-                       ("hqmq+med", "int+med"), ("int", "hqmq+med")):
+#: (family, rival) pairs of the dominance table
+DOMINANCE = (("int", "hqmq"), ("hqmq", "int"), ("int+med", "hqmq+med"),
+             ("hqmq+med", "int+med"), ("int", "hqmq+med"))
+
+
+def dominance_table(rows: Sequence[dict]) -> str:
+    """Markdown: for each :data:`DOMINANCE` pair present, how many of the family's points a
+    rival point dominates (no more bits, lower ppl), and which."""
+    lines = ["| family | rival | dominated | of | dominated points (a rival point has no more "
+             "bits and a lower ppl) |", "|---|---|---|---|---|"]
+    for fam, rival in DOMINANCE:
         beaten = dominated_by(rows, fam, rival)
         if not beaten:
             continue
         hit = [c for c, by in beaten.items() if by]
-        lines.append(f"- {len(hit)} of {len(beaten)} `{fam}` points are dominated by a "
-                     f"`{rival}` point (no more bits, lower ppl)"
-                     + (f": {', '.join(f'`{c}`' for c in hit)}" if hit else ""))
-    return lines
+        lines.append(f"| `{fam}` | `{rival}` | {len(hit)} | {len(beaten)} | "
+                     + (", ".join(f"`{c}`" for c in hit) or "-") + " |")
+    return "\n".join(lines)
 
 
 def bits_table(head_dims: Sequence[int] = (64, 128)) -> str:
     """HQMQ's fractional bits (the paper's count) and the bits stored, per head dim."""
-    from kvjax.spec import parse_codec
-
     head = "| codec |" + "".join(f" paper D={d} | stored D={d} |" for d in head_dims)
     lines = [head, "|---|" + "---|---|" * len(head_dims)]
     for s in SECONDARY:
@@ -112,13 +118,6 @@ def chunk_norm_diagnostic(model: str, corpus: str, windows: int, window_len: int
     """Per layer and K|V: the largest chunk norm over the median chunk norm, and the
     fraction of chunks above ``multiplier`` x the median of their block of ``block``
     tokens (as ``medC`` judges them), from a float32 cache of the windows."""
-    import jax.numpy as jnp
-
-    from kvjax.cache import dense
-    from kvjax.spec import CacheConfig
-    from models import llama
-    from models.evaluate import load_model_and_windows
-
     config, params, _, _, wins = load_model_and_windows(model, corpus, windows, window_len)
     tokens = jnp.asarray(wins, jnp.int32)
     cache = llama.new_cache(config, CacheConfig(k="f32", v="f32"), batch=tokens.shape[0],
@@ -181,10 +180,15 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
                            published="docs/hqmq")
     args = p.parse_args(argv)
     parts = args.part or list(PARTS)
+    try:
+        options = sw.canonical_options(args.cache_options)
+    except ValueError as err:
+        p.error(str(err))
     args.docs.mkdir(parents=True, exist_ok=True)
-    # parts run separately add to one summary (kept only for the same model and corpus)
+    # parts run separately add to one summary (kept only for the same model, corpus and
+    # cache options)
     settings = {"model": args.model, "corpus": args.corpus, "windows": args.windows,
-                "window_len": args.window_len}
+                "window_len": args.window_len, "cache_options": options}
     previous = args.docs / "hqmq.json"
     summary: dict = json.loads(previous.read_text()) if previous.exists() else {}
     if {k: summary.get(k) for k in settings} != settings:
@@ -194,14 +198,8 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
 
     def run(configs, seed=0):
         settings = sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
-                               window_len=args.window_len, chunk=None, residual_window=0,
-                               sinks=0, seed=seed)
-        if evaluate is not None:
-            fn = evaluate
-        else:
-            # the model loads once; the seed only draws the codecs' parameters
-            fn = evaluators.get(seed) or sw.model_evaluator(settings)
-            evaluators[seed] = fn
+                               window_len=args.window_len, cache_options=options, seed=seed)
+        fn = evaluate or sw.lazy_evaluator(settings, evaluators, sweep_evaluator)
         rows, _ = sw.run_sweep(configs, settings, args.out, fn,
                                progress=not args.no_progress)
         return sw.with_deltas(rows)
@@ -214,14 +212,14 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
     if "sweep" in parts:
         rows = run(sweep_configs())
         table = sw.markdown_table(rows)
-        lines = dominance_lines(rows)
-        (args.docs / "sweep.md").write_text(table + "\n\n" + "\n".join(lines) + "\n")
+        dominance = dominance_table(rows)
+        (args.docs / "sweep.md").write_text(table + "\n\n" + dominance + "\n")
         sw.write_csv(rows, args.docs / "sweep.csv")
         sw.plot_pareto_views(rows, args.docs / "pareto.png", "HQMQ vs naive int, " + title,
                              max_bits=7.0)
         summary["sweep"] = [{k: r[k] for k in ("config", "family", "bits_per_element", "ppl",
                                                "delta_pct")} for r in rows]
-        print(table, "", *lines, sep="\n")
+        print(table, "", dominance, sep="\n")
     if "seeds" in parts:
         per_seed: dict[str, list[float]] = {c: [] for c in SEED_CONFIGS}
         for seed in SEEDS:
@@ -254,7 +252,7 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
               f"{statistics.median(r['max_over_median'] for r in k):.1f}, largest "
               f"{worst['max_over_median']:.1f} (layer {worst['layer']}); K chunks above 3x "
               f"their block's median: {share:.2f}%")
-    (args.docs / "hqmq.json").write_text(json.dumps(summary, indent=1, default=float))
+    sw.write_json(args.docs / "hqmq.json", summary)
     print(f"\nwritten: {args.docs}")
     return 0 if all(math.isfinite(r.get("ppl", 0)) for r in summary.get("sweep", [])) else 1
 

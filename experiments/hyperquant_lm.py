@@ -6,9 +6,10 @@ across the rate range, the four lattices at 3 and 4 bps, the rotation x dither m
     python experiments/hyperquant_lm.py --part rates --windows 2         # a quick look
 
 K and V both use the codec (the paper's symmetric K = V); no layer is kept raw unless
-``--boundary`` (K of the first and last block in bf16, the OCTOPUS recipe). Perplexity
-over 8 windows of 512 tokens, every bit measured from the cache arrays: the fp16 norms,
-each block's fixed Rice budget and sub-stream index words, the raw window.
+``--cache-options`` says so (``layers[0,-1]:k=bf16``: K of the first and last block in
+bf16, the OCTOPUS recipe). Perplexity over 8 windows of 512 tokens, every bit measured
+from the cache arrays: the fp16 norms, each block's fixed Rice budget and sub-stream
+index words, the raw window.
 
 Parts (``--part``, repeatable; default all), each at every ``--residual`` (default 0 and 32):
 
@@ -20,21 +21,18 @@ Parts (``--part``, repeatable; default all), each at every ``--residual`` (defau
 * ``seeds``: E8 at 2, 3 and 4 bps with two more seeds of the codec parameters (rotation
   signs; the calibration is data-free and fixed).
 
-Every perplexity goes through :mod:`experiments.sweep` (resumable JSON per configuration
-under ``--out``: a second run only aggregates); tables, CSV, JSON and Pareto plots go to
-``--docs``.
+Every perplexity goes through :func:`kvjax.eval.sweep.run_sweep` (resumable JSON per
+configuration under ``--out``: a second run only aggregates); tables, CSV, JSON and
+Pareto plots go to ``--docs``.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-if not __package__:  # run as a script: the repository root holds the experiments package
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from experiments import sweep as sw
-from experiments.octopus_lm import lazy_evaluator, seed_rows, seed_table
+from kvjax.eval import sweep as sw
+from models.evaluate import sweep_evaluator
 
 E8_RATES = (1.7, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0)
 OTHER_LATTICES = ("d4", "a2", "z")
@@ -44,7 +42,6 @@ CONTEXT = ("int:4", "kivi:2,g32", "kivi:4,g32", "turboquant:b2", "turboquant:b3"
 SEED_RATES = (2.0, 3.0, 4.0)
 EXTRA_SEEDS = (1, 2)
 PARTS = ("rates", "bias", "context", "seeds")
-BOUNDARY = (0, -1)
 
 
 def spec(lattice: str, rate: float, rotation: str = "none", dither: bool = False) -> str:
@@ -131,30 +128,35 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
                            published="docs/hyperquant")
     p.add_argument("--residual", type=int, nargs="+", default=[0, 32],
                    help="raw residual windows (tokens) to run every part at")
-    p.add_argument("--boundary", action="store_true",
-                   help="keep K of the first and last block bf16 (counted in the bits)")
     args = p.parse_args(argv)
     parts = args.part or list(PARTS)
-    args.docs.mkdir(parents=True, exist_ok=True)
     models: dict = {}
-    raw_k = BOUNDARY if args.boundary else ()
+
+    def settings(window, seed=0):
+        return sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
+                           window_len=args.window_len, seed=seed,
+                           cache_options=f"window={window} {args.cache_options}")
 
     def run(configs, window, seed=0):
-        settings = sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
-                               window_len=args.window_len, chunk=None,
-                               residual_window=window, sinks=0, seed=seed,
-                               raw_k_layers=raw_k)
-        fn = evaluate or lazy_evaluator(settings, models)
-        rows, _ = sw.run_sweep(configs, settings, args.out, fn, progress=not args.no_progress)
+        fn = evaluate or sw.lazy_evaluator(settings(window, seed), models, sweep_evaluator)
+        rows, _ = sw.run_sweep(configs, settings(window, seed), args.out, fn,
+                               progress=not args.no_progress)
         return sw.with_deltas(rows)
 
-    title = (f"{args.model} on {args.corpus}: {args.windows} x {args.window_len} tokens"
-             + (", K raw in the first and last block" if args.boundary else ""))
-    keep = ("config", "family", "k_codec", "v_codec", "bits_per_element",
+    try:
+        options = sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
+                              window_len=args.window_len, cache_options=args.cache_options)
+        for window in args.residual:
+            settings(window)
+    except ValueError as err:
+        p.error(str(err))
+    args.docs.mkdir(parents=True, exist_ok=True)
+    title = options.title()
+    keep = ("config", "family", "cache_spec", "k_codec", "v_codec", "bits_per_element",
             "k_bits_per_element", "v_bits_per_element", "ppl", "delta_pct",
             "fallback_blocks")
     summary: dict = {"model": args.model, "corpus": args.corpus, "windows": args.windows,
-                     "window_len": args.window_len, "raw_k_layers": list(raw_k),
+                     "window_len": args.window_len, "cache_options": options.cache_options,
                      "residual_windows": args.residual, "parts": {}}
     sections = []
     main_parts = [pt for pt in ("rates", "bias", "context") if pt in parts]
@@ -183,10 +185,10 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         per_seed = {0: by_window.get(window) or run(seed_configs(), window)}
         for seed in EXTRA_SEEDS:
             per_seed[seed] = run(seed_configs(), window, seed)
-        rows = [r for r in seed_rows(per_seed) if r["config"] in seed_configs()]
+        rows = [r for r in sw.seed_rows(per_seed) if r["config"] in seed_configs()]
         summary["seeds"] = {"residual_window": window, "rows": rows}
         sections.append(f"## Seeds of the codec parameters (window {window})\n\n"
-                        + seed_table(rows, sorted(per_seed)))
+                        + sw.seed_table(rows, sorted(per_seed)))
     text = f"# HyperQuant, KV-only: {title}\n\n" + "\n\n".join(sections)
     sw.publish_tables(args.docs, text, summary)
     return 0

@@ -1,5 +1,8 @@
 """HyperQuant's lattice and rate tables (sections 4.6, B.1 and B.4) against the paper's numbers.
 
+The measurements are :mod:`kvjax.eval.lattice_rates`'; this script holds the paper's
+numbers, the settings and the tables.
+
     python experiments/hyperquant_tables.py --docs docs/hyperquant
     python experiments/hyperquant_tables.py --samples 100000 --vectors 8192 --targets 5
 
@@ -45,18 +48,15 @@ vectors, 4: the sweep's data, 5: its codec parameters), so nothing is measured o
 calibration's own vectors.
 
 With ``--docs DIR`` (default ``results/hyperquant_tables``) the results go to
-``DIR/tables.md`` (the tables with the paper's columns and a "Disagreements" section
-written from the measured numbers), ``DIR/tables.json`` (every number, the settings and
-seeds) and ``DIR/rates.png``.
+``DIR/tables.md`` (the tables with the paper's columns), ``DIR/tables.json`` (every
+number, the settings and seeds, the provenance of the run) and ``DIR/rates.png``. Where
+the numbers disagree with the paper is discussed in ``docs/hyperquant.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import math
-import platform
 import shlex
 import sys
 import time
@@ -64,36 +64,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
-if not __package__:  # run as a script: the repository root holds kvjax and experiments
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import jax
-import jax.numpy as jnp
-
-from kvjax.codecs.hyperquant import (
-    CALIBRATION_VECTORS,
-    MAX_RATE,
-    MIN_RATE,
-    SUBSTREAM,
-    HyperQuantCodec,
-    alpha_for_snr,
-    block_payload,
-    calibration,
-    quantize_symbols,
-    substreams,
+from kvjax.codecs.hyperquant import MAX_RATE, MIN_RATE, SUBSTREAM, calibration
+from kvjax.eval.lattice_rates import (
+    BLOCK_TOKENS,
+    LATTICE_ORDER,
+    SNR_DB,
+    excess_over_ideal,
+    ideal_rate,
+    operating_point,
+    rd_rate,
+    realized_rate,
+    second_moment_mc,
+    sweep_summary,
+    target_rates,
 )
-from kvjax.primitives import rice
-from kvjax.primitives.lattices import Lattice, lattice, zigzag
+from kvjax.eval.provenance import KEY as PROVENANCE
+from kvjax.eval.sweep import write_json
+from kvjax.primitives.lattices import lattice
 
-#: the paper's order (best lattice first)
-LATTICE_ORDER = ("e8", "d4", "a2", "z")
-SNR_DB = 21.0
-#: lower end of the rates where the high-rate ideal is compared (the paper's weight sweep)
-HIGH_RATE = 3.0
-BLOCK_TOKENS = 8
+#: the key the shipped calibration tables were measured on
 CALIBRATION_SEED = 20260
 
 #: the paper's numbers (Table 3, section 4.6, B.1, B.4, 6.1) that the tables are set against
@@ -109,296 +100,23 @@ PAPER: dict[str, Any] = {
 }
 
 
-# -- formulas ------------------------------------------------------------------------------
-
-
-def rd_rate(snr_db: float | np.ndarray) -> float | np.ndarray:
-    """Gaussian rate-distortion rate per dimension, ``1/2 log2 SNR`` (linear SNR)."""
-    return 0.5 * np.log2(10.0 ** (np.asarray(snr_db, np.float64) / 10.0))
-
-
-def ideal_rate(second_moment: float, snr_db: float | np.ndarray) -> float | np.ndarray:
-    """High-rate rate of an entropy-coded lattice quantizer with normalized second moment
-    ``G``: ``R_D + 1/2 log2(2 pi e G)`` bits per dimension."""
-    return rd_rate(snr_db) + 0.5 * math.log2(2.0 * math.pi * math.e * second_moment)
-
-
-def granular_gain_db(second_moment: float) -> float:
-    """Granular gain over the integer lattice, ``10 log10((1/12) / G)`` dB."""
-    return 10.0 * math.log10((1.0 / 12.0) / second_moment)
-
-
-def entropy_bits(counts: np.ndarray) -> float:
-    """Plug-in entropy (bits) of a histogram."""
-    counts = np.asarray(counts, np.float64)
-    p = counts[counts > 0] / counts.sum()
-    return float(-np.sum(p * np.log2(p)))
-
-
-def pinned_bits(lat: Lattice) -> float:
-    """Bits per element that membership pins (what :meth:`Lattice.strip` removes)."""
-    return lat.stripped_bits / lat.dim
-
-
-def raw_classes(lat: Lattice) -> tuple[int, ...]:
-    """Coordinate classes of the raw codes: ``a2``'s ``n_x`` and ``n_y`` have spreads
-    ``alpha`` and ``alpha / sqrt 3``; every other lattice's coordinates are alike."""
-    return (0, 1) if lat.name == "a2" else (0,) * lat.dim
-
-
 def _progress(items, desc: str, progress: bool, unit: str = "it"):
     return tqdm(items, desc=desc, unit=unit, disable=not progress, leave=False)
 
 
-# -- part 1: second moments ----------------------------------------------------------------
+def with_paper_g(row: dict) -> dict:
+    """A second-moment row with the paper's ``G`` and its granular gain over ``Z``."""
+    g = PAPER["G"]
+    return {**row, "paper": g[row["lattice"]],
+            "gain_db_paper": 10.0 * math.log10(g["z"] / g[row["lattice"]])}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _normalized_errors(name: str, key: jax.Array, count: int) -> jax.Array:
-    """``|U|^2 / (n V^(2/n))`` of ``count`` uniform draws on the Voronoi cell (their mean
-    is ``G``)."""
-    lat = lattice(name)
-    u = lat.voronoi_sample(key, (count,))
-    return jnp.sum(u * u, axis=-1) / (lat.dim * lat.covolume ** (2.0 / lat.dim))
-
-
-def second_moment_mc(name: str, samples: int, seed: int, chunk: int = 1 << 18) -> dict:
-    """Monte-Carlo ``G`` of lattice ``name`` from ``samples`` Voronoi-cell draws (in chunks
-    of ``chunk`` so memory stays small): estimate, standard error and the exact and paper
-    values with their granular gains."""
-    lat = lattice(name)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1),
-                             LATTICE_ORDER.index(name))
-    total = total_sq = 0.0
-    done = 0
-    for i in range(-(-samples // chunk)):
-        count = min(chunk, samples - done)
-        v = np.asarray(_normalized_errors(name, jax.random.fold_in(key, i), count),
-                       np.float64)
-        total += v.sum()
-        total_sq += (v * v).sum()
-        done += count
-    mean = total / done
-    var = max(total_sq / done - mean * mean, 0.0) * done / max(done - 1, 1)
-    se = math.sqrt(var / done)
-    exact = lat.second_moment
-    return {"lattice": name, "dim": lat.dim, "samples": done, "estimate": mean, "se": se,
-            "exact": exact, "paper": PAPER["G"][name], "rel_error": mean / exact - 1.0,
-            "z_score": (mean - exact) / se if se > 0 else 0.0,
-            "gain_db": granular_gain_db(mean), "gain_db_exact": granular_gain_db(exact),
-            "gain_db_paper": 10.0 * math.log10(PAPER["G"]["z"] / PAPER["G"][name])}
-
-
-# -- parts 2 and 3: the 21 dB operating point ----------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _block_measurements(name: str, head_dim: int, vectors: int, key: jax.Array,
-                        alpha: jax.Array):
-    """One chunk of fresh Gaussian vectors at scale ``alpha``: per block (8 tokens) the
-    stripped Rice bits, the raw codes' Rice bits with a parameter per coordinate class and
-    with one parameter, the squared quantization error, and the stripped and raw symbols
-    ``[blocks, elements]``."""
-    lat = lattice(name)
-    blocks = vectors // BLOCK_TOKENS
-    elements = BLOCK_TOKENS * head_dim
-    n_sub, size = substreams(elements, lat.dim)
-    x = jax.random.normal(key, (blocks, BLOCK_TOKENS, head_dim), jnp.float32)
-    y = alpha * x * (math.sqrt(head_dim) / jnp.linalg.norm(x, axis=-1, keepdims=True))
-    codes, symbols = quantize_symbols(lat, y, None)
-    error = y - lat.point(codes).reshape(y.shape)
-    symbols = symbols.reshape(blocks, elements)
-    stripped = block_payload(lat, symbols, n_sub)[2]
-    raw = zigzag(codes).reshape(blocks, n_sub, size)
-    classes = np.tile(np.asarray(raw_classes(lat)), size // lat.dim)
-    per_class = sum(
-        jnp.min(rice.parameter_costs(raw, jnp.asarray(classes == c)), axis=-1)
-        for c in np.unique(classes))
-    one = jnp.min(rice.parameter_costs(raw), axis=-1)
-    return (stripped, jnp.sum(per_class, -1), jnp.sum(one, -1),
-            jnp.sum(error * error, axis=(-2, -1)), symbols, raw.reshape(blocks, elements))
-
-
-class _Histograms:
-    """Symbol counts per coordinate of a lattice point, grown as symbols arrive."""
-
-    def __init__(self, dim: int):
-        self.counts = [np.zeros(0, np.int64) for _ in range(dim)]
-
-    def add(self, symbols: np.ndarray) -> None:
-        cols = symbols.reshape(-1, len(self.counts))
-        for j, old in enumerate(self.counts):
-            new = np.bincount(cols[:, j])
-            if len(new) < len(old):
-                new = np.pad(new, (0, len(old) - len(new)))
-            self.counts[j] = new + np.pad(old, (0, len(new) - len(old)))
-
-    def position_entropy(self) -> float:
-        """Mean over the coordinates of each one's marginal entropy (bits per symbol)."""
-        return float(np.mean([entropy_bits(c) for c in self.counts]))
-
-    def class_entropy(self, classes: Sequence[int]) -> float:
-        """Mean per symbol of the entropy of each class's pooled symbols."""
-        total = 0.0
-        for c in sorted(set(classes)):
-            members = [j for j, k in enumerate(classes) if k == c]
-            width = max(len(self.counts[j]) for j in members)
-            pooled = sum(np.pad(self.counts[j], (0, width - len(self.counts[j])))
-                         for j in members)
-            total += len(members) * entropy_bits(pooled)
-        return total / len(classes)
-
-    def plugin_bias(self) -> float:
-        """Miller-Madow size of the plug-in entropy's downward bias, ``(K - 1) / (2 N ln 2)``
-        bits, largest over the coordinates."""
-        return max((np.count_nonzero(c) - 1) / (2.0 * c.sum() * math.log(2.0))
-                   for c in self.counts)
-
-
-def operating_point(name: str, head_dim: int, vectors: int, seed: int,
-                    snr_db: float = SNR_DB, chunk: int = 8192) -> dict:
-    """Parts 2 and 3 for one lattice and head dim: the stripped and raw Rice rates of
-    ``vectors`` fresh Gaussian vectors at ``snr_db``, their scalar entropies, the lattice
-    ideal and the calibration's rate there."""
-    lat = lattice(name)
-    elements = BLOCK_TOKENS * head_dim
-    chunk = max(BLOCK_TOKENS, min(chunk, vectors) // BLOCK_TOKENS * BLOCK_TOKENS)
-    vectors = max(chunk, vectors // chunk * chunk)
-    alpha = alpha_for_snr(lat, snr_db)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 2), head_dim)
-    stripped, raw_class, raw_one, sq_error = [], [], [], []
-    hist, raw_hist = _Histograms(lat.dim), _Histograms(lat.dim)
-    for i in range(vectors // chunk):
-        s, rc, r1, sq, sym, raw = _block_measurements(name, head_dim, chunk,
-                                                  jax.random.fold_in(key, i),
-                                                  jnp.float32(alpha))
-        stripped.append(np.asarray(s))
-        raw_class.append(np.asarray(rc))
-        raw_one.append(np.asarray(r1))
-        sq_error.append(np.asarray(sq, np.float64))
-        hist.add(np.asarray(sym))
-        raw_hist.add(np.asarray(raw))
-    stripped_bits = np.concatenate(stripped).astype(np.float64)
-    raw_class_bits = np.concatenate(raw_class).astype(np.float64)
-    raw_one_bits = np.concatenate(raw_one).astype(np.float64)
-    blocks = len(stripped_bits)
-    cal = calibration(name, head_dim, BLOCK_TOKENS, False)
-    rice_rate = stripped_bits.mean() / elements
-    entropy = hist.position_entropy()
-    ideal = float(ideal_rate(lat.second_moment, snr_db))
-    # the curve's local slope turns a rate gap into an SNR gap
-    slope = float(np.interp(snr_db + 0.5, cal.snr_db, cal.rate)
-                  - np.interp(snr_db - 0.5, cal.snr_db, cal.rate))
-    cost = raw_class_bits - stripped_bits
-    # the SNR convention alpha^2 / noise_power assumes the high-rate error power
-    mse = np.concatenate(sq_error).sum() / (blocks * elements)
-    return {
-        "lattice": name, "head_dim": head_dim, "snr_db": snr_db, "alpha": alpha,
-        "vectors": vectors, "blocks": blocks, "block_elements": elements,
-        "mse_over_noise_power": mse / lat.noise_power,
-        "snr_measured_db": 10.0 * math.log10(alpha * alpha / mse),
-        "n_sub": substreams(elements, lat.dim)[0],
-        "rice_calibration": float(np.interp(snr_db, cal.snr_db, cal.rate)),
-        "rice_direct": rice_rate,
-        "rice_direct_se": float(stripped_bits.std(ddof=1) / math.sqrt(blocks) / elements),
-        "slope_bps_per_db": slope,
-        "scalar_entropy": entropy,
-        "class_entropy": hist.class_entropy(lat.symbol_class),
-        "entropy_bias_bound": hist.plugin_bias(),
-        "rd_rate": float(rd_rate(snr_db)), "ideal": ideal,
-        "rice_minus_entropy": rice_rate - entropy, "entropy_minus_ideal": entropy - ideal,
-        "rice_minus_ideal": rice_rate - ideal,
-        "paper": PAPER["rice_21db"][name],
-        "paper_minus_ideal": PAPER["rice_21db"][name] - ideal,
-        "raw_rice": raw_class_bits.mean() / elements,
-        "raw_rice_one_parameter": raw_one_bits.mean() / elements,
-        "raw_scalar_entropy": raw_hist.position_entropy(),
-        "strip_cost": cost.mean() / elements,
-        "strip_cost_se": float(cost.std(ddof=1) / math.sqrt(blocks) / elements),
-        "strip_cost_max_block_deviation": float(
-            np.abs(cost - pinned_bits(lat) * elements).max()),
-        "strip_cost_one_parameter": (raw_one_bits - stripped_bits).mean() / elements,
-        "strip_entropy_cost": raw_hist.position_entropy() - entropy,
-        "pinned_bits": pinned_bits(lat),
-        "paper_strip_cost": PAPER["strip_cost"].get(name),
-    }
-
-
-def excess_over_ideal(name: str, head_dim: int, low: float = HIGH_RATE,
-                      high: float = MAX_RATE) -> dict:
-    """Calibrated Rice rate - ``R_ideal`` over calibrated rates ``low..high`` bps: its
-    smallest and largest value and where they fall. The integer Rice parameter makes it
-    ripple with the SNR, one period per parameter step (about 6 dB); below ~3 bps the
-    high-rate ideal itself stops being a bound worth comparing to."""
-    lat = lattice(name)
-    cal = calibration(name, head_dim, BLOCK_TOKENS, False)
-    keep = (cal.rate >= low) & (cal.rate <= high)
-    snr = cal.snr_db[keep]
-    excess = cal.rate[keep] - ideal_rate(lat.second_moment, snr)
-    lo, hi = int(np.argmin(excess)), int(np.argmax(excess))
-    return {"lattice": name, "head_dim": head_dim, "rates": [low, high],
-            "min": float(excess[lo]), "min_snr_db": float(snr[lo]),
-            "max": float(excess[hi]), "max_snr_db": float(snr[hi])}
-
-
-# -- part 4: realized vs target --------------------------------------------------------------
-
-
-def target_rates(count: int) -> list[float]:
-    """``count`` targets evenly over ``MIN_RATE..MAX_RATE`` (1.5..5 bps)."""
-    if count == 1:
-        return [3.0]
-    return [round(float(t), 4) for t in np.linspace(MIN_RATE, MAX_RATE, count)]
-
-
-def realized_rate(name: str, target: float, head_dim: int, vectors: int, seed: int,
-                  dither: bool = False) -> dict:
-    """Encode ``vectors`` fresh Gaussian vectors with ``HyperQuantCodec(name, target)``
-    (jitted) and read the realized payload per element from the stored words."""
-    codec = HyperQuantCodec(lattice=name, rate=target, dither=dither)
-    plan = codec.plan(head_dim)
-    vectors = max(BLOCK_TOKENS, vectors // BLOCK_TOKENS * BLOCK_TOKENS)
-    base = jax.random.key(seed)
-    x = jax.random.normal(jax.random.fold_in(base, 4), (vectors, head_dim), jnp.float32)
-    params = codec.init(jax.random.fold_in(base, 5), head_dim)
-    codes = jax.jit(codec.encode)(params, x)
-    bits = np.asarray(codec.payload_bits(codes), np.float64)
-    elements = BLOCK_TOKENS * head_dim
-    realized = bits.sum() / (vectors * head_dim)
-    se = float(bits.std(ddof=1) / math.sqrt(len(bits)) / elements) if len(bits) > 1 else 0.0
-    # the table the target is read from has a sampling error of its own
-    cal = calibration(name, head_dim, BLOCK_TOKENS, dither)
-    cal_se = cal.std_at(plan.snr_db) / math.sqrt(CALIBRATION_VECTORS // BLOCK_TOKENS) / elements
-    combined = math.hypot(se, cal_se)
-    return {"lattice": name, "target": target, "dither": dither, "head_dim": head_dim,
-            "vectors": vectors, "blocks": len(bits), "snr_db": plan.snr_db,
-            "alpha": plan.alpha, "budget_bits": 32 * plan.words, "realized": realized,
-            "error": realized - target, "se": se, "calibration_se": cal_se,
-            "z": (realized - target) / combined if combined > 0 else 0.0,
-            "fallback_blocks": codec.fallback_blocks(codes)}
-
-
-def sweep_summary(rows: Sequence[dict]) -> list[dict]:
-    """Per lattice (and dither): the largest ``|realized - target|``, the mean error, the
-    largest error in standard errors (the fresh sample's and the calibration table's
-    together), and the fallback blocks over the sweep."""
-    out = []
-    for name in LATTICE_ORDER:
-        for dither in (False, True):
-            sel = [r for r in rows if r["lattice"] == name and r["dither"] == dither]
-            if not sel:
-                continue
-            errors = np.array([r["error"] for r in sel])
-            z = np.array([r["z"] for r in sel])
-            out.append({"lattice": name, "dither": dither, "targets": len(sel),
-                        "max_abs_error": float(np.abs(errors).max()),
-                        "mean_error": float(errors.mean()),
-                        "max_abs_z": float(np.abs(z).max()),
-                        "typical_se": float(np.median([math.hypot(r["se"], r["calibration_se"])
-                                                       for r in sel])),
-                        "fallback_blocks": int(sum(r["fallback_blocks"] for r in sel)),
-                        "blocks": int(sum(r["blocks"] for r in sel))})
-    return out
+def with_paper_rates(row: dict) -> dict:
+    """An operating-point row with the paper's Rice rate at 21 dB (and its distance to the
+    ideal) and the paper's cost of not stripping."""
+    paper = PAPER["rice_21db"][row["lattice"]]
+    return {**row, "paper": paper, "paper_minus_ideal": paper - row["ideal"],
+            "paper_strip_cost": PAPER["strip_cost"].get(row["lattice"])}
 
 
 # -- tables ------------------------------------------------------------------------------
@@ -496,207 +214,13 @@ def summary_table(rows: Sequence[dict]) -> str:
           f"{r['fallback_blocks']} / {r['blocks']}"] for r in rows])
 
 
-# -- disagreements, from the numbers -------------------------------------------------------------
-
-
-def _names(items: Sequence[str]) -> str:
-    items = [i.upper() if i != "z" else "Z" for i in items]
-    return ", ".join(items) if items else "none"
-
-
-def disagreements(summary: dict) -> list[str]:
-    """Bullet points that set the measured numbers against the paper's statements; every
-    verdict is computed from the values in ``summary``."""
-    out = []
-    g = summary.get("second_moments", {}).get("rows", [])
-    if g:
-        worst = max(g, key=lambda r: abs(r["rel_error"]))
-        off = [r["lattice"] for r in g if abs(r["z_score"]) > 3]
-        paper_off = [r["lattice"] for r in g if abs(r["paper"] / r["exact"] - 1) > 1e-3]
-        text = (f"**G.** The largest Monte-Carlo deviation from the exact G is "
-                f"{100 * worst['rel_error']:+.3f}% ({worst['lattice']}, "
-                f"{worst['z_score']:+.1f} standard errors); "
-                + ("every estimate is within 3 standard errors of the exact value. "
-                   if not off else
-                   f"{_names(off)} are more than 3 standard errors away (a bug in the "
-                   "sampler or the closest-point search would show here). ")
-                + ("The paper's values are the exact ones rounded to 4 digits."
-                   if not paper_off else
-                   f"The paper's G differs from the exact value by more than 0.1% for "
-                   f"{_names(paper_off)}."))
-        out.append(text)
-    ops = summary.get("operating_point", {}).get("rows", [])
-    if ops:
-        d0 = min(r["head_dim"] for r in ops)
-        first = {r["lattice"]: r for r in ops if r["head_dim"] == d0}
-        names = [n for n in LATTICE_ORDER if n in first]
-        diffs = {n: first[n]["rice_calibration"] - first[n]["paper"] for n in names}
-        lo, hi = min(diffs.values()), max(diffs.values())
-        slope = float(np.mean([first[n]["slope_bps_per_db"] for n in names]))
-        db = {n: diffs[n] / first[n]["slope_bps_per_db"] for n in names}
-        snr = [first[n]["snr_measured_db"] for n in names]
-        rounding = 0.005  # the paper gives two digits
-        text = f"**Rice rate at {SNR_DB:g} dB** (D = {d0}, calibration). "
-        if max(abs(v) for v in diffs.values()) <= rounding:
-            text += (f"Every lattice is within the paper's rounding ({lo:+.3f}..{hi:+.3f} "
-                     "bps). ")
-        else:
-            direction = ("higher than" if lo > 0 else "lower than" if hi < 0
-                         else "on both sides of")
-            text += (f"The measured rates are {direction} the paper's by {lo:+.3f}..{hi:+.3f}"
-                     " bps (" + ", ".join(f"{_names([n])} {diffs[n]:+.3f}" for n in names)
-                     + "), i.e. " + ", ".join(f"{db[n]:+.2f}" for n in names)
-                     + f" dB of SNR at the local slope of the curves (≈{slope:.3f} bps/dB). ")
-            # the paper's bf16 arithmetic lost SNR, which lowers its rates
-            bf16 = PAPER["bf16_snr_deficit_db"]
-            shift = bf16 * slope
-            rest = {n: diffs[n] - shift for n in names}
-            rlo, rhi = min(rest.values()), max(rest.values())
-            text += (f"The paper's B.4 mentions a ≈{bf16} dB SNR deficit from bf16 "
-                     f"arithmetic in its measurement, which lowers its rates by "
-                     f"≈{shift:.3f} bps; ")
-            if max(abs(v) for v in rest.values()) <= rounding + 0.002:
-                text += ("with it and the two-digit rounding the differences are "
-                         f"accounted for ({rlo:+.3f}..{rhi:+.3f} left). ")
-            else:
-                text += (f"{rlo:+.3f}..{rhi:+.3f} bps remain after it, more than the "
-                         f"two-digit rounding (±{rounding}). The paper does not state its "
-                         "measurement (sample, normalization, sub-stream and parameter "
-                         "rules) to this precision, so the rest cannot be placed from here. ")
-        text += (f"The SNR convention itself holds: alpha² over the measured quantization "
-                 f"MSE is {min(snr):.3f}..{max(snr):.3f} dB. ")
-        order_measured = sorted(names, key=lambda n: first[n]["rice_calibration"])
-        order_paper = sorted(names, key=lambda n: PAPER["rice_21db"][n])
-        text += ("The ranking " + " < ".join(_names([n]) for n in order_measured)
-                 + (" is the paper's." if order_measured == order_paper else
-                    " differs from the paper's "
-                    + " < ".join(_names([n]) for n in order_paper) + "."))
-        out.append(text)
-        over = {n: first[n]["rice_minus_ideal"] for n in names}
-        paper_over = {n: first[n]["paper_minus_ideal"] for n in names}
-        claim = PAPER["rice_over_ideal"]
-        above = [n for n in names if over[n] > claim]
-        ranges = summary["operating_point"].get("excess_over_ideal", [])
-        excess_text = ""
-        if ranges:
-            elo = min(ranges, key=lambda r: r["min"])
-            ehi = max(ranges, key=lambda r: r["max"])
-            excess_text = (
-                f"Away from {SNR_DB:g} dB the gap is not constant: over "
-                f"{HIGH_RATE:g}..{MAX_RATE:g} bps it runs from {elo['min']:+.3f} "
-                f"({_names([elo['lattice']])}, "
-                f"{elo['min_snr_db']:g} dB) to {ehi['max']:+.3f} "
-                f"({_names([ehi['lattice']])}, {ehi['max_snr_db']:g} dB), rippling with the "
-                "SNR as the best integer Rice parameter steps (middle panel of the figure).")
-        paper_above = [n for n in names if paper_over[n] > claim + 0.005]
-        out.append(
-            f"**Rice - ideal.** Measured {min(over.values()):+.3f}..{max(over.values()):+.3f}"
-            f" bps above R_ideal (paper: within {claim:.2f}). "
-            + ("Every lattice meets the claim. " if not above else
-               f"{_names(above)} {'exceeds' if len(above) == 1 else 'exceed'} it. ")
-            + (f"The paper's own numbers sit {min(paper_over.values()):+.3f}.."
-               f"{max(paper_over.values()):+.3f} above the ideal"
-               + (f", so by its own figures {_names(paper_above)} "
-                  f"{'is' if len(paper_above) == 1 else 'are'} slightly over 0.10 too. "
-                  if paper_above else ". ")
-            + excess_text))
-        ent = {n: first[n]["entropy_minus_ideal"] for n in names}
-        coder = {n: first[n]["rice_minus_entropy"] for n in names}
-        cls = {n: first[n]["class_entropy"] - first[n]["scalar_entropy"] for n in names}
-        tol = PAPER["scalar_entropy_vs_ideal"]
-        far = [n for n in names if abs(ent[n]) > tol]
-        out.append(
-            "**Scalar entropy vs ideal (B.4).** Scalar entropy - R_ideal is "
-            + ", ".join(f"{_names([n])} {ent[n]:+.3f}" for n in names) + " bps"
-            + (f": within the paper's {tol} everywhere. " if not far else
-               f": {_names(far)} are outside the paper's ±{tol}. ")
-            + "The Rice coder's redundancy over the scalar entropy is "
-            + f"{min(coder.values()):+.3f}..{max(coder.values()):+.3f} bps, so the gap "
-            "to the ideal is "
-            + ("mostly the coder's, as the paper says. "
-               if all(coder[n] > abs(ent[n]) for n in names) else
-               "not mostly the coder's for "
-               + _names([n for n in names if coder[n] <= abs(ent[n])]) + ". ")
-            + "Pooling each Rice class's symbols instead of each coordinate's adds "
-            + ", ".join(f"{_names([n])} {cls[n]:+.3f}" for n in names if abs(cls[n]) > 5e-4)
-            + (" bps (the classes mix coordinates with different distributions)."
-               if any(abs(cls[n]) > 5e-4 for n in names) else "nothing."))
-        costs = {n: first[n]["strip_cost"] for n in names}
-        one = {n: first[n]["strip_cost_one_parameter"] for n in names}
-        pinned = {n: first[n]["pinned_bits"] for n in names}
-        gaps = {n: costs[n] - pinned[n] for n in names}
-        text = ("**Cost of not stripping.** Raw - stripped Rice rate: "
-                + ", ".join(f"{_names([n])} {costs[n]:+.3f}" for n in names)
-                + " bps against the pinned bits "
-                + ", ".join(f"{pinned[n]:.2f}" for n in names)
-                + f" (paper: E8 {PAPER['strip_cost']['e8']:+.1f}, "
-                f"A2 {PAPER['strip_cost']['a2']:+.1f}). ")
-        block_dev = max(first[n]["strip_cost_max_block_deviation"] for n in names)
-        if block_dev == 0:
-            text += ("The match is exact, block by block: for a Rice parameter k ≥ 1 "
-                     "(k ≥ 2 for E8's comb), "
-                     "zigzag(2t + p) under k + 1 has the same quotient as zigzag(t) under "
-                     "k, so each pinned low bit costs exactly one Rice bit once the raw "
-                     "class takes the stripped parameter plus one (its best choice). "
-                     "The paper's +1.0 and +0.5 are this identity. ")
-        else:
-            worst = max(names, key=lambda n: abs(gaps[n]))
-            text += (f"The largest departure from the pinned bits is {_names([worst])}'s "
-                     f"{gaps[worst]:+.3f} bps (up to {block_dev:.0f} bits in one block): "
-                     "the identity zigzag(2t + p) >> (k + 1) = zigzag(t) >> k needs k ≥ 1 "
-                     "(k ≥ 2 for E8's comb), "
-                     "and a raw class whose best parameter is not the stripped one plus "
-                     "one departs from it. ")
-        if "a2" in one:
-            text += (f"The per-class parameter matters for A2: with one parameter for "
-                     f"n_x and n_y the raw stream costs {one['a2']:+.3f} bps instead of "
-                     f"{costs['a2']:+.3f}, because the two coordinates' spreads differ by "
-                     "sqrt 3 (0.79 bits) and a single k is wrong for both; the other "
-                     "lattices' raw coordinates are alike, so one parameter is the same.")
-        out.append(text)
-    sw = summary.get("sweep", {}).get("summary", [])
-    if sw:
-        claim = PAPER["target_error"]
-        plain = [r for r in sw if not r["dither"]]
-        dith = [r for r in sw if r["dither"]]
-        worst = max(plain, key=lambda r: r["max_abs_error"]) if plain else None
-        text = "**Realized vs target.** "
-        if worst is not None:
-            fails = [r["lattice"] for r in plain if r["max_abs_error"] > claim]
-            text += (f"The largest |realized - target| without dither is "
-                     f"{worst['max_abs_error']:.4f} bps ({worst['lattice']}); "
-                     + ("every lattice lands within the paper's 0.01. " if not fails else
-                        f"{_names(fails)} miss the paper's 0.01. "))
-        if dith:
-            d = max(dith, key=lambda r: r["max_abs_error"])
-            text += f"With dither (E8) the largest error is {d['max_abs_error']:.4f} bps. "
-        fb = sum(r["fallback_blocks"] for r in sw)
-        total = sum(r["blocks"] for r in sw)
-        text += f"{fb} of {total} blocks fell back to a coarser scale. "
-        rows = summary["sweep"]["rows"]
-        zmax = max(abs(r["z"]) for r in rows)
-        # the largest of n standard normals rarely exceeds sqrt(2 ln n) + 1
-        bound = math.sqrt(2 * math.log(max(len(rows), 2))) + 1.0
-        se = float(np.median([math.hypot(r["se"], r["calibration_se"]) for r in rows]))
-        text += (f"The errors are at most {zmax:.1f} standard errors of the fresh sample "
-                 f"and the {CALIBRATION_VECTORS}-vector calibration table together "
-                 f"(typically {se:.4f} bps), "
-                 + (f"as expected of sampling alone over {len(rows)} targets."
-                    if zmax <= bound else
-                    f"more than sampling alone explains over {len(rows)} targets (≈"
-                    f"{bound:.1f}); the rest comes from the table itself (its interpolation "
-                    "between 0.25 dB grid points, or a difference between the codec's path "
-                    "and the calibration's)."))
-        out.append(text)
-    return out
-
-
 def markdown(summary: dict) -> str:
     """The whole ``tables.md``."""
     st = summary["settings"]
     out = ["# HyperQuant: lattice and rate tables against the paper", "",
            "Reproduce with:", "", "```", summary["command"], "```", "",
-           f"jax {summary['meta']['jax']} on {summary['meta']['backend']}; "
+           f"jax {summary[PROVENANCE]['versions']['jax']} on "
+           f"{summary[PROVENANCE]['device']['backend']}; "
            f"seed {st['seed']} (fresh draws), calibration tables measured on "
            f"`key({CALIBRATION_SEED})`; total {summary['seconds']:.0f} s.", ""]
     if "second_moments" in summary:
@@ -742,9 +266,7 @@ def markdown(summary: dict) -> str:
                 sweep_table(s["rows"]), ""]
         if any(r["dither"] for r in s["rows"]):
             out += ["With dither:", "", dither_table(s["rows"]), ""]
-    out += ["![rates](rates.png)", "", "## Disagreements", ""]
-    out += [f"* {t}" for t in disagreements(summary)]
-    out.append("")
+    out += ["![rates](rates.png)", ""]
     return "\n".join(out)
 
 
@@ -850,8 +372,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     start_all = time.perf_counter()
     summary: dict[str, Any] = {
         "command": shlex.join(["python", "experiments/hyperquant_tables.py", *argv]),
-        "meta": {"jax": jax.__version__, "backend": jax.default_backend(),
-                 "machine": platform.platform()},
         "settings": {"samples": args.samples, "head_dims": head_dims,
                      "vectors": args.vectors, "snr_db": SNR_DB,
                      "block_tokens": BLOCK_TOKENS, "substream": SUBSTREAM,
@@ -866,14 +386,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
 
     start = time.perf_counter()
-    rows = [second_moment_mc(n, args.samples, args.seed)
+    rows = [with_paper_g(second_moment_mc(n, args.samples, args.seed))
             for n in _progress(LATTICE_ORDER, "G", progress, "lattice")]
     summary["second_moments"] = {"rows": rows, "seconds": time.perf_counter() - start}
     print(g_table(rows), "", sep="\n")
 
     start = time.perf_counter()
     jobs = [(n, d) for d in head_dims for n in LATTICE_ORDER]
-    rows = [operating_point(n, d, args.vectors, args.seed)
+    rows = [with_paper_rates(operating_point(n, d, args.vectors, args.seed, SNR_DB))
             for n, d in _progress(jobs, f"{SNR_DB:g} dB", progress, "lattice")]
     summary["operating_point"] = {
         "rows": rows,
@@ -899,9 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dither_table(rows), "", sep="\n")
     summary["seconds"] = time.perf_counter() - start_all
 
-    print("Disagreements:", *(f"* {t}" for t in disagreements(summary)), "", sep="\n")
     args.docs.mkdir(parents=True, exist_ok=True)
-    (args.docs / "tables.json").write_text(json.dumps(summary, indent=1) + "\n")
+    summary = write_json(args.docs / "tables.json", summary)
     (args.docs / "tables.md").write_text(markdown(summary))
     plot(summary, args.docs / "rates.png")
     print(f"written: {args.docs / 'tables.md'}, {args.docs / 'tables.json'}, "

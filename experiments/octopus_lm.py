@@ -5,9 +5,10 @@ window and the raw boundary blocks.
     python experiments/octopus_lm.py --docs docs/octopus          # all parts
     python experiments/octopus_lm.py --part protocol --windows 4   # a quick look
 
-Recipe (the paper's Sec. 4.2): residual window of 32 raw tokens, V by group-wise INT with
-groups of 32 (``kivi:B,g32,token``, each codec's ``value_codec``), K of the first and last
-transformer block kept bf16 ("boundary-1"), everything counted in the measured bits.
+Recipe (the paper's Sec. 4.2): residual window of 32 raw tokens (``--cache-options``,
+default ``window=32``), V by group-wise INT with groups of 32 (``kivi:B,g32,token``, each
+codec's ``value_codec``), K of the first and last transformer block kept bf16
+("boundary-1", ``layers[0,-1]:k=bf16``), everything counted in the measured bits.
 Perplexity over 8 windows of 512 tokens (the paper: 8 chunks of 512).
 
 Parts (``--part``, repeatable; default all):
@@ -20,21 +21,18 @@ Parts (``--part``, repeatable; default all):
   parameters (rotation signs), for mean and spread.
 * ``unprotected``: the B = 2 codecs and the B = 4 MSE codecs without boundary-1.
 
-Every perplexity goes through :mod:`experiments.sweep` (resumable JSON per configuration
-under ``--out``: a second run only aggregates); the table, CSV, JSON and Pareto plot go
-to ``--docs``.
+Every perplexity goes through :func:`kvjax.eval.sweep.run_sweep` (resumable JSON per
+configuration under ``--out``: a second run only aggregates); the table, CSV, JSON and
+Pareto plot go to ``--docs``.
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-if not __package__:  # run as a script: the repository root holds the experiments package
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from experiments import sweep as sw
+from kvjax.eval import sweep as sw
+from models.evaluate import sweep_evaluator
 
 BITS = (2, 3, 4)
 FAMILIES = ("turboquant:b{}", "turboquant:b{},qjl", "polarquant:b{}", "octopus:b{}",
@@ -43,7 +41,8 @@ MSE_FAMILIES = ("turboquant:b{}", "polarquant:b{}", "octopus:b{}")
 REFERENCES = ("kivi:2,g32", "kivi:4,g32", "int:4", "polarquant:b3,l4", "octopus:d2,n2",
               "octopus:d3,n3")
 EXTRA_SEEDS = (1, 2)
-BOUNDARY = (0, -1)
+#: the paper's boundary-1: K of the first and last block in bf16
+BOUNDARY = "layers[0,-1]:k=bf16"
 PARTS = ("protocol", "seeds", "unprotected")
 
 
@@ -62,37 +61,6 @@ def unprotected_configs() -> list[str]:
     return [f.format(2) for f in FAMILIES] + [f.format(4) for f in MSE_FAMILIES]
 
 
-def seed_rows(per_seed: dict[int, list[dict]]) -> list[dict]:
-    """Per configuration present in every seed: bits, per-seed ppl, mean, sd, delta of
-    the mean to bf16's (which is the same for every seed: it has no random parameters)."""
-    seeds = sorted(per_seed)
-    by_seed = {s: {r["config"]: r for r in rows} for s, rows in per_seed.items()}
-    base = by_seed[seeds[0]]["bf16"]["ppl"]
-    out = []
-    for config in by_seed[seeds[0]]:
-        if config == "bf16" or not all(config in by_seed[s] for s in seeds):
-            continue
-        ppl = [by_seed[s][config]["ppl"] for s in seeds]
-        mean = statistics.fmean(ppl)
-        out.append({"config": config, "bits_per_element":
-                    by_seed[seeds[0]][config]["bits_per_element"], "ppl": ppl, "mean": mean,
-                    "sd": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-                    "delta_pct": 100 * (mean / base - 1)})
-    return out
-
-
-def seed_table(rows: Sequence[dict], seeds: Sequence[int]) -> str:
-    """Markdown: configuration, bits, ppl per seed, mean +- sd, delta of the mean."""
-    head = ("| codec | bits / element | " + " | ".join(f"seed {s}" for s in seeds)
-            + " | mean +- sd | vs bf16 |")
-    lines = [head, "|---|---|" + "---|" * len(seeds) + "---|---|"]
-    for r in sorted(rows, key=lambda r: (r["bits_per_element"], r["config"])):
-        lines.append(f"| `{r['config']}` | {r['bits_per_element']:.3f} | "
-                     + " | ".join(f"{p:.2f}" for p in r["ppl"])
-                     + f" | {r['mean']:.2f} +- {r['sd']:.2f} | {r['delta_pct']:+.1f}% |")
-    return "\n".join(lines)
-
-
 def orderings(rows: Sequence[dict], key: str = "ppl") -> list[str]:
     """Per B: the five codecs from best to worst by ``key``, with their bits."""
     by_config = {r["config"]: r for r in rows}
@@ -106,48 +74,37 @@ def orderings(rows: Sequence[dict], key: str = "ppl") -> list[str]:
     return lines
 
 
-def lazy_evaluator(settings: sw.Settings, cache: dict) -> Callable:
-    """:func:`experiments.sweep.model_evaluator`, loaded only when a configuration
-    actually needs measuring (an aggregation of finished results loads nothing)."""
-    def evaluate(name, cache_config, with_needle):
-        # the seed draws the codecs' parameters inside the evaluator: part of the key
-        key = (settings.model, settings.corpus, settings.windows, settings.window_len,
-               settings.seed)
-        if key not in cache:
-            cache[key] = sw.model_evaluator(settings)
-        return cache[key](name, cache_config, with_needle)
-
-    return evaluate
-
-
 def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
     """Run the chosen parts; print and write every table. ``evaluate`` replaces the model
     (tests)."""
     p = sw.protocol_parser(__doc__.split("\n\n")[0], PARTS, "octopus_lm",
                            window_len=512, summary="lm.json",
-                           published="docs/octopus")
-    p.add_argument("--window", type=int, default=32, help="raw residual window (tokens)")
+                           published="docs/octopus", cache_options="window=32")
     args = p.parse_args(argv)
     parts = args.part or list(PARTS)
-    args.docs.mkdir(parents=True, exist_ok=True)
     models: dict = {}
 
-    def run(configs, seed=0, raw_k_layers=BOUNDARY):
-        settings = sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
-                               window_len=args.window_len, chunk=None,
-                               residual_window=args.window, sinks=0, seed=seed,
-                               raw_k_layers=raw_k_layers)
-        fn = evaluate or lazy_evaluator(settings, models)
-        rows, _ = sw.run_sweep(configs, settings, args.out, fn, progress=not args.no_progress)
+    def settings(seed=0, boundary=True):
+        return sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
+                           window_len=args.window_len, seed=seed,
+                           cache_options=f"{args.cache_options} {BOUNDARY if boundary else ''}")
+
+    def run(configs, seed=0, boundary=True):
+        fn = evaluate or sw.lazy_evaluator(settings(seed, boundary), models, sweep_evaluator)
+        rows, _ = sw.run_sweep(configs, settings(seed, boundary), args.out, fn,
+                               progress=not args.no_progress)
         return sw.with_deltas(rows)
 
-    title = (f"{args.model} on {args.corpus}: {args.windows} x {args.window_len} tokens, "
-             f"window {args.window}")
+    try:
+        protected = settings()
+    except ValueError as err:
+        p.error(str(err))
+    args.docs.mkdir(parents=True, exist_ok=True)
+    title = protected.title()
     summary = {"model": args.model, "corpus": args.corpus, "windows": args.windows,
-               "window_len": args.window_len, "residual_window": args.window,
-               "raw_k_layers": list(BOUNDARY)}
+               "window_len": args.window_len, "cache_options": protected.cache_options}
     sections = []
-    keep = ("config", "family", "k_codec", "v_codec", "bits_per_element",
+    keep = ("config", "family", "cache_spec", "k_codec", "v_codec", "bits_per_element",
             "k_bits_per_element", "v_bits_per_element", "ppl", "delta_pct")
     protocol = None
     if "protocol" in parts:
@@ -155,7 +112,7 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         table = sw.markdown_table(protocol)
         lines = orderings(protocol)
         sw.write_csv(protocol, args.docs / "lm.csv")
-        sw.plot_pareto_views(protocol, args.docs / "lm_pareto.png", "boundary-1, " + title)
+        sw.plot_pareto_views(protocol, args.docs / "lm_pareto.png", title)
         summary["protocol"] = [{k: r[k] for k in keep} for r in protocol]
         sections.append("## Protocol (seed 0)\n\n" + table
                         + "\n\nOrder by perplexity at each nominal b:\n\n" + "\n".join(lines))
@@ -163,14 +120,14 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
         per_seed = {0: protocol or run(seed_configs())}
         for seed in EXTRA_SEEDS:
             per_seed[seed] = run(seed_configs(), seed)
-        rows = seed_rows(per_seed)
-        table = seed_table(rows, sorted(per_seed))
+        rows = sw.seed_rows(per_seed)
+        table = sw.seed_table(rows, sorted(per_seed))
         ranked = orderings([{**r, "ppl": r["mean"]} for r in rows])
         summary["seeds"] = rows
         sections.append("## Seeds of the rotation (MSE codecs)\n\n" + table
                         + "\n\nOrder by mean perplexity:\n\n" + "\n".join(ranked))
     if "unprotected" in parts:
-        rows = run(unprotected_configs(), raw_k_layers=())
+        rows = run(unprotected_configs(), boundary=False)
         by_config = {r["config"]: r for r in protocol or run(unprotected_configs())}
         lines = ["| codec | bits (no boundary) | ppl (no boundary) | ppl (boundary-1) |",
                  "|---|---|---|---|"]

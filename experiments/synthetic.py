@@ -3,7 +3,7 @@
 For each codec: key reconstruction and inner-product error on Gaussian keys
 (:func:`kvjax.eval.synthetic.reconstruction`) and the synthetic needle
 (:func:`kvjax.eval.synthetic.needle`). Prints a markdown table and writes every row
-(per-seed values included) to ``OUT/synthetic.json``.
+(per-seed values included), the settings and the provenance to ``OUT/synthetic.json``.
 
     python experiments/synthetic.py [--codec SPEC ...] [--seeds 64] [--needle-seeds 128]
         [--head-dim 128] [--seed 0] [--out results/synthetic]
@@ -12,14 +12,12 @@ For each codec: key reconstruction and inner-product error on Gaussian keys
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
+from pathlib import Path
 
-import jax
 from tqdm import tqdm
 
+from kvjax.eval.sweep import write_json
 from kvjax.eval.synthetic import needle, reconstruction
 from kvjax.probe import BASELINE_CODECS
 from kvjax.spec import parse_codec
@@ -88,16 +86,12 @@ def main(argv=None) -> int:
     print(table(rows))
     print(f"\n{len(rows)} codecs in {total:.1f} s")
 
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "synthetic.json")
-    meta = {
-        "seeds": args.seeds, "needle_seeds": args.needle_seeds, "head_dim": args.head_dim,
-        "seed": args.seed, "seconds": total, "jax": jax.__version__,
-        "backend": jax.default_backend(), "machine": platform.platform(),
-    }
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"wrote {path}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"seeds": args.seeds, "needle_seeds": args.needle_seeds,
+                "head_dim": args.head_dim, "seed": args.seed, "seconds": total}
+    write_json(out / "synthetic.json", {"settings": settings, "rows": rows})
+    print(f"wrote {out / 'synthetic.json'}")
     return 0
 
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from kvjax.eval import needle as needle_task
 from kvjax.eval.corpus import load_corpus, tokenize_prefix, windows
 from kvjax.eval.ppl import PerplexityResult, perplexity
+from kvjax.eval.sweep import Evaluate, Settings
 from kvjax.spec import CacheConfig
 from models import chat_prompt_ids, llama
 from models.config import ModelConfig
@@ -145,6 +147,34 @@ def needle_retrieval(
                                   progress=progress)
 
 
+def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
+                    progress: bool = False) -> Evaluate:
+    """The evaluator of :func:`kvjax.eval.sweep.run_sweep` for ``settings``: loads the
+    model and corpus once and returns the function that measures one configuration
+    (perplexity over the windows; needle retrieval, ``needle_batch`` prompts per
+    generate call, when asked)."""
+    config, params, tokenizer, text, wins = load_model_and_windows(
+        settings.model, settings.corpus, settings.windows, settings.window_len)
+    cases = None
+    if settings.needle_trials:
+        cases = needle_cases(config, tokenizer, text, lengths=settings.needle_lengths,
+                             depths=settings.needle_depths, trials=settings.needle_trials,
+                             seed=settings.seed)
+
+    def evaluate(name: str, cache_config: CacheConfig, with_needle: bool) -> dict:
+        result = cache_perplexity(params, config, cache_config, wins, chunk=settings.chunk,
+                                  seed=settings.seed, progress=progress)
+        row = dataclasses.asdict(result)
+        if with_needle:
+            answers = needle_retrieval(params, config, tokenizer, cache_config, cases,
+                                       seed=settings.seed, batch_size=needle_batch)
+            row["needle_rows"] = answers
+            row["needle_accuracy"] = sum(a["correct"] for a in answers) / len(answers)
+        return row
+
+    return evaluate
+
+
 __all__ = [
     "NEEDLE_NEW_TOKENS",
     "cache_perplexity",
@@ -153,4 +183,5 @@ __all__ = [
     "load_model_and_windows",
     "needle_cases",
     "needle_retrieval",
+    "sweep_evaluator",
 ]

@@ -7,6 +7,15 @@
   inner products, a synthetic needle).
 - :mod:`kvjax.eval.memory`: cache bytes per token and at long contexts, measured from
   encoded arrays.
+- :mod:`kvjax.eval.sweep`: a resumable sweep of cache configurations on one model and
+  corpus (the evaluator is passed in), its tables and Pareto plots, and the helpers the
+  papers' protocol scripts share.
+- :mod:`kvjax.eval.provenance`: the git commit, versions, device and command that every
+  results file records.
+- :mod:`kvjax.eval.rotation_probes`: the OCTOPUS paper's probes of the rotation codecs
+  (self-score shrinkage, equal stored bits, bit splits, 3x3 rounding vs the full grid).
+- :mod:`kvjax.eval.lattice_rates`: HyperQuant's lattice rate measurements (second
+  moments, Rice rate and the cost of not stripping, realized vs target rate).
 
 The model is an argument, never an import (DESIGN.md §2).
 """

@@ -1,10 +1,11 @@
 """experiments/hqmq_sweep.py with a fake model evaluation: the configurations it runs,
-its tables, dominance statements and seed statistics."""
+its tables, dominance table and seed statistics."""
 
 import json
 
 from experiments import hqmq_sweep
-from tests.experiments.test_sweep import FakeEvaluate
+from kvjax.eval.provenance import KEY
+from tests.kvjax.eval.test_sweep import FakeEvaluate
 
 
 def test_sweep_seeds_and_multiplier_parts(tmp_path, capsys):
@@ -24,10 +25,10 @@ def test_sweep_seeds_and_multiplier_parts(tmp_path, capsys):
                  "multiplier.md", "hqmq.json"):
         assert (docs / name).stat().st_size > 0
     summary = json.loads((docs / "hqmq.json").read_text())
-    assert len(summary["seeds"]["hqmq:s24,r3"]) == 5
+    assert len(summary["seeds"]["hqmq:s24,r3"]) == 5 and KEY in summary
     out = capsys.readouterr().out
     # the fake's ppl falls with bits, so nothing with fewer bits beats anything
-    assert "0 of 7 `int` points are dominated by a `hqmq` point" in out
+    assert "| `int` | `hqmq` | 0 | 7 | - |" in out
     assert "| `hqmq:s96,r4` | 5 |" in out and "0.00% |" in out
 
 
@@ -40,3 +41,14 @@ def test_dominance():
     assert hqmq_sweep.dominated_by(rows, "int", "hqmq") == {"int:4": ["hqmq:s96,r4"],
                                                              "int:3": []}
     assert hqmq_sweep.dominated_by(rows, "hqmq", "int") == {"hqmq:s96,r4": []}
+
+
+def test_dominance_table():
+    rows = [
+        {"config": "int:4", "family": "int", "bits_per_element": 4.25, "ppl": 12.0},
+        {"config": "int:3", "family": "int", "bits_per_element": 3.25, "ppl": 20.0},
+        {"config": "hqmq:s96,r4", "family": "hqmq", "bits_per_element": 4.0, "ppl": 11.0},
+    ]
+    assert hqmq_sweep.dominance_table(rows).splitlines()[2:] == [
+        "| `int` | `hqmq` | 1 | 2 | `int:4` |", "| `hqmq` | `int` | 0 | 1 | - |",
+        "| `int` | `hqmq+med` | 0 | 2 | - |"]   # pairs without points of the family are left out

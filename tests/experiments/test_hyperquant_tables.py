@@ -5,10 +5,11 @@ stripping in the order of the bits membership pins."""
 import json
 import math
 
-import numpy as np
 import pytest
 
 from experiments import hyperquant_tables as hqt
+from kvjax.eval import lattice_rates as lr
+from kvjax.eval.provenance import KEY
 from kvjax.primitives.lattices import lattice
 
 LATTICES = {"z", "a2", "d4", "e8"}
@@ -44,8 +45,10 @@ def test_files_and_structure(run):
     assert [r["lattice"] for r in summary["sweep"]["rows"] if r["dither"]] == ["e8"]
     assert summary["settings"]["seed"] == 1 and summary["settings"]["head_dims"] == [64]
     assert _finite(summary)
+    assert summary[KEY]["versions"]["jax"] and summary[KEY]["device"]["count"] >= 1
     md = (docs / "tables.md").read_text()
-    assert "## Disagreements" in md and "| e8 | 64 |" in md and "| 3.74 |" in md
+    assert md == hqt.markdown(summary)
+    assert "## 4. Realized vs target rate" in md and "| e8 | 64 |" in md and "| 3.74 |" in md
 
 
 def test_second_moments_near_exact(run):
@@ -58,7 +61,7 @@ def test_operating_point_numbers(run):
     rows = {r["lattice"]: r for r in run[1]["operating_point"]["rows"]}
     for name, r in rows.items():
         assert r["ideal"] == pytest.approx(
-            hqt.rd_rate(21.0) + 0.5 * math.log2(2 * math.pi * math.e
+            lr.rd_rate(21.0) + 0.5 * math.log2(2 * math.pi * math.e
                                                 * lattice(name).second_moment))
         # the rate sits above the scalar entropy, which sits near the lattice ideal
         assert r["scalar_entropy"] < r["rice_direct"] < r["ideal"] + 0.2
@@ -73,14 +76,3 @@ def test_operating_point_numbers(run):
         assert r["strip_cost"] == pytest.approx(r["pinned_bits"], abs=0.02)
     # one Rice parameter for a2's unequal coordinates costs more than one per class
     assert rows["a2"]["strip_cost_one_parameter"] > rows["a2"]["strip_cost"] + 0.03
-
-
-def test_helpers():
-    assert hqt.entropy_bits(np.array([5, 5, 5, 5])) == pytest.approx(2.0)
-    assert hqt.entropy_bits(np.array([7, 0])) == 0.0
-    assert hqt.granular_gain_db(1 / 12) == 0.0
-    assert [hqt.pinned_bits(lattice(n)) for n in hqt.LATTICE_ORDER] == [1.0, 0.25, 0.5, 0.0]
-    assert hqt.raw_classes(lattice("a2")) == (0, 1)
-    assert hqt.target_rates(15)[0] == 1.5 and hqt.target_rates(15)[-1] == 5.0
-    assert len(hqt.target_rates(15)) == 15
-    assert hqt.rd_rate(10 * math.log10(4.0)) == pytest.approx(1.0)

@@ -3,7 +3,10 @@ seed aggregation, the unprotected comparison and the written files."""
 
 import json
 
+import pytest
+
 from experiments import octopus_lm
+from kvjax.eval.provenance import KEY
 
 
 class FakeEvaluate:
@@ -33,6 +36,7 @@ def test_protocol_seeds_and_unprotected(tmp_path, capsys):
     assert {tuple(r.spec for r in cc.layers) for cc in protocol} == {("layers[0,-1]:k=bf16",), ()}
     assert all(cc.residual_window == 32 for _, cc in fake.seen)
     summary = json.loads((docs / "lm.json").read_text())
+    assert summary["cache_options"] == "window=32 layers[0,-1]:k=bf16" and KEY in summary
     assert len(summary["protocol"]) == len(octopus_lm.protocol_configs()) + 1  # + bf16
     seeds = {r["config"]: r for r in summary["seeds"]}
     assert set(seeds) == set(octopus_lm.seed_configs())
@@ -52,23 +56,13 @@ def test_protocol_seeds_and_unprotected(tmp_path, capsys):
     assert "written:" in capsys.readouterr().out
 
 
-def test_lazy_evaluator_loads_once_per_seed(monkeypatch):
-    """The seed draws the codec parameters inside the evaluator, so each seed needs its
-    own; the same seed reuses the loaded one."""
-    from experiments import sweep as sw
-
-    built = []
-
-    def fake_model_evaluator(settings):
-        built.append(settings.seed)
-        return lambda name, cache_config, with_needle: {"seed": settings.seed}
-
-    monkeypatch.setattr(sw, "model_evaluator", fake_model_evaluator)
-    cache = {}
-    base = sw.Settings(model="m", corpus="c", windows=1, window_len=8, chunk=None,
-                       residual_window=0, sinks=0, seed=0)
-    runs = [octopus_lm.lazy_evaluator(base, cache),
-            octopus_lm.lazy_evaluator(sw.dataclasses.replace(base, seed=1), cache),
-            octopus_lm.lazy_evaluator(base, cache)]
-    assert [fn("x", None, False)["seed"] for fn in runs] == [0, 1, 0]
-    assert built == [0, 1]
+def test_cache_options_replace_the_window(tmp_path, capsys):
+    fake = FakeEvaluate()
+    assert octopus_lm.main(["--part", "unprotected", "--cache-options", "window=8 sinks=4",
+                            "--out", str(tmp_path), "--docs", str(tmp_path / "d"),
+                            "--no-progress"], evaluate=fake) == 0
+    assert {(cc.residual_window, cc.sink_tokens) for _, cc in fake.seen} == {(8, 4)}
+    with pytest.raises(SystemExit) as exit_:
+        octopus_lm.main(["--cache-options", "window=x", "--out", str(tmp_path)],
+                        evaluate=fake)
+    assert exit_.value.code == 2 and "window=x" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """experiments/octopus_synthetic.py at tiny sizes: the files it writes, the structure of its
 results, the fp32 needle baseline against a numpy softmax, error falling with bits, stored
-bits equal to the bytes of the codes, the split diagonal and the grid comparison.
+bits equal to the bytes of the codes, the split diagonal and the paper's ratios (the
+probes themselves: tests/kvjax/eval/test_rotation_probes.py).
 
 Every codec costs a compilation per part, so the run is shared and the codec list short.
 """
@@ -14,6 +15,8 @@ import numpy as np
 import pytest
 
 from experiments import octopus_synthetic as osyn
+from kvjax.eval import rotation_probes as rp
+from kvjax.eval.provenance import KEY
 from kvjax.eval.synthetic import _trial_keys, needle_problem
 from kvjax.spec import parse_codec
 
@@ -43,13 +46,12 @@ def test_main_writes_markdown_json_and_figure(run):
     md = (docs / "synthetic.md").read_text()
     assert md.splitlines()[3].startswith("python experiments/octopus_synthetic.py --parts")
     assert "| `octopus:b3` | 4.0000 |" in md and "| 3 | +1 | (4, 2) | 10 | 4.0000 |" in md
-    assert {"keys", "needle", "split", "meta"} <= set(summary) and "grid" not in summary
+    assert {"keys", "needle", "split", KEY} <= set(summary) and "grid" not in summary
+    assert summary[KEY]["command"].startswith("python ")
     assert summary["keys"]["settings"] == {"head_dim": D, "seed": 0, "keys": KEYS,
                                            "queries": 4, "seeds": 2, "gain_seeds": 1}
-    # the discussion below the marker survives a rewrite
-    assert osyn.DISCUSSION in md
-    (docs / "synthetic.md").write_text(md.replace("(not written yet)", "kept text"))
-    assert osyn.existing_discussion(docs / "synthetic.md").strip().endswith("kept text")
+    # the file is the tables and their settings; the discussion lives in docs/octopus.md
+    assert md == osyn.markdown(summary) and "Discussion" not in md
 
 
 def test_keys_rows_bits_and_error_falling_with_bits(run):
@@ -93,9 +95,9 @@ def test_needle_baseline_is_the_numpy_softmax(run):
     assert row["ratio"] == pytest.approx(row["mass"] / ref["mass"])
 
 
-def test_ratios_and_equal_bits_helpers():
+def test_paper_ratios_and_codec_specs():
     rows = [
-        {"codec": c, "family": osyn.family(c), "b": osyn.nominal(c), "bits": bits, "mse": mse,
+        {"codec": c, "family": rp.family(c), "b": rp.nominal(c), "bits": bits, "mse": mse,
          "ip_abs_err": ip, "per_seed": {"mse": [mse, mse], "ip_abs_err": [ip, ip]}}
         for c, bits, mse, ip in (("turboquant:b2", 2.125, 0.12, 3.0),
                                  ("turboquant:b3", 3.125, 0.03, 1.5),
@@ -104,35 +106,16 @@ def test_ratios_and_equal_bits_helpers():
     ratios = {(r["num"], r["den"]): r for r in osyn.paper_ratios(rows)}
     assert ratios["turboquant:b2", "octopus:b2"]["ratio"] == pytest.approx(2.0)
     assert ratios["polarquant:b2", "octopus:b2"]["paper"] == 2.4
-    (eq,) = [r for r in osyn.equal_bits(rows) if r["codec"] == "octopus:b2"
-             and r["metric"] == "mse"]
-    # 0.12 -> 0.03 over one bit: 0.12 * 4 ** -0.375 at 2.5 bits, or 0.12 - 0.09 * 0.375
-    assert eq["reference_value"] == pytest.approx(0.12 * 4 ** -0.375)
-    assert eq["reference_linear"] == pytest.approx(0.12 - 0.09 * 0.375)
-    assert eq["ratio"] == pytest.approx(0.06 / eq["reference_value"])
-    assert osyn.loglinear([(1, 1.0), (2, 4.0)], 3) is None
-    assert osyn.family("octopus:d3,n3") == "octopus-split"
-    assert osyn.family("octopus:d3,n1") == "octopus"
-    assert osyn.family("turboquant:b2,qjl") == "turboquant-qjl"
     assert len(osyn.codec_specs()) == 15
 
 
 def test_split_configs_and_diagonal(run):
-    configs = osyn.split_configs()
+    configs = rp.split_configs()
     assert len(configs) == 15 and (2, -2, 0, 4) in configs and (4, 2, 6, 2) in configs
     assert all(0 <= d <= 8 and 0 <= n <= 8 for _, _, d, n in configs)
-    assert osyn.equal_rate_splits(2) == [(2, 2), (3, 0)]
+    assert rp.equal_rate_splits(2) == [(2, 2), (3, 0)]
     uniform, plus1 = run[1]["split"]["rows"]
     assert (uniform["bits_per_triplet"], plus1["bits_per_triplet"]) == (9, 10)
     assert uniform["vs_uniform"] == 0 and plus1["codec"] == "octopus:b3"
     # the paper's split: one more bit per triplet, a third less error
     assert plus1["vs_uniform"] < -0.25 and run[1]["split"]["rate"] == []
-
-
-def test_grid_local_rounding_matches_the_full_grid():
-    (row,) = osyn.grid_part([3], head_dim=D, triplets=300, timing=False, norm_bits=[1])
-    assert (row["direction_bits"], row["norm_bits"], row["triplets"]) == (3, 1, 300)
-    assert row["identical"] == 1.0 and row["ratio"] == 1.0 and row["candidates_full"] == 64
-    assert osyn.grid_norm_bits(2) == [0, 2] and osyn.grid_norm_bits(5) == [2, 3]
-    t = osyn.rotated_triplets(300, D, 0)
-    assert t.shape == (300, 3) and float(jnp.max(jnp.abs(t))) < 1

@@ -1,5 +1,6 @@
 """Tests of experiments/sweep.py: resumption, outputs and bad input, with a fake model
-evaluation (the real model runs in ``make demo`` and in test_cli_ppl/test_needle)."""
+evaluation (the real model runs in ``make demo``, in test_real_model_sweep_smoke and in
+test_cli_ppl/test_needle)."""
 
 import csv
 import json
@@ -7,26 +8,9 @@ import json
 import pytest
 
 from experiments import sweep
-
-
-class FakeEvaluate:
-    """ppl falls with bits; records which configurations were measured."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, config, cache_config, with_needle):
-        self.calls.append(config)
-        bits = 0.5 * (cache_config.k.bits_per_element(64) + cache_config.v.bits_per_element(64))
-        row = {"ppl": 10.0 + 100.0 / bits**2, "nll": 1.0, "tokens": 10,
-               "bits_per_element": bits, "k_bits_per_element": bits,
-               "v_bits_per_element": bits, "seconds": 0.01}
-        if with_needle:
-            rows = [{"length": 64, "prompt_tokens": 64, "depth": d, "trial": 0,
-                     "number": "123456", "answer": " 123456.", "correct": bits > 4}
-                    for d in (0.1, 0.9)]
-            row.update(needle_rows=rows, needle_accuracy=float(bits > 4))
-        return row
+from kvjax.eval.provenance import KEY
+from kvjax.eval.sweep import config_slug
+from tests.kvjax.eval.test_sweep import FakeEvaluate
 
 
 def run(tmp_path, *args, evaluate=None):
@@ -36,25 +20,26 @@ def run(tmp_path, *args, evaluate=None):
 
 
 def test_sweep_writes_results_and_resumes(tmp_path, capsys):
-    code, first = run(tmp_path, "--codec", "int:4", "--codec", "int:2/int:8")
+    code, first = run(tmp_path, "--codec", "int:4", "--cache", "k=int:2 v=int:8")
     assert code == 0
-    assert first.calls == ["bf16", "int:4", "int:2/int:8"]   # bf16 always, first
+    assert first.calls == ["bf16", "int:4", "k=int:2 v=int:8"]   # bf16 always, first
     out = capsys.readouterr().out
     run_dir = tmp_path / "smollm2_135m-shakespeare-8x256-seed0"
     assert str(run_dir / "pareto.png") in out
     files = sorted(p.name for p in (run_dir / "configs").iterdir())
     assert len(files) == 3 and all(f.endswith(".json") for f in files)
-    stored = json.loads((run_dir / "configs" / f"{sweep.config_slug('int:4')}.json").read_text())
+    stored = json.loads((run_dir / "configs" / f"{config_slug('int:4')}.json").read_text())
     for key in ("config", "family", "model", "corpus", "windows", "window_len", "seed",
-                "git", "ppl", "bits_per_element", "seconds", "wall_seconds"):
+                "cache_spec", "ppl", "bits_per_element", "seconds", "wall_seconds"):
         assert key in stored, key
+    assert "git" in stored[KEY]
     assert stored["family"] == "int" and stored["k_codec"] == stored["v_codec"] == "int:4"
     assert (run_dir / "pareto.png").stat().st_size > 10_000
     assert str(run_dir / "pareto_zoom.png") in out
     assert (run_dir / "pareto_zoom.png").stat().st_size > 10_000
     with open(run_dir / "summary.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["config"] for r in rows] == ["bf16", "int:4", "int:2/int:8"]
+    assert [r["config"] for r in rows] == ["bf16", "int:4", "k=int:2 v=int:8"]
     assert float(rows[0]["delta_pct"]) == 0.0
     table = (run_dir / "summary.md").read_text()
     assert table.splitlines()[2].startswith("| `bf16` | 16.000")
@@ -63,28 +48,30 @@ def test_sweep_writes_results_and_resumes(tmp_path, capsys):
     code, second = run(tmp_path, "--codec", "int:4", "--codec", "int:3")
     assert code == 0 and second.calls == ["int:3"]
     # other settings are another run; --force redoes everything
-    _, third = run(tmp_path, "--codec", "int:4", "--window", "16")
+    _, third = run(tmp_path, "--codec", "int:4", "--cache-options", "window=16")
     assert third.calls == ["bf16", "int:4"]
     _, forced = run(tmp_path, "--codec", "int:4", "--force")
     assert forced.calls == ["bf16", "int:4"]
 
 
-def test_raw_k_layers_reach_the_cache_config_and_name_the_run(tmp_path):
+def test_cache_options_reach_the_cache_config_and_name_the_run(tmp_path):
     seen = {}
 
     def evaluate(config, cache_config, with_needle):
         seen[config] = cache_config
         return FakeEvaluate()(config, cache_config, with_needle)
 
-    code, _ = run(tmp_path, "--codec", "int:4", "--raw-k-layers", "0", "-1",
+    code, _ = run(tmp_path, "--codec", "int:4", "--cache-options", "layers[0,-1]:k=bf16",
                   evaluate=evaluate)
     assert code == 0
     assert seen["int:4"].spec == "int:4 layers[0,-1]:k=bf16"
-    run_dir = tmp_path / "smollm2_135m-shakespeare-8x256-rawk0_-1-seed0"
-    stored = json.loads((run_dir / "configs" / f"{sweep.config_slug('int:4')}.json").read_text())
-    assert stored["raw_k_layers"] == [0, -1]
-    # the stored list counts as the same setting: a second run skips both configurations
-    _, again = run(tmp_path, "--codec", "int:4", "--raw-k-layers", "0", "-1")
+    (run_dir,) = tmp_path.iterdir()
+    assert run_dir.name.startswith("smollm2_135m-shakespeare-8x256-layers_0_1_k_bf16-")
+    stored = json.loads((run_dir / "configs" / f"{config_slug('int:4')}.json").read_text())
+    assert stored["cache_options"] == "layers[0,-1]:k=bf16"
+    assert stored["cache_spec"] == "int:4 layers[0,-1]:k=bf16"
+    # the stored options count as the same setting: a second run skips both configurations
+    _, again = run(tmp_path, "--codec", "int:4", "--cache-options", "layers[0,-1]:k=bf16")
     assert again.calls == []
 
 
@@ -101,33 +88,13 @@ def test_needle_results_join_the_sweep(tmp_path, capsys):
     assert third.calls == []
 
 
-def test_a_broken_result_file_is_redone(tmp_path):
-    run(tmp_path, "--codec", "int:4")
-    path = (tmp_path / "smollm2_135m-shakespeare-8x256-seed0" / "configs"
-            / f"{sweep.config_slug('int:4')}.json")
-    path.write_text("{not json")
-    _, again = run(tmp_path, "--codec", "int:4")
-    assert again.calls == ["int:4"]
-
-
-def test_pareto_front():
-    rows = [{"config": c, "bits_per_element": b, "ppl": p}
-            for c, b, p in [("a", 2, 100), ("b", 3, 120), ("c", 4, 50), ("d", 4, 60),
-                            ("e", 16, 49)]]
-    assert [r["config"] for r in sweep.pareto_front(rows)] == ["a", "c", "e"]
-
-
-def test_family_and_slug():
-    assert sweep.family("kivi:2,g32") == "kivi"
-    assert sweep.family("int:4/int:2") == "int/int"
-    assert sweep.family("hqmq:s96,r4,med3/int:4") == "hqmq+med/int"
-    assert sweep.config_slug("kivi:2,g32") != sweep.config_slug("kivi:2_g32")
-
-
 @pytest.mark.parametrize("args,message", [
     (["--codec", "int:1"], "2..8"),
     (["--codec", "nope:3"], "nope"),
-    (["--codec", "int:4/int:4/int:4"], "KSPEC/VSPEC"),
+    (["--codec", "int:4/int:2"], "2..8"),
+    (["--codec", "k=int:4 v=nope:2"], "nope"),
+    (["--codec", "int:4 window=8", "--cache-options", "window=32"], "given twice"),
+    (["--cache-options", "int:4"], "cache options"),
     (["--windows", "0"], "--windows"),
 ])
 def test_bad_input_exits_2_before_any_evaluation(tmp_path, capsys, args, message):

@@ -1,0 +1,484 @@
+"""A sweep of cache configurations on one model and corpus, resumable, with its reports.
+
+A configuration is a cache spec (:func:`kvjax.spec.parse_cache`): ``int:4``,
+``k=int:4 v=int:2``, ``kivi:2,g32 layers[0,-1]:k=bf16``. :class:`Settings` holds
+everything else a result depends on, including the cache clauses shared by every
+configuration of a run (``cache_options``, e.g. ``window=32 layers[0,-1]:k=bf16``),
+which are appended to each configuration's spec.
+
+:func:`run_sweep` measures every configuration not done yet with an evaluator passed
+in (``evaluate(config, cache_config, with_needle) -> dict``; the model is never
+imported here) and writes one JSON per configuration to ``OUT/RUN/configs/``, where
+``RUN`` (:meth:`Settings.run_name`) names the settings, so a second run with the same
+settings skips what is done. ``bf16`` always runs: it is the baseline of every delta.
+The rest builds the reports: deltas to bf16, CSV, markdown tables, Pareto plots, and
+the helpers the papers' protocol scripts share (seed tables, a lazily loaded
+evaluator, their argument parser and published tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvjax.eval.provenance import KEY as PROVENANCE
+from kvjax.eval.provenance import provenance, timestamp
+from kvjax.spec import CacheConfig, CacheSpecError, parse_cache
+
+#: the configuration every sweep includes and every delta is relative to
+BASELINE = "bf16"
+
+#: ``evaluate(config, cache_config, with_needle) -> dict`` measures one configuration
+Evaluate = Callable[[str, CacheConfig, bool], dict]
+
+
+def canonical_options(options: str) -> str:
+    """The canonical form of cache clauses shared by every configuration (``window=``,
+    ``sinks=``, ``layers[...]:...=`` and ``attn=``); ``""`` for none.
+
+    Raises :class:`~kvjax.spec.CacheSpecError` for a bad clause or a codec clause
+    (codecs belong to the configurations)."""
+    options = " ".join(options.split())
+    if not options:
+        return ""
+    try:
+        config = parse_cache(f"{BASELINE} {options}")
+    except CacheSpecError as err:
+        raise CacheSpecError(f"cache options '{options}': {err}") from None
+    if config.v.spec != BASELINE:
+        raise CacheSpecError(f"cache options '{options}': give window=, sinks=, layers[...] "
+                             "and attn= clauses; codecs belong to the configurations")
+    return config.spec.removeprefix(BASELINE).strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything except the configuration that a result depends on.
+
+    ``cache_options`` are cache-spec clauses appended to every configuration (stored in
+    canonical form); the needle fields are empty unless needle retrieval runs.
+    """
+
+    model: str
+    corpus: str
+    windows: int
+    window_len: int
+    chunk: int | None = None
+    cache_options: str = ""
+    seed: int = 0
+    needle_lengths: tuple[int, ...] = ()
+    needle_depths: tuple[float, ...] = ()
+    needle_trials: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "cache_options", canonical_options(self.cache_options))
+        for name in ("needle_lengths", "needle_depths"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def run_name(self) -> str:
+        """A directory name that differs whenever a ppl-relevant setting differs."""
+        corpus = Path(self.corpus).stem if os.sep in self.corpus else self.corpus
+        parts = [_slug(Path(self.model).stem), _slug(corpus),
+                 f"{self.windows}x{self.window_len}"]
+        if self.chunk:
+            parts.append(f"c{self.chunk}")
+        if self.cache_options:
+            parts.append(config_slug(self.cache_options))
+        parts.append(f"seed{self.seed}")
+        return "-".join(parts)
+
+    def title(self) -> str:
+        """A plot title: model, corpus, windows and the shared cache clauses."""
+        return (f"{self.model} on {self.corpus}: {self.windows} x {self.window_len} tokens"
+                + (f", {self.cache_options}" if self.cache_options else ""))
+
+    def needle_key(self) -> dict | None:
+        """The needle settings a stored result must match (None: no needle)."""
+        if not self.needle_trials:
+            return None
+        return {"lengths": list(self.needle_lengths), "depths": list(self.needle_depths),
+                "trials": self.needle_trials}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
+
+
+def config_slug(config: str) -> str:
+    """A file name for a configuration: readable, and unique through a short hash."""
+    digest = hashlib.sha1(config.encode()).hexdigest()[:6]
+    return f"{_slug(config)}-{digest}"
+
+
+def cache_config(config: str, settings: Settings) -> CacheConfig:
+    """The cache of ``config`` with the settings' shared clauses appended
+    (:class:`~kvjax.spec.CacheSpecError`, a ``ValueError``, if bad)."""
+    return parse_cache(f"{config} {settings.cache_options}".strip())
+
+
+def family(config: str | CacheConfig) -> str:
+    """The codec family of a configuration: the codec names without options, K's alone
+    when V is K's value codec (``kivi:2,g32`` is ``kivi``), else ``K/V``
+    (``k=int:4 v=int:2`` is ``int/int``); ``+med`` where outliers are extracted
+    (``int:4,med3`` is ``int+med``). Layer rules do not change the family."""
+    cc = parse_cache(config)
+
+    def one(spec: str) -> str:
+        name, _, options = spec.partition(":")
+        return name + ("+med" if any(o.startswith("med") for o in options.split(",")) else "")
+
+    specs = [cc.k.spec] if cc.v == cc.k.value_codec() else [cc.k.spec, cc.v.spec]
+    return "/".join(one(s) for s in specs)
+
+
+def write_json(path: Path, data: dict, *, source: dict | None = None) -> dict:
+    """Write ``data`` with its provenance (``source``, default :func:`provenance` now)
+    under :data:`kvjax.eval.provenance.KEY`, atomically: a killed script never leaves a
+    half-written file. Returns what was written."""
+    path = Path(path)
+    record = {**data, PROVENANCE: source if source is not None else provenance()}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=float) + "\n")
+    os.replace(tmp, path)
+    return record
+
+
+#: JSON fields that must match for a stored result to count as done
+SETTING_KEYS = ("model", "corpus", "windows", "window_len", "chunk", "cache_options", "seed")
+
+
+def _is_done(path: Path, settings: Settings, spec: str, want_needle: bool) -> bool:
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    # compared as JSON holds them (tuples come back as lists)
+    wanted = json.loads(json.dumps(dataclasses.asdict(settings)))
+    if stored.get("cache_spec") != spec or any(stored.get(k) != wanted[k]
+                                               for k in SETTING_KEYS):
+        return False
+    return not want_needle or stored.get("needle") == settings.needle_key()
+
+
+def run_sweep(
+    configs: Sequence[str],
+    settings: Settings,
+    out: Path,
+    evaluate: Evaluate,
+    *,
+    force: bool = False,
+    progress: bool = True,
+) -> tuple[list[dict], Path]:
+    """Evaluate every configuration not done yet and return all rows and the run folder.
+
+    ``evaluate(config, cache_config, with_needle) -> dict`` measures one configuration
+    (``ppl``, ``bits_per_element``, ...; ``needle_accuracy`` and ``needle_rows`` when
+    asked). Each result is written to ``out/RUN/configs/SLUG.json`` as soon as it exists,
+    with the settings, the configuration, its family, the canonical cache spec, the K and
+    V codec specs and the provenance. Configurations are validated before anything runs.
+    """
+    configs = list(dict.fromkeys([BASELINE, *configs]))
+    cache_configs = {c: cache_config(c, settings) for c in configs}
+    run_dir = Path(out) / settings.run_name()
+    (run_dir / "configs").mkdir(parents=True, exist_ok=True)
+    want_needle = settings.needle_trials > 0
+
+    def path(config: str) -> Path:
+        return run_dir / "configs" / f"{config_slug(config)}.json"
+
+    todo = [c for c in configs
+            if force or not _is_done(path(c), settings, cache_configs[c].spec, want_needle)]
+    source = provenance() if todo else None
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc="sweep",
+                   unit="config")
+    for config in todo:
+        if bar is not None:
+            bar.set_postfix_str(config)
+        t0 = time.perf_counter()
+        cc = cache_configs[config]
+        measured = evaluate(config, cc, want_needle)
+        row = {
+            "config": config, "family": family(config), "cache_spec": cc.spec,
+            "k_codec": cc.k.spec, "v_codec": cc.v.spec,
+            **dataclasses.asdict(settings),
+            "needle": settings.needle_key(),
+            **measured,
+            "wall_seconds": time.perf_counter() - t0,
+        }
+        write_json(path(config), row, source={**source, "time": timestamp()})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    rows = [json.loads(path(c).read_text()) for c in configs]
+    return rows, run_dir
+
+
+# -- reports ------------------------------------------------------------------------
+
+
+CSV_FIELDS = ("config", "family", "cache_spec", "k_codec", "v_codec", "bits_per_element",
+              "k_bits_per_element", "v_bits_per_element", "ppl", "delta_pct", "nll",
+              "tokens", "needle_accuracy", "fallback_blocks", "seconds", "model", "corpus",
+              "windows", "window_len", "chunk", "cache_options", "seed", "git")
+
+
+def with_deltas(rows: Sequence[dict]) -> list[dict]:
+    """Rows with ``delta_pct``: ppl relative to the bf16 row, in percent."""
+    base = next(r["ppl"] for r in rows if r["config"] == BASELINE)
+    return [{**r, "delta_pct": 100.0 * (r["ppl"] / base - 1.0)} for r in rows]
+
+
+def write_csv(rows: Sequence[dict], path: Path) -> None:
+    """All rows, one per configuration, the columns of ``CSV_FIELDS`` (``git`` from the
+    row's provenance)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            cells = {k: r.get(k) for k in CSV_FIELDS}
+            cells["git"] = (r.get(PROVENANCE) or {}).get("git")
+            writer.writerow(cells)
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    """Configurations sorted by bits: bits, ppl, delta to bf16 (and needle accuracy)."""
+    needle = any(r.get("needle_accuracy") is not None for r in rows)
+    head = "| codec | bits / element (K, V) | ppl | vs bf16 |"
+    rule = "|---|---|---|---|"
+    if needle:
+        head += " needle |"
+        rule += "---|"
+    lines = [head, rule]
+    for r in sorted(rows, key=lambda r: (-r["bits_per_element"], r["config"])):
+        line = (f"| `{r['config']}` | {r['bits_per_element']:.3f} "
+                f"({r['k_bits_per_element']:.2f}, {r['v_bits_per_element']:.2f}) | "
+                f"{r['ppl']:.3f} | {r['delta_pct']:+.2f}% |")
+        if needle:
+            acc = r.get("needle_accuracy")
+            line += f" {acc:.2f} |" if acc is not None else " - |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def pareto_front(rows: Sequence[dict]) -> list[dict]:
+    """Rows no other row beats on both bits (fewer) and ppl (lower), by bits."""
+    front, best = [], math.inf
+    for r in sorted(rows, key=lambda r: (r["bits_per_element"], r["ppl"])):
+        if r["ppl"] < best:
+            front.append(r)
+            best = r["ppl"]
+    return front
+
+
+def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
+                max_ppl: float | None = None, max_bits: float | None = None) -> None:
+    """ppl vs bits per element (log y), one marker per codec family, the front drawn.
+
+    ``max_ppl`` / ``max_bits`` zoom in: rows beyond them are left out (bf16 stays as
+    the dashed baseline)."""
+    base_row = next(r for r in rows if r["config"] == BASELINE)
+    # styles follow the unfiltered families, so a family looks the same in every view
+    style = {fam: i for i, fam in enumerate(dict.fromkeys(r["family"] for r in rows))}
+    rows = [r for r in rows if r["config"] != BASELINE or max_bits is None]
+    rows = [r for r in rows if (max_ppl is None or r["ppl"] <= max_ppl)
+            and (max_bits is None or r["bits_per_element"] <= max_bits)]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    markers = "osD^v<>pPX*h"
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        pts = sorted((r for r in rows if r["family"] == fam),
+                     key=lambda r: r["bits_per_element"])
+        i = style[fam]
+        ax.plot([r["bits_per_element"] for r in pts], [r["ppl"] for r in pts],
+                marker=markers[i % len(markers)], color=f"C{i % 10}", linestyle=":",
+                label=fam)
+        for r in pts:
+            ax.annotate(r["config"].split(":", 1)[-1] if ":" in r["config"] else r["config"],
+                        (r["bits_per_element"], r["ppl"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+    front = pareto_front(rows)
+    ax.step([r["bits_per_element"] for r in front], [r["ppl"] for r in front],
+            where="post", color="0.6", linewidth=3, alpha=0.4, label="Pareto front")
+    base = base_row["ppl"]
+    ax.axhline(base, color="k", linestyle="--", linewidth=0.8, label=f"bf16 ({base:.2f})")
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per stored K/V element (measured from the cache arrays)")
+    ax.set_ylabel("perplexity (log scale)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+#: the zoomed plot keeps the codecs within this factor of bf16's perplexity
+ZOOM_PPL = 1.5
+
+
+def plot_pareto_views(rows: Sequence[dict], path: Path, title: str, *,
+                      max_bits: float = 8.0) -> tuple[Path, Path]:
+    """The whole front at ``path`` and a zoom beside it (``*_zoom.png``): the codecs
+    within :data:`ZOOM_PPL` of bf16's perplexity and at most ``max_bits``, where the
+    front is decided. Returns both paths."""
+    plot_pareto(rows, path, title)
+    base = next(r["ppl"] for r in rows if r["config"] == BASELINE)
+    zoom = path.with_name(f"{path.stem}_zoom{path.suffix}")
+    plot_pareto(rows, zoom, f"ppl < {ZOOM_PPL:g}x bf16, bits <= {max_bits:g}; {title}",
+                max_ppl=ZOOM_PPL * base, max_bits=max_bits)
+    return path, zoom
+
+
+def write_reports(rows: Sequence[dict], settings: Settings, run_dir: Path) -> str:
+    """A finished sweep's reports in ``run_dir``: ``summary.csv``, ``summary.md``,
+    ``pareto.png`` and ``pareto_zoom.png``, and ``needle.md`` when the needle ran.
+    Returns what to print: the tables and the paths."""
+    from kvjax.eval.needle import accuracy_table
+
+    rows = with_deltas(rows)
+    table = markdown_table(rows)
+    write_csv(rows, run_dir / "summary.csv")
+    (run_dir / "summary.md").write_text(table + "\n")
+    plot, zoom = plot_pareto_views(rows, run_dir / "pareto.png", settings.title())
+    text = [table]
+    if settings.needle_trials:
+        answers = [{"codec": r["config"], **a} for r in rows for a in r["needle_rows"]]
+        needle_table = accuracy_table(answers)
+        (run_dir / "needle.md").write_text(needle_table + "\n")
+        text += [f"\nneedle retrieval (exact match, {settings.needle_trials} trial(s)):\n",
+                 needle_table]
+    text += [f"\nresults: {run_dir}/configs/*.json, {run_dir / 'summary.csv'}",
+             f"plot:    {plot}, {zoom}"]
+    return "\n".join(text)
+
+
+# -- what the protocol scripts share ------------------------------------------------
+
+
+def lazy_evaluator(settings: Settings, cache: dict,
+                   build: Callable[[Settings], Evaluate]) -> Evaluate:
+    """An evaluator that calls ``build(settings)`` (which loads the model) only when a
+    configuration actually needs measuring, so an aggregation of finished results loads
+    nothing; evaluators are kept in ``cache`` and shared by runs whose settings differ
+    only in their cache clauses (the seed draws the codecs' parameters inside the
+    evaluator: a new seed is a new evaluator)."""
+    key = dataclasses.replace(settings, cache_options="")
+
+    def evaluate(name: str, cache_config: CacheConfig, with_needle: bool) -> dict:
+        if key not in cache:
+            cache[key] = build(settings)
+        return cache[key](name, cache_config, with_needle)
+
+    return evaluate
+
+
+def seed_rows(per_seed: dict[int, list[dict]]) -> list[dict]:
+    """Per configuration present in every seed: bits, per-seed ppl, mean, sd, delta of
+    the mean to bf16's (which is the same for every seed: it has no random parameters)."""
+    seeds = sorted(per_seed)
+    by_seed = {s: {r["config"]: r for r in rows} for s, rows in per_seed.items()}
+    base = by_seed[seeds[0]][BASELINE]["ppl"]
+    out = []
+    for config in by_seed[seeds[0]]:
+        if config == BASELINE or not all(config in by_seed[s] for s in seeds):
+            continue
+        ppl = [by_seed[s][config]["ppl"] for s in seeds]
+        mean = statistics.fmean(ppl)
+        out.append({"config": config, "bits_per_element":
+                    by_seed[seeds[0]][config]["bits_per_element"], "ppl": ppl, "mean": mean,
+                    "sd": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
+                    "delta_pct": 100 * (mean / base - 1)})
+    return out
+
+
+def seed_table(rows: Sequence[dict], seeds: Sequence[int]) -> str:
+    """Markdown: configuration, bits, ppl per seed, mean +- sd, delta of the mean."""
+    head = ("| codec | bits / element | " + " | ".join(f"seed {s}" for s in seeds)
+            + " | mean +- sd | vs bf16 |")
+    lines = [head, "|---|---|" + "---|" * len(seeds) + "---|---|"]
+    for r in sorted(rows, key=lambda r: (r["bits_per_element"], r["config"])):
+        lines.append(f"| `{r['config']}` | {r['bits_per_element']:.3f} | "
+                     + " | ".join(f"{p:.2f}" for p in r["ppl"])
+                     + f" | {r['mean']:.2f} +- {r['sd']:.2f} | {r['delta_pct']:+.1f}% |")
+    return "\n".join(lines)
+
+
+def protocol_parser(description: str, parts: Sequence[str], name: str, *,
+                    window_len: int, summary: str, published: str,
+                    cache_options: str = "") -> argparse.ArgumentParser:
+    """The arguments every codec's protocol script shares: which parts to run, the model
+    and corpus, the windows, the cache clauses shared by every configuration, and where
+    rows (``results/NAME``) and the tables, plots and ``summary`` (``--docs``;
+    ``published`` names the folder of the published ones) go. Paths are relative to the
+    working directory, the repository root."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--part", action="append", choices=parts)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--corpus", default="shakespeare")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--window-len", type=int, default=window_len)
+    p.add_argument("--cache-options", default=cache_options, metavar="CLAUSES",
+                   help="cache-spec clauses added to every configuration, e.g. "
+                        f"'window=32 sinks=4' (default: '{cache_options}')")
+    p.add_argument("--out", type=Path, default=Path("results") / name)
+    p.add_argument("--docs", type=Path, default=Path("results") / name / "docs",
+                   help=f"where tables, plots and {summary} go ({published} for the "
+                        "published ones)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def publish_tables(docs: Path, text: str, summary: dict, *, name: str = "lm") -> None:
+    """Write a protocol's tables (``NAME_tables.md``) and summary (``NAME.json``, with
+    its provenance) to ``docs``, print the tables and where they went."""
+    (docs / f"{name}_tables.md").write_text(text + "\n")
+    write_json(docs / f"{name}.json", summary)
+    print(text)
+    print(f"\nwritten: {docs / f'{name}_tables.md'}, {docs / f'{name}.json'}")
+
+
+__all__ = [
+    "BASELINE",
+    "CSV_FIELDS",
+    "SETTING_KEYS",
+    "ZOOM_PPL",
+    "Evaluate",
+    "Settings",
+    "cache_config",
+    "canonical_options",
+    "config_slug",
+    "family",
+    "lazy_evaluator",
+    "markdown_table",
+    "pareto_front",
+    "plot_pareto",
+    "plot_pareto_views",
+    "protocol_parser",
+    "publish_tables",
+    "run_sweep",
+    "seed_rows",
+    "seed_table",
+    "with_deltas",
+    "write_csv",
+    "write_json",
+    "write_reports",
+]

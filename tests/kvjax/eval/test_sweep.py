@@ -1,0 +1,195 @@
+"""kvjax.eval.sweep with a fake evaluator: settings and run names, resumption, the stored
+rows, the reports and the helpers the protocol scripts share (the real model runs in
+``make demo`` and in tests/experiments/test_sweep.py)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from kvjax.eval import sweep
+from kvjax.eval.provenance import KEY
+from kvjax.spec import CacheSpecError
+
+
+class FakeEvaluate:
+    """ppl falls with bits; records which configurations were measured."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, config, cache_config, with_needle):
+        self.calls.append(config)
+        bits = 0.5 * (cache_config.k.bits_per_element(64) + cache_config.v.bits_per_element(64))
+        row = {"ppl": 10.0 + 100.0 / bits**2, "nll": 1.0, "tokens": 10,
+               "bits_per_element": bits, "k_bits_per_element": bits,
+               "v_bits_per_element": bits, "seconds": 0.01}
+        if with_needle:
+            rows = [{"length": 64, "prompt_tokens": 64, "depth": d, "trial": 0,
+                     "number": "123456", "answer": " 123456.", "correct": bits > 4}
+                    for d in (0.1, 0.9)]
+            row.update(needle_rows=rows, needle_accuracy=float(bits > 4))
+        return row
+
+
+SETTINGS = sweep.Settings(model="smollm2-135m", corpus="shakespeare", windows=8,
+                          window_len=256)
+
+
+def test_run_sweep_stores_rows_and_resumes(tmp_path):
+    fake = FakeEvaluate()
+    rows, run_dir = sweep.run_sweep(["int:4", "k=int:2 v=int:8"], SETTINGS, tmp_path, fake,
+                                    progress=False)
+    assert fake.calls == ["bf16", "int:4", "k=int:2 v=int:8"]   # bf16 always, first
+    assert run_dir == tmp_path / "smollm2_135m-shakespeare-8x256-seed0"
+    assert [r["config"] for r in rows] == fake.calls
+    stored = json.loads((run_dir / "configs" / f"{sweep.config_slug('int:4')}.json")
+                        .read_text())
+    assert stored == rows[1]
+    assert stored["cache_spec"] == "int:4" and stored["cache_options"] == ""
+    assert stored["k_codec"] == stored["v_codec"] == "int:4" and stored["family"] == "int"
+    mixed = rows[2]
+    assert (mixed["cache_spec"], mixed["k_codec"], mixed["v_codec"]) == (
+        "k=int:2 v=int:8", "int:2", "int:8")
+    assert mixed["family"] == "int/int"
+    for key in ("git", "versions", "device", "command", "time"):
+        assert key in stored[KEY], key
+    assert stored[KEY]["versions"]["jax"] and stored[KEY]["device"]["count"] >= 1
+    assert not list((run_dir / "configs").glob("*.tmp"))   # written atomically
+
+    again = FakeEvaluate()
+    sweep.run_sweep(["int:4", "int:3"], SETTINGS, tmp_path, again, progress=False)
+    assert again.calls == ["int:3"]
+    forced = FakeEvaluate()
+    sweep.run_sweep(["int:4"], SETTINGS, tmp_path, forced, force=True, progress=False)
+    assert forced.calls == ["bf16", "int:4"]
+
+
+def test_cache_options_reach_every_configuration_and_name_the_run(tmp_path):
+    seen = {}
+
+    def evaluate(config, cache_config, with_needle):
+        seen[config] = cache_config
+        return FakeEvaluate()(config, cache_config, with_needle)
+
+    settings = dataclasses.replace(SETTINGS, cache_options="layers[0,-1]:k=bf16  window=32")
+    # stored canonical: the same options in any order or spacing are the same run
+    assert settings.cache_options == "window=32 layers[0,-1]:k=bf16"
+    rows, run_dir = sweep.run_sweep(["int:4"], settings, tmp_path, evaluate, progress=False)
+    assert seen["int:4"].spec == "int:4 window=32 layers[0,-1]:k=bf16"
+    assert seen["bf16"].residual_window == 32
+    assert run_dir.name.startswith("smollm2_135m-shakespeare-8x256-window_32_layers_0_1_k")
+    assert run_dir.name.endswith("-seed0") and run_dir.name != SETTINGS.run_name()
+    assert rows[1]["cache_spec"] == "int:4 window=32 layers[0,-1]:k=bf16"
+    assert rows[1]["cache_options"] == "window=32 layers[0,-1]:k=bf16"
+    # layers[0,1] is another run, though its slug reads the same
+    other = dataclasses.replace(SETTINGS, cache_options="window=32 layers[0,1]:k=bf16")
+    assert other.run_name() != settings.run_name()
+    again = FakeEvaluate()
+    sweep.run_sweep(["int:4"], dataclasses.replace(
+        SETTINGS, cache_options="window=32 layers[0,-1]:k=bf16"), tmp_path, again,
+        progress=False)
+    assert again.calls == []
+
+
+@pytest.mark.parametrize("options,message", [
+    ("int:4", "bare codec"),
+    ("v=int:2", "codecs belong to the configurations"),
+    ("window=-1", "non-negative"),
+    ("layers[x]:k=bf16", "bad layer selection"),
+])
+def test_bad_cache_options(options, message):
+    with pytest.raises(CacheSpecError, match=message) as err:
+        sweep.Settings(model="m", corpus="c", windows=1, window_len=8, cache_options=options)
+    assert "cache options" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_configuration_clashing_with_the_options_fails_before_anything_runs(tmp_path):
+    fake = FakeEvaluate()
+    settings = dataclasses.replace(SETTINGS, cache_options="window=32")
+    with pytest.raises(CacheSpecError, match="given twice"):
+        sweep.run_sweep(["int:4 window=8"], settings, tmp_path, fake, progress=False)
+    assert fake.calls == []
+
+
+def test_a_broken_result_file_is_redone(tmp_path):
+    sweep.run_sweep(["int:4"], SETTINGS, tmp_path, FakeEvaluate(), progress=False)
+    path = (tmp_path / SETTINGS.run_name() / "configs" / f"{sweep.config_slug('int:4')}.json")
+    path.write_text("{not json")
+    again = FakeEvaluate()
+    sweep.run_sweep(["int:4"], SETTINGS, tmp_path, again, progress=False)
+    assert again.calls == ["int:4"]
+
+
+def test_reports(tmp_path):
+    rows, run_dir = sweep.run_sweep(["int:4", "int:2"], SETTINGS, tmp_path, FakeEvaluate(),
+                                    progress=False)
+    text = sweep.write_reports(rows, SETTINGS, run_dir)
+    assert text.splitlines()[2].startswith("| `bf16` | 16.000 (16.00, 16.00) |")
+    assert "| `int:2` | 2.500 (2.50, 2.50) |" in text
+    assert (run_dir / "summary.md").read_text().strip() == text.split("\n\n")[0]
+    csv = (run_dir / "summary.csv").read_text().splitlines()
+    assert csv[0].split(",") == list(sweep.CSV_FIELDS)
+    git = rows[0][KEY]["git"]
+    assert csv[1].startswith("bf16,bf16,bf16,bf16,bf16,16.0,") and csv[1].endswith(
+        f",{git}" if git else ",")
+    for name in ("pareto.png", "pareto_zoom.png"):
+        assert (run_dir / name).stat().st_size > 10_000
+        assert str(run_dir / name) in text
+
+
+def test_pareto_front():
+    rows = [{"config": c, "bits_per_element": b, "ppl": p}
+            for c, b, p in [("a", 2, 100), ("b", 3, 120), ("c", 4, 50), ("d", 4, 60),
+                            ("e", 16, 49)]]
+    assert [r["config"] for r in sweep.pareto_front(rows)] == ["a", "c", "e"]
+
+
+def test_family_and_slug():
+    assert sweep.family("kivi:2,g32") == "kivi"
+    assert sweep.family("k=int:4 v=int:2") == "int/int"
+    assert sweep.family("k=hqmq:s96,r4,med3 v=int:4") == "hqmq+med/int"
+    assert sweep.family("int:4 window=32 layers[0,-1]:k=bf16") == "int"
+    assert sweep.config_slug("kivi:2,g32") != sweep.config_slug("kivi:2_g32")
+
+
+def test_write_json_is_atomic_and_carries_provenance(tmp_path):
+    path = tmp_path / "summary.json"
+    sweep.write_json(path, {"rows": [1, 2]})
+    stored = json.loads(path.read_text())
+    assert stored["rows"] == [1, 2] and set(stored[KEY]) == {
+        "git", "versions", "device", "command", "time"}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_lazy_evaluator_loads_once_per_seed():
+    """The seed draws the codec parameters inside the evaluator, so each seed needs its
+    own; the same seed reuses the loaded one, whatever the cache options."""
+    built = []
+
+    def build(settings):
+        built.append(settings.seed)
+        return lambda name, cache_config, with_needle: {"seed": settings.seed}
+
+    cache = {}
+    base = sweep.Settings(model="m", corpus="c", windows=1, window_len=8)
+    runs = [sweep.lazy_evaluator(base, cache, build),
+            sweep.lazy_evaluator(dataclasses.replace(base, seed=1), cache, build),
+            sweep.lazy_evaluator(dataclasses.replace(base, cache_options="window=4"), cache,
+                                 build)]
+    assert built == []   # nothing loads before a configuration needs measuring
+    assert [fn("x", None, False)["seed"] for fn in runs] == [0, 1, 0]
+    assert built == [0, 1]
+
+
+def test_seed_rows_and_table():
+    def rows(seed):
+        return [{"config": "bf16", "bits_per_element": 16.0, "ppl": 10.0},
+                {"config": "int:4", "bits_per_element": 4.5, "ppl": 11.0 + seed}]
+
+    (row,) = sweep.seed_rows({0: rows(0), 1: rows(1), 2: rows(2)})
+    assert row["config"] == "int:4" and row["ppl"] == [11.0, 12.0, 13.0]
+    assert row["mean"] == 12.0 and row["sd"] == 1.0 and row["delta_pct"] == pytest.approx(20)
+    table = sweep.seed_table([row], [0, 1, 2])
+    assert table.splitlines()[2] == ("| `int:4` | 4.500 | 11.00 | 12.00 | 13.00 | "
+                                     "12.00 +- 1.00 | +20.0% |")
