@@ -9,10 +9,10 @@ For each cache spec and batch size: a random-weight model of the given shape
 generates ``--new-tokens`` greedy tokens after a random prompt of ``--context``
 tokens, prefilled ``--prefill-chunk`` tokens at a time; reported are decode tokens/s
 (all rows, compilation excluded), milliseconds per decode step, prefill seconds and the
-cache's bytes. The models' attention is ``impl="auto"``: on a GPU the decode steps of
-``int:N`` and SAW caches run the fused kernel, those of a ``bf16`` cache XLA matmuls with
-bfloat16 operands, and prefill chunks walk the cache in windows with bfloat16 operands
-(``impl="xla"``; see :data:`kvjax.attention.IMPLS`).
+cache's bytes. The models' attention is their cache config's, ``"auto"``: on a GPU the
+decode steps of ``int:N`` and SAW caches run the fused kernel (``"int_decode"``), those of
+a ``bf16`` cache cuDNN, and prefill chunks walk the cache in windows with bfloat16
+operands (``"xla"``; see :func:`kvjax.attention.auto_names`).
 
 Capacity: the largest batch whose cache of ``--context`` tokens (the bytes of the arrays
 that :func:`kvjax.cache.init_cache` allocates: :func:`kvjax.eval.memory.cache_bytes`) fits

@@ -3,7 +3,8 @@
     python experiments/probe_layers.py                     # GPU: bf16 / int:4, B=8, S=32k
 
 No weights: each layer appends a random K/V token and attends with a random query, the
-way a model's decode step does (``impl="auto"``), so the time is the cache's alone.
+way a model's decode step does (with the cache config's attention: ``"auto"`` unless the
+spec says ``attn=``), so the time is the cache's alone.
 ``scan`` runs the layers the way the models do (:func:`kvjax.cache.scan_layers`: the
 stacked codes ride in the scan's carry, each layer reads them at its index); ``unrolled``
 runs a Python loop over separate per-layer caches (each layer's codes its own buffer).
@@ -39,19 +40,20 @@ def filled_cache(spec, *, layers, batch, heads, head_dim, context):
 
 
 def step_fn(mode, num_heads):
-    def attend_layer(view, step, key):
+    def attend_layer(view, step, key, attention):
         kq, kk = jax.random.split(key)
         batch, heads, _, head_dim = view.k.raw.shape
         kv = jax.random.normal(kk, (batch, 1, heads, head_dim), jnp.bfloat16)
         view = kc.append(view, kv, kv, step)
         q = jax.random.normal(kq, (batch, 1, num_heads, head_dim), jnp.bfloat16)
-        return attend(q, view, step, impl="auto"), view
+        return attend(q, view, step, impl=attention), view
 
     def scanned(cache, key):
         step = kc.make_step(cache, 1)
 
         def body(acc, i, view):
-            o, view = attend_layer(view, step, jax.random.fold_in(key, i))
+            o, view = attend_layer(view, step, jax.random.fold_in(key, i),
+                                   cache.config.attention)
             return acc + o.astype(jnp.float32).sum(), view
 
         acc, cache = kc.scan_layers(body, jnp.float32(0), cache,
@@ -62,7 +64,8 @@ def step_fn(mode, num_heads):
         step = kc.make_step(caches[0], 1)
         acc, out = jnp.float32(0), []
         for i, c in enumerate(caches):
-            o, view = attend_layer(c.layer(0), step, jax.random.fold_in(key, i))
+            o, view = attend_layer(c.layer(0), step, jax.random.fold_in(key, i),
+                                   c.config.attention)
             acc = acc + o.astype(jnp.float32).sum()
             out.append(kc.commit(c.with_layer(0, view), step))
         return acc, tuple(out)

@@ -119,6 +119,13 @@ class Codec:
         """Stored bits per vector element by formula (metadata included)."""
         raise NotImplementedError
 
+    # -- kernel formats -------------------------------------------------------------
+    def kernel_formats(self) -> tuple[KernelFormat, ...]:
+        """The layouts of this codec's stored arrays that fused attention reads directly
+        (:class:`IntFormat`, :class:`DenseFormat`); :mod:`kvjax.attention` matches them
+        against the formats its kernels take. None by default: attention then decodes."""
+        return ()
+
     # -- helpers ------------------------------------------------------------------
     def _check_input(self, x: jax.Array) -> jax.Array:
         if x.ndim < 2:
@@ -172,6 +179,53 @@ def measured_bits_per_element(codes: Codes, num_elements: int) -> float:
     if num_elements <= 0:
         raise ValueError("num_elements must be positive")
     return 8.0 * codes_nbytes(codes) / num_elements
+
+
+# -- kernel formats ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelFormat:
+    """A layout of a codec's stored arrays that attention kernels read without decoding
+    (:meth:`Codec.kernel_formats`). Frozen and hashable, like the codecs."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IntFormat(KernelFormat):
+    """Token-wise integer codes: each stored vector is ``zero + scale * c`` with ``c``
+    the ``bits``-bit codes of its ``D`` dims.
+
+    Codes pytree: ``"codes"`` uint32 ``[..., T, W]`` (:func:`kvjax.primitives.packing.
+    pack_bits` words), ``"scale"`` and ``"zero"`` ``[..., T, 1]``. ``rotate``: None, or
+    the orthogonal map ``(params, x) -> R x`` (on the last axis) that every vector went
+    through before it was quantized; attention then takes ``q . k = (R q) . (R k)`` for
+    keys and rotates a weighted sum of values back (``R^T``) once.
+    """
+
+    bits: int
+    rotate: Callable[[Params, jax.Array], jax.Array] | None = None
+
+    def arrays(self, codes: Codes) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(codes [..., T, W], scale [..., T], zero [..., T])`` of a codes pytree (the
+        unit axis of the scales dropped: a reshape, no copy)."""
+        return codes["codes"], codes["scale"][..., 0], codes["zero"][..., 0]
+
+    def rotation(self, params: Params, head_dim: int) -> jax.Array | None:
+        """The matrix ``R [D, D]`` (stored ``y = R x``) of one head's ``params``, or None
+        when the vectors are stored as they are."""
+        if self.rotate is None:
+            return None
+        # row i of rotate(I) is (R e_i)^T, the i-th column of R
+        return self.rotate(params, jnp.eye(head_dim, dtype=jnp.float32)).T
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DenseFormat(KernelFormat):
+    """Vectors stored as they are, in ``dtype``; ``values(codes) -> [..., T, D]`` gives
+    them back without a copy."""
+
+    dtype: Any
+    values: Callable[[Codes], jax.Array]
 
 
 # -- registry ------------------------------------------------------

@@ -50,10 +50,6 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    #: ``kvjax.attention.attend``'s ``impl``: "auto" takes the fused decode kernel on a
-    #: GPU where it applies and bfloat16-operand XLA attention for the rest there (the
-    #: float32 reference on a CPU); "reference", "pallas" and "xla" force one path
-    attention_impl: str = "auto"
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -72,11 +68,6 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
-        from kvjax.attention import IMPLS
-
-        if self.attention_impl not in IMPLS:
-            raise ValueError(f"attention_impl must be one of {IMPLS}, "
-                             f"got {self.attention_impl!r}")
 
     @property
     def group(self) -> int:

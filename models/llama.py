@@ -140,9 +140,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm decoder layer: GQA attention over a kvjax layer view, then SwiGLU."""
+    """One pre-norm decoder layer: GQA attention over a kvjax layer view, then SwiGLU.
+
+    ``attention``: the attention implementations to try, in order (the cache config's
+    :attr:`~kvjax.spec.CacheConfig.attention`; :func:`kvjax.attention.attend`).
+    """
 
     config: ModelConfig
+    attention: tuple[str, ...]
 
     def _p(self, name: str) -> jax.Array:
         # zeros only matter for shape inference; loaders always supply the values
@@ -165,8 +170,7 @@ class DecoderLayer(nn.Module):
             k = rms_norm(k, self._p("k_norm"), c.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         layer_kv = append(layer_kv, k, v, step)
-        o = attend(q, layer_kv, step, sliding_window=c.sliding_window,
-                   impl=c.attention_impl)
+        o = attend(q, layer_kv, step, sliding_window=c.sliding_window, impl=self.attention)
         h = h + o.reshape(b, t, -1).astype(h.dtype) @ self._p("wo")
 
         x = rms_norm(h, self._p("mlp_norm"), c.rms_norm_eps)
@@ -187,7 +191,7 @@ def hidden_states(
     step = make_step(cache, tokens.shape[1], valid)
     cos, sin = rope_tables(config, step.positions(tokens.shape[1]))
     h = jnp.take(params["embed"], tokens, axis=0)
-    layer = DecoderLayer(config)
+    layer = DecoderLayer(config, attention=cache.config.attention)
 
     def body(h, layer_params, view):
         return layer.apply({"params": layer_params}, h, view, step, cos, sin)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import Codec, Codes, Params, register
+from kvjax.codec import Codec, Codes, DenseFormat, Params, register
 from kvjax.codecs.intn import saturate
 
 #: float32 values beyond this round to bf16 infinity; under jit (where +-Inf input has
@@ -57,6 +57,11 @@ class _IdentityCodec(Codec):
         """The storage dtype's width: no metadata."""
         self.check_head_dim(head_dim)
         return float(8 * jnp.dtype(self.storage).itemsize)
+
+    # -- kernel formats -------------------------------------------------------------
+    def kernel_formats(self) -> tuple[DenseFormat, ...]:
+        """The vectors themselves, in the storage dtype (:meth:`values`)."""
+        return (DenseFormat(dtype=jnp.dtype(self.storage), values=self.values),)
 
 
 @register

@@ -30,6 +30,7 @@ from kvjax.codec import (
     Codec,
     CodecError,
     Codes,
+    IntFormat,
     Params,
     check_range,
     packed_words,
@@ -193,3 +194,8 @@ class IntCodec(Codec):
         """Packed codes (word padding included) plus fp16 scale and zero per vector."""
         self.check_head_dim(head_dim)
         return exact_bits(32 * packed_words(head_dim, self.bits) + 2 * 16, head_dim)
+
+    # -- kernel formats -------------------------------------------------------------
+    def kernel_formats(self) -> tuple[IntFormat, ...]:
+        """The stored arrays are token-wise ``bits``-bit codes with fp16 scale and zero."""
+        return (IntFormat(bits=self.bits),)

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import EXACT, Codec, CodecError, Codes, Params, check_range, register
+from kvjax.codec import EXACT, Codec, CodecError, Codes, IntFormat, Params, check_range, register
 from kvjax.codecs.intn import MAX_BITS, MIN_BITS, IntCodec, option_spec
 from kvjax.primitives.rotations import block_hadamard, random_signs
 
@@ -143,3 +143,9 @@ class SawCodec(Codec):
         """Exactly ``int:N``'s: the rotation stores nothing per vector."""
         self.check_head_dim(head_dim)
         return self._int.bits_per_element(head_dim)
+
+    # -- kernel formats -------------------------------------------------------------
+    def kernel_formats(self) -> tuple[IntFormat, ...]:
+        """``int:N``'s arrays of the rotated vectors ``R x`` (K and, when used for V, V:
+        every vector this codec stores is rotated)."""
+        return (IntFormat(bits=self.bits, rotate=self.rotate),)

@@ -1,6 +1,7 @@
 """Decode attention over token-wise INT-N codes (``int:N`` and SAW keys/values).
 
-``reference.py`` is the specification (pure jnp), ``kernel.py`` the Pallas kernel that
-reads the packed words and fp16 scales directly, ``api.py`` the layer-level entry point
-that adds the raw regions of the cache and merges the partial softmaxes.
+``api.py`` holds the entry, :func:`~pallas_kernels.int_decode.api.int_decode` (packed
+codes, scales and zeros in, the partial softmax over the coded tokens out);
+``reference.py`` the pure-jnp specification with the same signature; ``kernel.py`` the
+Pallas kernel that reads the packed words and fp16 scales directly.
 """

@@ -1,12 +1,16 @@
-"""Layer-level decode attention over an ``int:N`` / SAW cache with the fused kernel.
+"""The array-level entry of the INT-N decode-attention kernel: :func:`int_decode`.
 
-:func:`decode_attention` takes one decode query per row and a layer view of a
-:mod:`kvjax.cache` whose K and V are stored by :class:`~kvjax.codecs.IntCodec` or
-:class:`~kvjax.codecs.SawCodec` codes. The kernel reads the coded region; the raw regions
-(sinks, and the residual window with the unfinished block) are a few dozen bf16 tokens
-and are attended in jnp; the partial softmaxes are merged exactly. :func:`why_not`
-says, in one line, why a configuration cannot use the kernel (``None`` when it can), so
-callers fall back to the reference with that message.
+One decode query per row attends to packed token-wise integer codes (``int:N``, SAW),
+in the style of JAX's ``pallas/ops/gpu/decode_attention.py``: arrays in (codes, fp16
+scales and zeros, per-row token counts, optional rotations), the partial softmax
+``(o, m, l)`` over the coded tokens out (:mod:`pallas_kernels.partial`), so that a caller
+merges it with whatever else its rows attend to. The entry owns the whole pipeline:
+checks, query-row padding, the default blocking and split count, the ``pallas_call``
+(:func:`.kernel.codes_partial`) and the exact merge of the splits.
+:func:`.reference.int_decode` has the same signature and is the specification.
+
+Dimension letters: ``B`` rows, ``K`` kv heads, ``G`` query rows per kv head, ``S`` code
+slots, ``W`` uint32 words per token (``D * bits / 32``), ``D`` head dim, ``L`` layers.
 """
 
 from __future__ import annotations
@@ -17,22 +21,16 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import Segment
-from kvjax.codecs import IntCodec, SawCodec
 from kvjax.primitives.packing import is_planar
+from kvjax.primitives.rotations import block_hadamard, random_signs
 from pallas_kernels.int_decode.kernel import (
     MIN_DOT,
+    Research,
     codes_partial,
     operand_width,
     pad_query_rows,
 )
-from pallas_kernels.int_decode.reference import (
-    NEG,
-    codes_partial_reference,
-    dense_partial,
-    merge_partials,
-    normalize,
-)
+from pallas_kernels.partial import empty_partial, merge_partials, unrotate_output
 
 #: bit widths whose planar packing puts whole dims in each bit slot of a 32-bit word
 KERNEL_BITS = (2, 4, 8)
@@ -48,34 +46,13 @@ GOOD_WAVES = 0.9
 MAX_WAVES = 4
 
 
-def why_not(layer: Segment, num_queries: int, sliding_window: int | None) -> str | None:
-    """Why the fused kernel cannot serve this call (``None``: it can)."""
-    k, v = layer.k.codec, layer.v.codec
-    head_dim = layer.k.raw.shape[-1]
-    if num_queries != 1:
-        return f"it decodes one query token per row, got {num_queries}"
-    if sliding_window is not None:
-        return "it has no sliding window"
-    for role, codec in (("K", k), ("V", v)):
-        if not isinstance(codec, IntCodec | SawCodec):
-            return f"{role} uses '{codec.spec}', not int:N or saw"
-    if k.bits != v.bits:
-        return f"K and V bit widths differ ({k.bits} vs {v.bits})"
-    if k.bits not in KERNEL_BITS:
-        return f"{k.bits}-bit codes are not planar-packed (kernel bits: {KERNEL_BITS})"
-    if head_dim < MIN_DOT or head_dim & (head_dim - 1) or not is_planar(head_dim, k.bits):
+def unsupported(bits: int, head_dim: int) -> str | None:
+    """Why the kernel cannot read ``bits``-bit codes of ``head_dim`` dims (None: it can)."""
+    if bits not in KERNEL_BITS:
+        return f"{bits}-bit codes are not planar-packed (kernel bits: {KERNEL_BITS})"
+    if head_dim < MIN_DOT or head_dim & (head_dim - 1) or not is_planar(head_dim, bits):
         return f"head_dim {head_dim} is not a power of two >= {MIN_DOT}"
     return None
-
-
-def _per_head(fn, params, x: jax.Array) -> jax.Array:
-    """``fn(params_k, x[:, k])`` for every kv head ``k`` of ``x [B, K, G, D]``."""
-    return jax.vmap(fn, in_axes=(0, 1), out_axes=1)(params, x)
-
-
-def _meta(codes) -> tuple[jax.Array, jax.Array, jax.Array]:
-    # [..., S, 1] -> [..., S]: drops a unit axis, no copy
-    return codes["codes"], codes["scale"][..., 0], codes["zero"][..., 0]
 
 
 def default_blocking(block_s: int | None, num_stages: int | None) -> tuple[int, int]:
@@ -102,89 +79,126 @@ def default_splits(batch: int, heads: int, slots: int, block_s: int,
     return good[0] if good else max(range(1, most + 1), key=fill)
 
 
+def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
+                 q_rotation, v_rotation, bits: int) -> None:
+    """The checks of :func:`int_decode` (and of its reference): ``NotImplementedError``
+    where the kernel cannot serve the arrays, ``ValueError`` where they are malformed."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, K, G, D], got shape {q.shape}")
+    batch, heads, _, head_dim = q.shape
+    reason = unsupported(bits, head_dim)
+    if reason is not None:
+        raise NotImplementedError(f"int_decode: {reason}")
+    lead = 5 if layer is not None else 4
+    codes_shape = k_codes.shape
+    if (k_codes.ndim != lead or codes_shape[-4:-2] != (batch, heads)
+            or codes_shape[-1] != head_dim * bits // 32):
+        stack = "[L, B, K, S, W]" if layer is not None else "[B, K, S, W]"
+        raise ValueError(
+            f"k_codes must be {stack} with B, K = {batch}, {heads} and W = "
+            f"{head_dim * bits // 32} words of {bits}-bit codes of {head_dim} dims, "
+            f"got shape {codes_shape}")
+    for name, a, shape in (("v_codes", v_codes, codes_shape),
+                           ("k_scale", k_scale, codes_shape[:-1]),
+                           ("k_zero", k_zero, codes_shape[:-1]),
+                           ("v_scale", v_scale, codes_shape[:-1]),
+                           ("v_zero", v_zero, codes_shape[:-1]),
+                           ("lengths", lengths, (batch,))):
+        if a.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    for name, a in (("k_codes", k_codes), ("v_codes", v_codes)):
+        if a.dtype != jnp.uint32:
+            raise ValueError(f"{name} must be uint32 packed words, got {a.dtype}")
+    for name, r in (("q_rotation", q_rotation), ("v_rotation", v_rotation)):
+        if r is not None and r.shape != (heads, head_dim, head_dim):
+            raise ValueError(f"{name} must be [K, D, D] = {(heads, head_dim, head_dim)}, "
+                             f"got {r.shape}")
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "block_s", "splits", "num_warps", "num_stages", "interpret",
-                     "use_kernel"),
+    static_argnames=("bits", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
+                     "interpret", "research"),
 )
-def decode_attention(
-    q: jax.Array,
-    layer: Segment,
-    lengths: jax.Array,
+def int_decode(
+    q: jax.Array,        # [B, K, G, D] float: the query rows that read kv head k
+    k_codes: jax.Array,  # uint32 [B, K, S, W] ([L, B, K, S, W] with layer): planar codes
+    k_scale: jax.Array,  # [B, K, S] ([L, ...]) fp16 or float32: key = zero + scale * code
+    k_zero: jax.Array,   # [B, K, S] ([L, ...]) fp16 or float32
+    v_codes: jax.Array,  # uint32, like k_codes
+    v_scale: jax.Array,  # like k_scale
+    v_zero: jax.Array,   # like k_zero
+    lengths: jax.Array,  # int32 [B]: coded tokens per row, the first lengths[b] of S
+    layer: jax.Array | None = None,       # int32 []: the layer of stacked codes to read
+    q_rotation: jax.Array | None = None,  # [K, D, D]: keys stored as R k; reads R q
+    v_rotation: jax.Array | None = None,  # [K, D, D]: values stored as R v; R^T o out
     *,
-    scale: float | None = None,
-    block_s: int | None = None,
-    splits: int | None = None,
+    bits: int,               # code width: 2, 4 or 8 (planar-packed)
+    sm_scale: float,         # logits are sm_scale * q . k
+    block_s: int | None = None,     # tokens per block (default_blocking)
+    splits: int | None = None,      # slices of S, one program each (default_splits)
     num_warps: int = NUM_WARPS,
-    num_stages: int | None = None,
-    interpret: bool | None = None,
-    use_kernel: bool = True,
-) -> jax.Array:
-    """Attention of one decode query per row, ``q [B, N, D] -> [B, N, D]``.
+    num_stages: int | None = None,  # pipeline stages (default_blocking)
+    interpret: bool | None = None,  # Pallas interpret mode; default: off a GPU
+    research: Research | None = None,  # benchmark-only kernel variant; None: production
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Partial softmax of the query rows over the first ``lengths[b]`` coded tokens.
 
-    ``layer`` is a layer view that already holds the query's own token (append, then
-    attend) and ``lengths [B]`` its rows' token counts. ``interpret`` defaults to True off
-    GPU (Pallas interpret mode); ``use_kernel=False`` computes the coded region with the
-    pure-jnp reference instead (same merge), the specification the kernel is tested
-    against. ``block_s``, ``splits`` and ``num_stages`` default to
-    :func:`default_blocking` and :func:`default_splits`. Raises ``ValueError`` with
-    :func:`why_not`'s reason when the kernel does not apply.
+    Returns ``o [B, K, G, D]``, ``m [B, K, G]``, ``l [B, K, G]`` in float32
+    (:mod:`pallas_kernels.partial`); a row with no coded token gets ``o = 0, l = 0,
+    m = NEG``. Codes are :func:`kvjax.primitives.packing.pack_bits` words of the
+    token-wise integer codes, each token ``zero + scale * code``. With ``layer``, the
+    codes, scales and zeros are a whole stack of layers and the kernel reads layer
+    ``layer`` in place (a cache segment's codes inside a scan over layers). Operands of
+    the kernel's matmuls are float16, accumulation float32 (see :mod:`.kernel`).
+    Raises ``NotImplementedError`` when the kernel cannot serve these arrays
+    (:func:`unsupported`), ``ValueError`` when they are malformed.
     """
-    reason = why_not(layer, 1, None)
-    if reason is not None:
-        raise ValueError(f"int_decode kernel does not apply: {reason}")
-    batch, num_heads, head_dim = q.shape
-    k_store, v_store = layer.k, layer.v
-    heads = k_store.raw.shape[1]
-    group = num_heads // heads
-    sm_scale = head_dim**-0.5 if scale is None else scale
-    qg = q.astype(jnp.float32).reshape(batch, heads, group, head_dim)
-    n_sink, n_comp, n_raw = k_store.counts(lengths)
+    check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
+                 q_rotation, v_rotation, bits)
+    batch, heads, group, head_dim = q.shape
+    slots = k_codes.shape[-2]
+    if slots == 0:
+        # no code slot at all (a residual window as long as the cache)
+        return empty_partial(q)
+    research = research or Research()
+    block_s, num_stages = default_blocking(block_s, num_stages)
+    splits = splits or default_splits(batch, heads, slots, block_s, num_warps)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    rows = pad_query_rows(q.astype(jnp.float32), operand_width(head_dim, bits, research.layout))
+    o, m, l = codes_partial(
+        rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, q_rotation, layer,
+        bits=bits, sm_scale=sm_scale, block_s=block_s, splits=splits, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret, research=research,
+    )
+    o, m, l = merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
+    if v_rotation is not None:
+        o = unrotate_output(o, v_rotation)
+    return o, m, l
 
-    # in a scan over layers the codes are the segment's whole stack (Store.layer)
-    k_codes, k_scale, k_zero = _meta(k_store.codes)
-    v_codes, v_scale, v_zero = _meta(v_store.codes)
-    layer = k_store.layer
-    bits = k_store.codec.bits
-    # SAW keys are stored rotated: rotate the query once, (R q) . (R k) = q . k
-    q_coded = qg
-    if isinstance(k_store.codec, SawCodec):
-        q_coded = _per_head(k_store.codec.rotate, k_store.params, qg)
-    if k_codes.shape[-2] == 0:
-        # a residual window as long as the cache: nothing is ever coded
-        coded = (jnp.zeros_like(qg), jnp.full(qg.shape[:-1], NEG, jnp.float32),
-                 jnp.zeros(qg.shape[:-1], jnp.float32))
-    elif use_kernel:
-        q_rows = pad_query_rows(q_coded, operand_width(head_dim, bits))
-        block_s, stages = default_blocking(block_s, num_stages)
-        n_splits = splits or default_splits(batch, heads, k_codes.shape[-2], block_s,
-                                            num_warps)
-        if interpret is None:
-            interpret = jax.default_backend() != "gpu"
-        o, m, l = codes_partial(
-            q_rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp, None, layer,
-            bits=bits, sm_scale=sm_scale, block_s=block_s, splits=n_splits,
-            num_warps=num_warps, num_stages=stages, interpret=interpret,
-        )
-        coded = merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
-    else:
-        k_codes, k_scale, k_zero = _meta(k_store.layer_codes())
-        v_codes, v_scale, v_zero = _meta(v_store.layer_codes())
-        coded = codes_partial_reference(
-            q_coded, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, n_comp, bits=bits,
-            sm_scale=sm_scale,
-        )
-    if isinstance(v_store.codec, SawCodec) and v_store.codec.rotate_values:
-        # values were stored as R v: the coded partial's output is R o, rotate it back
-        o, m, l = coded
-        coded = (_per_head(v_store.codec.unrotate, v_store.params, o), m, l)
 
-    parts = [coded]
-    sink_ok = jnp.arange(k_store.sinks)[None, :] < n_sink[:, None]
-    raw_ok = jnp.arange(k_store.raw_capacity)[None, :] < n_raw[:, None]
-    if k_store.sinks:
-        parts.append(dense_partial(qg, k_store.sink, v_store.sink, sink_ok, sm_scale=sm_scale))
-    if k_store.raw_capacity:
-        parts.append(dense_partial(qg, k_store.raw, v_store.raw, raw_ok, sm_scale=sm_scale))
-    out = normalize(*merge_partials(parts))
-    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
+def random_inputs(key: jax.Array, *, batch: int, heads: int, group: int, slots: int,
+                  head_dim: int, bits: int, rotated: bool = False) -> dict[str, jax.Array]:
+    """Random arguments of :func:`int_decode` for a shape: uniformly random packed
+    words, fp16 scales and zeros, a normal query, every row full (``lengths = S``) and,
+    with ``rotated``, a signed block-Hadamard key rotation (SAW's). The kernel's speed
+    depends on the bytes, not the values: benchmarks and profilers time these.
+    """
+    words = head_dim * bits // 32
+    keys = jax.random.split(key, 8)
+    out = {"q": jax.random.normal(keys[0], (batch, heads, group, head_dim), jnp.float32)}
+    for i, role in enumerate("kv"):
+        k_codes, k_scale, k_zero = keys[1 + 3 * i: 4 + 3 * i]
+        out[f"{role}_codes"] = jax.random.bits(k_codes, (batch, heads, slots, words),
+                                               jnp.uint32)
+        out[f"{role}_scale"] = (jax.random.uniform(k_scale, (batch, heads, slots))
+                                * 0.1).astype(jnp.float16)
+        out[f"{role}_zero"] = (jax.random.normal(k_zero, (batch, heads, slots))
+                               * 0.1).astype(jnp.float16)
+    out["lengths"] = jnp.full((batch,), slots, jnp.int32)
+    if rotated:
+        signs = random_signs(keys[7], head_dim)
+        rotation = block_hadamard(jnp.eye(head_dim) * signs, min(128, head_dim)).T
+        out["q_rotation"] = jnp.broadcast_to(rotation, (heads, head_dim, head_dim))
+    return out

@@ -3,8 +3,9 @@
 Grid ``(B, K, splits)``: one program per (row, kv head, slice of the cache). A program
 holds *all* query heads of its kv head (GQA: every code word is read once, not once per
 query head), walks its slice in blocks of ``block_s`` tokens with an online softmax, and
-writes a partial ``(o, m, l)`` that :func:`reference.merge_partials` combines exactly
-across slices and with the raw regions of the cache.
+writes a partial ``(o, m, l)`` that :func:`pallas_kernels.partial.merge_partials` combines
+exactly across slices and with the raw regions of the cache. :mod:`.api` is the entry that
+callers use; :func:`codes_partial` here is the bare ``pallas_call``.
 
 Codes are never dequantized elementwise. With ``q . k_hat = scale * (q . c) + zero *
 sum(q)`` and the output ``sum_s p_s (zero_s + scale_s c_s)``, the integer codes go
@@ -17,13 +18,13 @@ run at a quarter of the integer rate and bounded the first version of this kerne
 and one exact float16 subtraction leaves ``c``. The query's columns are permuted to the
 dims the planes hold (:func:`unit_permutation`) and the output's back, outside the
 loop. "bytes" reads 8-bit units and converts them (``8 / bits`` matmuls, kept to
-measure the trick against; docs/kernels.md). No value is ever sliced, gathered or
-concatenated inside the kernel (the Triton lowering supports none of these): the query
-is consumed in column slices of its ref.
+measure the trick against as a :class:`Research` variant; docs/kernels.md). No value is
+ever sliced, gathered or concatenated inside the kernel (the Triton lowering supports
+none of these): the query is consumed in column slices of its ref.
 
 For SAW keys the query is rotated once, ``q R^T``, by the same XLA product that permutes
-its columns (or, with ``rotate_in_kernel``, inside every program), so the rotated keys
-are never un-rotated.
+its columns (or, in the ``rotate_in_kernel`` research variant, inside every program), so
+the rotated keys are never un-rotated.
 
 Operands of the dots are float16 (``OPERAND``), accumulation float32; the reference
 is exact float32, and the tests state the tolerance. Dots of fewer than 16 columns
@@ -33,6 +34,7 @@ broadcast multiply-adds in float32 on the same float16 operands.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,7 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kvjax.attention import NEG
+from pallas_kernels.partial import NEG
 
 #: the smallest matrix-instruction tile edge of the Triton lowering
 MIN_DOT = 16
@@ -53,6 +55,30 @@ OPERAND = jnp.float16
 LAYOUTS = {"halves": 16, "bytes": 8}
 #: float16 bit pattern of 1024.0: OR-ing a code c < 1024 into its mantissa gives 1024 + c
 F16_1024 = 0x6400
+
+
+# The variants below lost to the production kernel on the H200 (docs/kernels.md); they stay
+# callable, behind this one benchmark-only value, so that the measurements that chose the
+# production path can be repeated in the same run as it (experiments/bench_decode.py
+# --variant). The library never passes one.
+@dataclasses.dataclass(frozen=True)
+class Research:
+    """A benchmark-only variant of the kernel; ``Research()`` is the production kernel.
+
+    layout: "halves" (16-bit code units turned into float16 by bit operations) or "bytes"
+    (8-bit units with int-to-float conversions).
+    asm: unpack "halves" two units per 32-bit register in inline PTX (compiled only;
+    interpret mode always uses the jnp operations); False uses the jnp operations.
+    rotate_in_kernel: a SAW query rotation multiplied inside every program instead of by
+    one XLA product before the kernel.
+    """
+
+    layout: str = "halves"
+    asm: bool = True
+    rotate_in_kernel: bool = False
+
+    def __post_init__(self):
+        _unit_bits(self.layout)
 
 
 def pad_query_rows(q: jax.Array, width: int) -> jax.Array:
@@ -236,7 +262,7 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_
 @functools.partial(
     jax.jit,
     static_argnames=("bits", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "layout", "asm", "rotate_in_kernel"),
+                     "interpret", "research"),
 )
 def codes_partial(
     q: jax.Array,
@@ -257,25 +283,22 @@ def codes_partial(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
-    layout: str = "halves",
-    asm: bool = True,
-    rotate_in_kernel: bool = False,
+    research: Research = Research(),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-split partial softmaxes over the coded tokens (see the module docstring).
 
-    Shapes as :func:`reference.codes_partial_reference`, except ``q [B, K, R, D]`` with
-    ``R`` query rows per kv head already padded to what the kernel needs (a power of two,
-    at least 16 when :func:`operand_width` is; :mod:`api` does this). Returns ``o [B, K, splits, R,
-    D]``, ``m, l [B, K, splits, R]`` (float32). With ``layer`` (an int32 scalar), codes,
-    scales and zeros carry a leading layer axis (``[L, B, K, S, W]``, a cache segment's
-    whole stack) and the kernel reads layer ``layer`` of them in place. ``asm=False``
-    unpacks the "halves" layout with jnp operations instead of inline PTX (interpret
-    mode always does).
-    A SAW ``rotation`` is applied to the query by one XLA product before the kernel
-    (together with the column permutation), or with ``rotate_in_kernel`` inside every
-    program (measured 1.6x slower at one row and 128k tokens: each of the ~500
+    Shapes as :func:`.api.int_decode`, except ``q [B, K, R, D]`` with ``R`` query rows
+    per kv head already padded to what the kernel needs (a power of two, at least 16 when
+    :func:`operand_width` is; :func:`pad_query_rows`), the codes always stacked
+    (``[L, B, K, S, W]``; ``layer`` None reads a stack of one), and no check of what the
+    kernel supports (:func:`.api.int_decode` does them). Returns ``o [B, K, splits, R,
+    D]``, ``m, l [B, K, splits, R]`` (float32), one partial per split. A SAW
+    ``rotation`` ``[K, D, D]`` is applied to the query by one XLA product before the
+    kernel, together with the column permutation (``research.rotate_in_kernel``: inside
+    every program, measured 1.6x slower at one row and 128k tokens: each of the ~500
     programs re-reads and multiplies the ``[D, D]`` matrix; docs/kernels.md).
     """
+    layout = research.layout
     batch, heads, rows, head_dim = q.shape
     if layer is None:
         # one layer's arrays: a stack of one (a reshape, no copy)
@@ -293,14 +316,14 @@ def codes_partial(
     else:
         # rows of R permuted like the kernel's columns: one product rotates and permutes
         rotation = rotation[:, perm, :]
-        if not rotate_in_kernel:
+        if not research.rotate_in_kernel:
             q = jnp.einsum("bkrd,ked->bkre", q.astype(jnp.float32),
                            rotation.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
             rotation = None
     rotated = rotation is not None
     kernel = functools.partial(
         _kernel, bits=bits, width=width, block_s=block_s, split_len=split_len,
-        sm_scale=sm_scale, rotated=rotated, asm=not interpret and asm,
+        sm_scale=sm_scale, rotated=rotated, asm=not interpret and research.asm,
     )
     row = lambda b, h, j: (b,)
     per_head_2d = lambda b, h, j: (b, h, 0, 0)

@@ -1,101 +1,80 @@
 """Pure-jnp specification of the INT-N decode-attention kernel.
 
-One decode query per row attends to the compressed region of one layer's cache. The
-result is a *partial* softmax, ``(o, m, l)``: ``o`` the un-normalized output
-``sum_s exp(s_s - m) v_s``, ``m`` the running maximum logit and ``l = sum_s exp(s_s - m)``,
-so that partials over disjoint key sets (kernel splits, the raw window, sinks) merge
-exactly (:func:`merge_partials`).
-
-This reference is exact: codes are dequantized (``zero + scale * c``) and every product
-is float32 at HIGHEST precision. The kernel rounds its matmul operands (the query and
-the probabilities times the value scales) to float16 and accumulates in float32; its
-tests state the tolerance that costs.
+:func:`int_decode` has the signature of :func:`.api.int_decode` and returns the same
+partial softmax ``(o, m, l)`` over the coded tokens, exactly: codes are dequantized
+(``zero + scale * code``) and every product is float32 at HIGHEST precision. The kernel
+rounds its matmul operands (the query and the probabilities times the value scales) to
+float16 and accumulates in float32; its tests state the tolerance that costs.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import NEG
-from kvjax.codec import EXACT
-from kvjax.codecs.intn import dequantize
 from kvjax.primitives.packing import unpack_bits
+from pallas_kernels.int_decode.api import NUM_WARPS, check_arrays
+from pallas_kernels.int_decode.kernel import Research
+from pallas_kernels.partial import EXACT, dense_partial, unrotate_output
 
 
-def codes_partial_reference(
-    q: jax.Array,
-    k_codes: jax.Array,
-    k_scale: jax.Array,
-    k_zero: jax.Array,
-    v_codes: jax.Array,
-    v_scale: jax.Array,
-    v_zero: jax.Array,
-    n_comp: jax.Array,
+def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
+               head_dim: int) -> jax.Array:
+    """Tokens ``zero + scale * code`` in float32 from ``uint32[..., S, W]`` words and
+    ``[..., S]`` scales and zeros: ``[..., S, D]``."""
+    c = unpack_bits(codes, bits, head_dim).astype(jnp.float32)
+    return zero[..., None].astype(jnp.float32) + c * scale[..., None].astype(jnp.float32)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("bits", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
+                     "interpret", "research"),
+)
+def int_decode(
+    q: jax.Array,        # [B, K, G, D] float: the query rows that read kv head k
+    k_codes: jax.Array,  # uint32 [B, K, S, W] ([L, B, K, S, W] with layer): planar codes
+    k_scale: jax.Array,  # [B, K, S] ([L, ...]) fp16 or float32: key = zero + scale * code
+    k_zero: jax.Array,   # [B, K, S] ([L, ...]) fp16 or float32
+    v_codes: jax.Array,  # uint32, like k_codes
+    v_scale: jax.Array,  # like k_scale
+    v_zero: jax.Array,   # like k_zero
+    lengths: jax.Array,  # int32 [B]: coded tokens per row, the first lengths[b] of S
+    layer: jax.Array | None = None,       # int32 []: the layer of stacked codes to read
+    q_rotation: jax.Array | None = None,  # [K, D, D]: keys stored as R k; reads R q
+    v_rotation: jax.Array | None = None,  # [K, D, D]: values stored as R v; R^T o out
     *,
     bits: int,
     sm_scale: float,
-    rotation: jax.Array | None = None,
+    block_s: int | None = None,
+    splits: int | None = None,
+    num_warps: int = NUM_WARPS,
+    num_stages: int | None = None,
+    interpret: bool | None = None,
+    research: Research | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Partial softmax of grouped queries over the first ``n_comp[b]`` coded tokens.
-
-    q ``[B, K, G, D]`` float32; codes ``uint32[B, K, S, W]`` (planar, see
-    :mod:`kvjax.primitives.packing`); scales and zeros ``[B, K, S]`` (fp16 or float32); ``n_comp``
-    ``int32[B]``; ``rotation`` ``[K, D, D]`` (keys stored as ``R x``) or None. Returns
-    ``o [B, K, G, D]``, ``m [B, K, G]``, ``l [B, K, G]`` in float32; rows with no coded
-    token get ``o = 0, l = 0, m = finfo.min``.
-    """
+    """The specification of :func:`.api.int_decode`: same arguments, same checks, the
+    exact partial ``(o [B, K, G, D], m [B, K, G], l [B, K, G])`` in float32. The
+    blocking, interpret and research arguments only shape the kernel's schedule and are
+    ignored here."""
+    del block_s, splits, num_warps, num_stages, interpret, research
+    check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
+                 q_rotation, v_rotation, bits)
     head_dim = q.shape[-1]
-    f32 = jnp.float32
-    q = q.astype(f32)
-    if rotation is not None:
-        q = jnp.einsum("bkgd,ked->bkge", q, rotation.astype(f32), precision=EXACT)
-    keys = dequantize(unpack_bits(k_codes, bits, head_dim), k_scale[..., None],
-                      k_zero[..., None])
-    values = dequantize(unpack_bits(v_codes, bits, head_dim), v_scale[..., None],
-                        v_zero[..., None])
-    valid = jnp.arange(k_codes.shape[2])[None, :] < n_comp[:, None]
-    return dense_partial(q, keys, values, valid, sm_scale=sm_scale)
-
-
-def dense_partial(
-    q: jax.Array, keys: jax.Array, values: jax.Array, valid: jax.Array, *, sm_scale: float
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Partial softmax of ``q [B, K, G, D]`` over raw ``keys, values [B, K, n, D]``.
-
-    ``valid [B, n]`` marks the stored tokens; exact float32 (HIGHEST precision).
-    """
-    f32 = jnp.float32
-    s = jnp.einsum("bkgd,bknd->bkgn", q.astype(f32), keys.astype(f32), precision=EXACT)
-    s = s * sm_scale
-    ok = valid[:, None, None, :]
-    s = jnp.where(ok, s, NEG)
-    m = jnp.max(s, axis=-1) if s.shape[-1] else jnp.full(s.shape[:-1], NEG, f32)
-    p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
-    o = jnp.einsum("bkgn,bknd->bkgd", p, values.astype(f32), precision=EXACT)
-    return o, m, jnp.sum(p, axis=-1)
-
-
-def merge_partials(partials, axis: int | None = None):
-    """Merge partial softmaxes exactly into one partial ``(o, m, l)``.
-
-    ``partials`` is a list of ``(o, m, l)`` with equal shapes, or one triple whose
-    ``axis`` (of ``m``; ``o`` has the same axis and a trailing ``D``) enumerates the
-    parts (kernel splits).
-    """
-    if axis is not None:
-        o, m, l = partials
-        o, m, l = jnp.moveaxis(o, axis, 0), jnp.moveaxis(m, axis, 0), jnp.moveaxis(l, axis, 0)
-    else:
-        o = jnp.stack([p[0] for p in partials])
-        m = jnp.stack([p[1] for p in partials])
-        l = jnp.stack([p[2] for p in partials])
-    top = jnp.max(m, axis=0)
-    weight = jnp.exp(m - top)
-    return jnp.sum(weight[..., None] * o, axis=0), top, jnp.sum(weight * l, axis=0)
-
-
-def normalize(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """The attention output ``o / l`` of a partial; rows that saw no key give 0."""
-    del m
-    return o / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
+    arrays = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+    if layer is not None:
+        arrays = tuple(jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+                       for a in arrays)
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = arrays
+    q = q.astype(jnp.float32)
+    if q_rotation is not None:
+        q = jnp.einsum("bkgd,ked->bkge", q, q_rotation.astype(jnp.float32), precision=EXACT)
+    keys = dequantize(k_codes, k_scale, k_zero, bits, head_dim)
+    values = dequantize(v_codes, v_scale, v_zero, bits, head_dim)
+    valid = jnp.arange(k_codes.shape[2])[None, :] < lengths[:, None]
+    o, m, l = dense_partial(q, keys, values, valid, sm_scale=sm_scale)
+    if v_rotation is not None:
+        o = unrotate_output(o, v_rotation)
+    return o, m, l

@@ -1,4 +1,5 @@
-"""Reference attention over the compressed cache vs plain dense attention."""
+"""Reference attention over the compressed cache vs plain dense attention, and the XLA
+paths (windowed bfloat16 attention, the bf16 cache's decode) against the reference."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,9 @@ import pytest
 
 from kvjax import cache as kc
 from kvjax.attention import attend, decode_attention, dense_attention
+from kvjax.attention.xla import windowed_attention
 from kvjax.spec import parse_cache
+from tests.kvjax.attention.helpers import build_layer
 
 
 def _bf16_exact(rng, shape):
@@ -137,8 +140,6 @@ def test_bad_impl_head_dim_and_group():
 def test_windowed_attention_matches_reference(spec_k, spec_v, sinks, window, sliding):
     """impl="xla" for chunks: bfloat16 operands over windows of the cache with an online
     softmax, against the float32 reference, chunk after chunk of ragged rows."""
-    from kvjax.attention import _windowed_attention
-
     rng = np.random.default_rng(3)
     heads, head_dim, group, total = 2, 32, 3, 60
     k = jnp.asarray(rng.standard_normal((2, total, heads, head_dim)), jnp.float32)
@@ -147,7 +148,7 @@ def test_windowed_attention_matches_reference(spec_k, spec_v, sinks, window, sli
     config = kc.CacheConfig(k=spec_k, v=spec_v, residual_window=window, sink_tokens=sinks)
     cache = kc.init_cache(jax.random.key(0), config, num_layers=1, batch=2,
                           num_kv_heads=heads, head_dim=head_dim, max_len=64)
-    windowed = jax.jit(_windowed_attention, static_argnums=(4, 5, 6))
+    windowed = jax.jit(windowed_attention, static_argnums=(4, 5, 6))
     pos = 0
     for n, valid in [(30, [30, 0]), (30, [29, 17])]:   # one shape: one compilation
         step = kc.make_step(cache, n, jnp.array(valid))
@@ -170,7 +171,8 @@ def test_windowed_attention_matches_reference(spec_k, spec_v, sinks, window, sli
 
 
 def test_windowed_attention_leaves_estimator_scores_to_the_reference():
-    """A codec whose scores are not q . decode(codes) keeps the reference path."""
+    """A codec whose scores are not q . decode(codes) is not served by "xla": listed
+    after it, the reference serves it."""
     import dataclasses
 
     from kvjax.codecs.intn import IntCodec
@@ -185,4 +187,29 @@ def test_windowed_attention_leaves_estimator_scores_to_the_reference():
     view = kc.append(cache.layer(0), kv, kv, step)
     view = dataclasses.replace(view, k=dataclasses.replace(view.k, codec=Estimating(bits=4)))
     q = jnp.ones((1, 8, 1, 16))
-    np.testing.assert_array_equal(attend(q, view, step, impl="xla"), attend(q, view, step))
+    np.testing.assert_array_equal(attend(q, view, step, impl=("xla", "reference")),
+                                  attend(q, view, step))
+    with pytest.raises(ValueError, match="K codec 'int:4' scores keys by an estimator"):
+        attend(q, view, step, impl="xla")
+    with pytest.raises(ValueError, match="estimator of its own"):
+        windowed_attention(q, view, step, step.start + step.valid, 0.25, None)
+
+
+@pytest.mark.parametrize("window,sinks,lengths", [(0, 0, [37, 5]), (8, 2, [40, 3, 0])])
+def test_bf16_decode_path_matches_reference(window, sinks, lengths):
+    """impl="xla" over a bf16 cache: bfloat16 operands (the stored values are bfloat16
+    already; the query and the probabilities are rounded), float32 softmax."""
+    view, step, qkey = build_layer("bf16", "bf16", lengths=lengths, window=window,
+                                   sinks=sinks, heads=2, head_dim=64)
+    q = jax.random.normal(qkey, (len(lengths), 1, 8, 64))
+    want = attend(q, view, step)
+    got = attend(q, view, step, impl="xla")
+    assert not np.array_equal(got, want)   # a different path, not the reference again
+    np.testing.assert_allclose(got, want, atol=2e-2)
+    # other codecs: not "xla"'s for a decode; the reference after it
+    view4, step4, _ = build_layer("int:4", "int:4", lengths=lengths, window=window,
+                                  sinks=sinks, heads=2, head_dim=64)
+    np.testing.assert_array_equal(attend(q, view4, step4, impl=("xla", "reference")),
+                                  attend(q, view4, step4))
+    with pytest.raises(ValueError, match="bf16 cache only"):
+        attend(q, view4, step4, impl="xla")

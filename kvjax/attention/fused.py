@@ -1,0 +1,126 @@
+"""The adapter between a cache layer view and the fused kernels of :mod:`pallas_kernels`.
+
+A kernel sees arrays only: it returns the partial softmax ``(o, m, l)`` of the query rows
+over the coded tokens (:mod:`pallas_kernels.partial`). This module is the one place that
+opens a layer view for a kernel: it takes the arrays out of the stores through the
+format each codec offers (:meth:`kvjax.codec.Codec.kernel_formats`), and merges the
+kernel's partial with the raw sinks and the residual window (a few dozen tokens,
+attended in jnp), for every kernel alike (:func:`merged_decode`).
+
+A kernel over :class:`~kvjax.codec.IntFormat` codes registers with
+:func:`int_codes_kernel`; a kernel over a new format adds its own small adapter here
+(how its entry takes the arrays of that format) and reuses :func:`merged_decode`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.attention.dispatch import Call, Impl
+from kvjax.cache import Segment
+from kvjax.codec import Codec, IntFormat
+from pallas_kernels.partial import dense_partial, merge_partials, normalize
+
+#: a kernel's array-level entry, e.g. :func:`pallas_kernels.int_decode.api.int_decode`
+Entry = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+#: ``(qg [B, K, G, D], coded tokens per row [B]) -> partial over the coded tokens``
+CodedPartial = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def merged_decode(q: jax.Array, layer: Segment, lengths: jax.Array, scale: float,
+                  coded: CodedPartial) -> jax.Array:
+    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose
+    coded region ``coded`` attends; the raw sinks and the residual window (with the
+    unfinished block) are attended here and every partial merged exactly.
+
+    ``lengths [B]`` counts each row's stored tokens, the query's own included (append,
+    then attend). K and V must hold their tokens in the same regions (equal blocks).
+    """
+    batch, num_heads, head_dim = q.shape
+    k_store, v_store = layer.k, layer.v
+    heads = k_store.raw.shape[1]
+    qg = q.astype(jnp.float32).reshape(batch, heads, num_heads // heads, head_dim)
+    n_sink, n_comp, n_raw = k_store.counts(lengths)
+    parts = [coded(qg, n_comp)]
+    if k_store.sinks:
+        ok = jnp.arange(k_store.sinks)[None, :] < n_sink[:, None]
+        parts.append(dense_partial(qg, k_store.sink, v_store.sink, ok, sm_scale=scale))
+    if k_store.raw_capacity:
+        ok = jnp.arange(k_store.raw_capacity)[None, :] < n_raw[:, None]
+        parts.append(dense_partial(qg, k_store.raw, v_store.raw, ok, sm_scale=scale))
+    return normalize(*merge_partials(parts)).reshape(batch, num_heads, head_dim)
+
+
+# -- kernels over IntFormat codes --------------------------------------------------------
+
+
+def int_format(codec: Codec) -> IntFormat | None:
+    """The :class:`~kvjax.codec.IntFormat` ``codec`` offers, or None."""
+    return next((f for f in codec.kernel_formats() if isinstance(f, IntFormat)), None)
+
+
+def _rotations(fmt: IntFormat, params, head_dim: int) -> jax.Array | None:
+    """``[K, D, D]`` per-head rotation matrices of a store's ``params``, or None."""
+    if fmt.rotate is None:
+        return None
+    return jax.vmap(lambda p: fmt.rotation(p, head_dim))(params)
+
+
+def int_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
+                     scale: float | None = None, **options) -> jax.Array:
+    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
+    and V offer :class:`~kvjax.codec.IntFormat` codes, with ``entry`` (a kernel's
+    array-level entry, or its reference) over the coded region. ``options`` go to
+    ``entry`` (blocking, ``interpret``)."""
+    k_store, v_store = layer.k, layer.v
+    k_fmt, v_fmt = int_format(k_store.codec), int_format(v_store.codec)
+    head_dim = q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+
+    def coded(qg, n_comp):
+        # in a scan over layers the codes are the segment's whole stack (Store.layer)
+        return entry(qg, *k_fmt.arrays(k_store.codes), *v_fmt.arrays(v_store.codes), n_comp,
+                     k_store.layer, _rotations(k_fmt, k_store.params, head_dim),
+                     _rotations(v_fmt, v_store.params, head_dim),
+                     bits=k_fmt.bits, sm_scale=scale, **options)
+
+    return merged_decode(q, layer, lengths, scale, coded)
+
+
+def int_codes_supports(call: Call, unsupported: Callable[[int, int], str | None]) -> str | None:
+    """Why a kernel over IntFormat codes cannot serve ``call`` (None: it can);
+    ``unsupported(bits, head_dim)`` is the kernel's own rule."""
+    if call.num_tokens != 1:
+        return f"it decodes one query token per row, got {call.num_tokens}"
+    if call.sliding_window is not None:
+        return "it has no sliding window"
+    formats = []
+    for role, codec in (("K", call.layer.k.codec), ("V", call.layer.v.codec)):
+        fmt = int_format(codec)
+        if fmt is None:
+            return f"{role} '{codec.spec}' offers no int-codes kernel format"
+        if not codec.scores_reconstruct:
+            return f"{role} '{codec.spec}' scores keys by an estimator of its own"
+        formats.append(fmt)
+    k_fmt, v_fmt = formats
+    if k_fmt.bits != v_fmt.bits:
+        return f"K and V bit widths differ ({k_fmt.bits} vs {v_fmt.bits})"
+    return unsupported(k_fmt.bits, call.head_dim)
+
+
+def int_codes_kernel(name: str, entry: Entry,
+                     unsupported: Callable[[int, int], str | None]) -> Impl:
+    """The registry entry of a fused decode kernel over IntFormat codes: ``entry`` takes
+    the arrays of :func:`pallas_kernels.int_decode.api.int_decode`'s signature and
+    ``unsupported(bits, head_dim)`` says what it cannot read."""
+
+    def run(call: Call) -> jax.Array:
+        out = int_codes_decode(call.q[:, 0], call.layer, call.lengths, entry=entry,
+                               scale=call.scale)
+        return out[:, None]
+
+    return Impl(name=name, supports=lambda call: int_codes_supports(call, unsupported),
+                run=run, fused=True)

@@ -1,0 +1,35 @@
+"""experiments/bench_decode.py and profile_decode.py: arguments, the table, and the
+profiler's calls of the kernel entry (interpret mode on a CPU)."""
+
+from experiments import bench_decode, profile_decode
+from pallas_kernels.int_decode.kernel import Research
+
+
+def test_bad_arguments_exit_with_status_2(capsys):
+    assert bench_decode.main(["--shape", "llama3-8b"]) == 2
+    assert "known models: " in capsys.readouterr().err
+    assert bench_decode.main(["--variant", "words:64:4:2"]) == 2
+    assert "layout must be one of" in capsys.readouterr().err
+    assert profile_decode.main(["--shape", "nope"]) == 2
+    assert profile_decode.main(["--layout", "words"]) == 2
+
+
+def test_variants_and_the_table():
+    assert bench_decode.parse_variant("halves-jnp:64:4:2:66") == {
+        "research": Research(layout="halves", asm=False), "block_s": 64, "num_warps": 4,
+        "num_stages": 2, "splits": 66}
+    assert bench_decode.parse_variant("bytes:128:8:3")["splits"] is None
+    row = {"shape": "llama-3-8b", "batch": 32, "slots": 32768, "splits": 4, "block_s": 128,
+           "floor_ms": 0.269,
+           "paths": {"cudnn": {"ms": 1.048, "gbs": 4100.0},
+                     "fused": {"ms": 0.5, "gbs": 2280.0}}}
+    lines = bench_decode.table([row]).splitlines()
+    assert lines[0].startswith("| shape | B | S | splits | path | ms | GB/s | vs cuDNN bf16")
+    assert lines[3] == "| llama-3-8b | 32 | 32768 | 4 | fused | 0.500 | 2280 | 2.10x | 0.269 |"
+
+
+def test_profile_runs_the_entry(capsys):
+    args = ["--shape", "smollm2-135m", "--batch", "1", "--slots", "40", "--calls", "1",
+            "--block-s", "16"]
+    assert profile_decode.main(args) == 0
+    assert "ran 1 calls: B=1 S=40 block 16" in capsys.readouterr().out

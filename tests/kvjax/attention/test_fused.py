@@ -1,0 +1,165 @@
+"""The adapter between a cache layer view and the fused kernels: the formats codecs
+offer, the arrays it takes out of a view, the raw sinks and window it merges, and a
+model's decode step through the kernel."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import cache as kc
+from kvjax.attention import REGISTRY, Call, NoImplementationError, attend, fused
+from kvjax.codec import DenseFormat, IntFormat
+from kvjax.spec import parse_codec
+from pallas_kernels.int_decode import api, reference
+from tests.kvjax.attention.helpers import build_layer
+
+ATOL = 3e-3   # the kernel's float16 operands (tests/pallas_kernels/test_int_decode.py)
+#: compiled on a GPU, Pallas interpret mode elsewhere
+INTERPRET = jax.default_backend() != "gpu"
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("int:4", IntFormat(bits=4)),
+    ("int:3", IntFormat(bits=3)),
+    ("bf16", "bfloat16"),
+    ("f32", "float32"),
+    ("kivi:2,g32", None),
+    ("fp8", None),
+    ("int:4,med3", None),
+])
+def test_kernel_formats_of_codecs(spec, want):
+    formats = parse_codec(spec).kernel_formats()
+    if want is None:
+        assert formats == ()
+    elif isinstance(want, str):
+        [fmt] = formats
+        assert isinstance(fmt, DenseFormat) and fmt.dtype == jnp.dtype(want)
+        codec = parse_codec(spec)
+        codes = codec.encode({}, jnp.ones((3, 8)))
+        np.testing.assert_array_equal(fmt.values(codes), codec.values(codes))
+    else:
+        assert formats == (want,)
+
+
+@pytest.mark.parametrize("spec", ["saw:h32,signs", "saw:h64,kv"])
+def test_saw_offers_rotated_int_codes(spec):
+    codec = parse_codec(spec)
+    [fmt] = codec.kernel_formats()
+    assert fmt.bits == 4 and fmt.rotate is not None
+    params = codec.init(jax.random.key(0), 64)
+    r = fmt.rotation(params, 64)
+    x = jax.random.normal(jax.random.key(1), (5, 64))
+    np.testing.assert_allclose(x @ r.T, codec.rotate(params, x), atol=1e-5)
+    np.testing.assert_allclose(r @ r.T, np.eye(64), atol=1e-5)
+    codes = codec.encode(params, x)
+    k_codes, scale, zero = fmt.arrays(codes)
+    assert k_codes.shape == (5, 8) and scale.shape == zero.shape == (5,)
+    assert IntFormat(bits=4).rotation(params, 64) is None
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "options"))
+def _decode(q, view, lengths, kernel, options=()):
+    entry = api.int_decode if kernel else reference.int_decode
+    return fused.int_codes_decode(q, view, lengths, entry=entry, **dict(options))
+
+
+@pytest.mark.parametrize(
+    "spec_k,spec_v,window,sinks,lengths,group",
+    [
+        ("int:4", "int:4", 0, 0, [45, 12], 4),       # no raw region but the decode token
+        ("int:4", "int:4", 8, 2, [45, 3], 4),        # sinks + window; row 1 all raw
+        ("saw:h64,signs", "int:4", 16, 0, [60, 30], 7),
+        ("saw:h32,kv", "saw:h32,kv", 4, 0, [33], 1),  # rotated V, rotated back
+        ("int:8", "int:8", 64, 0, [40], 4),          # window holds everything
+        ("int:4", "saw:h32", 4, 0, [33], 4),         # V by SAW without "kv": still rotated
+    ],
+)
+def test_layer_decode_matches_reference_attention(spec_k, spec_v, window, sinks, lengths,
+                                                  group):
+    heads, head_dim = 2, 128
+    view, step, qkey = build_layer(spec_k, spec_v, lengths=lengths, window=window,
+                                   sinks=sinks, heads=heads, head_dim=head_dim)
+    q = jax.random.normal(qkey, (len(lengths), 1, heads * group, head_dim))
+    want = attend(q, view, step)[:, 0]
+    lengths_now = step.start + step.valid
+    got = _decode(q[:, 0], view, lengths_now, True,
+                  (("block_s", 16), ("splits", 2), ("interpret", INTERPRET)))
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    spec_path = _decode(q[:, 0], view, lengths_now, False)
+    np.testing.assert_allclose(spec_path, want, atol=2e-5)
+
+
+def test_merged_decode_hands_the_coded_region_to_the_kernel():
+    """The kernel sees the grouped queries and the coded counts; the sinks and the
+    window are merged in by the adapter."""
+    view, step, qkey = build_layer("int:4", "int:4", lengths=[40, 9], window=8, sinks=4,
+                                   heads=2, head_dim=64)
+    q = jax.random.normal(qkey, (2, 8, 64))
+    lengths = step.start + step.valid
+    fmt, seen = IntFormat(bits=4), {}
+
+    def coded(qg, n_comp):
+        seen.update(qg=qg, n_comp=n_comp)
+        return reference.int_decode(qg, *fmt.arrays(view.k.codes), *fmt.arrays(view.v.codes),
+                                    n_comp, bits=4, sm_scale=64**-0.5)
+
+    out = fused.merged_decode(q, view, lengths, 64**-0.5, coded)
+    np.testing.assert_array_equal(seen["qg"], q.reshape(2, 2, 4, 64))
+    np.testing.assert_array_equal(seen["n_comp"], view.k.counts(lengths)[1])
+    assert seen["n_comp"].tolist() == [41 - 4 - 8, 0]
+    np.testing.assert_allclose(out, attend(q[:, None], view, step)[:, 0], atol=2e-5)
+
+
+@pytest.mark.parametrize("spec_k,spec_v,head_dim,kw,reason", [
+    ("kivi:2,g32", "int:4", 128, {}, "K 'kivi:2,g32' offers no int-codes kernel format"),
+    ("int:4", "fp8", 128, {}, "V 'fp8' offers no int-codes kernel format"),
+    ("int:4", "int:8", 128, {}, "bit widths differ"),
+    ("int:3", "int:3", 128, {}, "not planar-packed"),
+    ("int:4", "int:4", 80, {}, "power of two"),
+    ("int:4", "int:4", 128, {"num_queries": 2}, "one query token"),
+    ("int:4", "int:4", 128, {"sliding_window": 8}, "sliding window"),
+])
+def test_why_the_kernel_does_not_apply(spec_k, spec_v, head_dim, kw, reason):
+    config = kc.CacheConfig(k=spec_k, v=spec_v)
+    cache = kc.init_cache(jax.random.key(0), config, num_layers=1, batch=1, num_kv_heads=1,
+                          head_dim=head_dim, max_len=64)
+    num_queries = kw.get("num_queries", 1)
+    step = kc.make_step(cache, num_queries)
+    view = kc.append(cache.layer(0), jnp.ones((1, num_queries, 1, head_dim)),
+                     jnp.ones((1, num_queries, 1, head_dim)), step)
+    q = jnp.ones((1, num_queries, 4, head_dim))
+    call = Call(q=q, layer=view, step=step, lengths=step.start + step.valid, scale=1.0,
+                sliding_window=kw.get("sliding_window"))
+    got = REGISTRY["int_decode"].supports(call)
+    assert reason in got
+    with pytest.raises(NoImplementationError, match=re.escape(reason)):
+        attend(q, view, step, sliding_window=kw.get("sliding_window"), impl="int_decode")
+
+
+def test_model_decode_step_through_the_kernel():
+    """A decode step of a tiny llama over an int:4 cache: kernel vs reference logits,
+    chosen by the cache config's attention list (the prefill falls back, as listed)."""
+    from models import llama
+    from models.config import ModelConfig
+
+    config = ModelConfig(family="llama", vocab_size=64, hidden_size=128,
+                         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=64, max_position_embeddings=64)
+    params = llama.init_params(jax.random.key(0), config)
+    prompt = jax.random.randint(jax.random.key(1), (2, 21), 0, config.vocab_size)
+    logits = {}
+    for impl in (("reference",), ("int_decode", "reference")):
+        cache_config = kc.CacheConfig(k="saw:h32", v="int:4", residual_window=4,
+                                      attention=impl)
+        cache = llama.new_cache(config, cache_config, batch=2, max_len=32,
+                                dtype=jnp.float32)
+        _, cache = llama.jit_forward(params, config, prompt, cache, jnp.array([21, 13]))
+        step_logits, _ = llama.jit_forward(params, config, prompt[:, :1], cache, None)
+        logits[impl[0]] = np.asarray(step_logits)
+    scale = np.max(np.abs(logits["reference"]))
+    np.testing.assert_allclose(logits["int_decode"], logits["reference"], atol=1e-2 * scale)
+    assert not np.array_equal(logits["int_decode"], logits["reference"])  # really the kernel

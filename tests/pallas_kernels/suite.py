@@ -1,0 +1,145 @@
+"""The suite every kernel of ``pallas_kernels`` inherits (compiled on a GPU, Pallas
+interpret mode elsewhere: the entries' own default).
+
+A kernel's test module subclasses :class:`KernelSuite` as ``Test<Kernel>`` and states:
+
+- ``entry`` and ``reference``: its array-level entry and the pure-jnp reference of the
+  same signature (staticmethods);
+- ``CASES``: objects with an ``id`` for which ``inputs(case)`` gives the keyword
+  arguments of both (odd shapes: S not a multiple of the block, GQA ratios 1/4/7,
+  ragged lengths, empty rows); ``lengths(case)`` the per-row token counts;
+- ``UNSUPPORTED``: ``(case, reason)`` pairs the entry must refuse with
+  ``NotImplementedError`` matching ``reason``;
+- ``DROP``: ``(case, shorter lengths)`` whose reference outputs differ by far more than
+  the tolerance (so the tolerance can see a dropped block);
+- ``TOLERANCE``: the absolute tolerances of the normalized output ``o / l`` and of the
+  log-sum-exp ``m + log l`` of non-empty rows;
+- ``IMPL`` and ``NEEDLE_SPECS``: its registry name in :mod:`kvjax.attention` and cache
+  specs it serves, for the whole-cache case through the attention adapter: a needle key
+  at the first, middle and last coded position of ragged rows of up to ~2000 tokens (one
+  kv head each) must dominate the output, as in the reference attention.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import cache as kc
+from kvjax.attention import attend
+from kvjax.spec import parse_cache
+
+#: ragged rows of the whole-cache case, up to a couple of thousand tokens
+NEEDLE_LENGTHS = (1999, 1234, 77)
+#: the needle's logit stands this far above the others' typical ones, and its value
+#: has this magnitude per dim
+NEEDLE_KEY, NEEDLE_VALUE = 4.0, 3.0
+
+
+def normalized(partial) -> np.ndarray:
+    """``o / l`` of a partial, in numpy (rows that saw nothing give 0)."""
+    o, _, l = (np.asarray(a) for a in partial)
+    return o / np.maximum(l, np.finfo(np.float32).tiny)[..., None]
+
+
+class KernelSuite:
+    """Tests every kernel inherits; see the module docstring for what a kernel states."""
+
+    entry = None
+    reference = None
+    CASES: tuple = ()
+    UNSUPPORTED: tuple = ()
+    DROP = None
+    TOLERANCE: ClassVar[dict[str, float]] = {}
+    IMPL = ""
+    NEEDLE_SPECS: tuple[str, ...] = ()
+
+    def inputs(self, case) -> dict:
+        raise NotImplementedError
+
+    def lengths(self, case) -> list[int]:
+        raise NotImplementedError
+
+    def test_entry_matches_reference(self, case):
+        kw = self.inputs(case)
+        got = self.entry(**kw)
+        want = self.reference(**kw)
+        out, ref = normalized(got), normalized(want)
+        assert np.all(np.isfinite(out))
+        np.testing.assert_allclose(out, ref, atol=self.TOLERANCE["out"])
+        full = np.asarray(self.lengths(case)) > 0
+        lse, ref_lse = (np.asarray(p[1])[full] + np.log(np.asarray(p[2])[full])
+                        for p in (got, want))
+        np.testing.assert_allclose(lse, ref_lse, atol=self.TOLERANCE["lse"])
+        # an empty row attends to nothing: zeros, like the reference
+        assert np.all(out[~full] == 0)
+        assert np.all(np.asarray(got[2])[~full] == 0)
+
+    def test_unsupported_arrays_raise(self, unsupported):
+        case, reason = unsupported
+        with pytest.raises(NotImplementedError, match=reason):
+            self.entry(**self.inputs(case))
+
+    def test_tolerance_catches_a_dropped_block(self):
+        case, shorter = self.DROP
+        kw = self.inputs(case)
+        full = normalized(self.reference(**kw))
+        kw["lengths"] = jnp.asarray(shorter, jnp.int32)
+        short = normalized(self.reference(**kw))
+        assert np.max(np.abs(full - short)) > 10 * self.TOLERANCE["out"]
+
+    def test_needle_dominates_through_the_attention_adapter(self, needle_spec):
+        config = parse_cache(needle_spec)
+        heads, group, head_dim = 3, 4, 64
+        view, step, q, value, positions = _needle_cache(config, heads, group, head_dim)
+        got = np.asarray(attend(q, view, step, impl=self.IMPL))[:, 0]
+        want = np.asarray(attend(q, view, step, impl="reference"))[:, 0]
+        np.testing.assert_allclose(got, want, atol=self.TOLERANCE["out"])
+        # every query head of kv head k sees its needle, wherever it was planted
+        n_sink, n_comp, _ = (np.asarray(a) for a in view.k.counts(step.start + step.valid))
+        first, middle, last = np.asarray(positions).T
+        np.testing.assert_array_equal(first, n_sink)
+        np.testing.assert_array_equal(last, n_sink + n_comp - 1)
+        assert np.all((first < middle) & (middle < last))
+        expect = np.repeat(np.asarray(value), group, axis=1)  # [B, N, D]
+        np.testing.assert_allclose(got, expect, atol=0.01 * NEEDLE_VALUE)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _needle_cache(config, heads, group, head_dim, seed=0):
+    """A one-layer cache of ``NEEDLE_LENGTHS`` rows after a prefill and one decode append
+    whose kv head ``k`` holds a needle at the first (k=0), middle (k=1) and last (k=2)
+    coded position of every row; returns ``(view, step, q [B, 1, N, D], needle values
+    [B, K, D], needle positions [B, 3])``. One compiled program: built op by op, the
+    cache alone took longer than the kernel."""
+    lengths = jnp.asarray(NEEDLE_LENGTHS, jnp.int32)
+    batch, total = len(NEEDLE_LENGTHS), max(NEEDLE_LENGTHS)
+    cache = kc.init_cache(jax.random.key(seed), config, num_layers=1, batch=batch,
+                          num_kv_heads=heads, head_dim=head_dim, max_len=total + 1,
+                          dtype=jnp.bfloat16)
+    n_sink, n_comp, _ = cache.segments[0].k.counts(lengths + 1)
+    positions = jnp.stack([n_sink, n_sink + n_comp // 2, n_sink + n_comp - 1], axis=1)
+    keys = jax.random.split(jax.random.key(seed + 1), 4)
+    k = jax.random.normal(keys[0], (batch, total + 1, heads, head_dim))
+    v = jax.random.normal(keys[1], (batch, total + 1, heads, head_dim))
+    direction = jnp.sign(jax.random.normal(keys[2], (heads, head_dim)))
+    value = NEEDLE_VALUE * jnp.sign(jax.random.normal(keys[3], (batch, heads, head_dim)))
+    rows, kv_heads = jnp.arange(batch)[:, None], jnp.arange(heads)[None, :]
+    k = k.at[rows, positions, kv_heads].set(NEEDLE_KEY * direction[None])
+    v = v.at[rows, positions, kv_heads].set(value)
+    step = kc.make_step(cache, total, lengths)
+    view = kc.append(cache.layer(0), k[:, :total], v[:, :total], step)
+    cache = kc.commit(cache.with_layer(0, view), step)
+    # the decode token of every row (its query's own) comes right after its prompt
+    idx = lengths[:, None, None, None]
+    step = kc.make_step(cache, 1)
+    view = kc.append(cache.layer(0), jnp.take_along_axis(k, idx, axis=1),
+                     jnp.take_along_axis(v, idx, axis=1), step)
+    q = jnp.broadcast_to(direction[None, None, :, None, :],
+                         (batch, 1, heads, group, head_dim)).reshape(batch, 1, -1, head_dim)
+    return view, step, q, value, positions
