@@ -21,6 +21,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from kvjax.attention import check_names
 from kvjax.probe import BASELINE_CODECS
 from kvjax.spec import CACHE_CLAUSES, CacheConfig, parse_cache, registered
 
@@ -47,8 +48,10 @@ def _positive(text: str) -> int:
 def _cache(text: str) -> CacheConfig:
     """A ``--cache`` value: the spec parsed, or a usage error with the grammar's message."""
     try:
-        return parse_cache(text)
-    except ValueError as err:  # CacheSpecError: one line that lists what is valid
+        config = parse_cache(text)
+        check_names(config.attention)  # the registry lives above the grammar
+        return config
+    except ValueError as err:  # one line that lists what is valid
         raise argparse.ArgumentTypeError(str(err)) from None
 
 

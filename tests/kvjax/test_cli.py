@@ -119,10 +119,6 @@ def test_every_command_rejects_a_bad_spec_in_one_line(capsys, command, spec, nee
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
-# kvjax.attention validates implementation names (its registry); this test turns green
-# when the CLI's cache option calls that validation
-@pytest.mark.xfail(strict=True, reason="attn= names are validated by the kvjax.attention "
-                   "registry, which the cache option does not call yet")
 @pytest.mark.parametrize("command", [["probe", "--npy", "/no/such.npy"],
                                      ["generate", "--prompt", "hi", "--model", "no-such"],
                                      ["ppl", "--model", "no-such"],
