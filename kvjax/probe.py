@@ -109,7 +109,8 @@ def probe(
     q = jax.random.normal(jax.random.fold_in(key, 1), (1, 1, heads * queries, head_dim))
     exact = dense_attention(q, kb, vb, q_positions=jnp.array([[tokens - 1]]),
                             kv_lengths=jnp.array([tokens]))
-    approx = attend(q, layer, Step(start=jnp.array([tokens - 1]), valid=jnp.array([1])))
+    approx = attend(q, layer, Step(start=jnp.array([tokens - 1]), valid=jnp.array([1])),
+                    impl=config.attention)
     qh = q[0, 0].reshape(heads, queries, head_dim)
     ip = jnp.einsum("hqd,thd->hqt", qh, kb[0], precision=EXACT)
     ip_hat = jnp.einsum("hqd,thd->hqt", qh, k_hat[0], precision=EXACT)
