@@ -66,7 +66,8 @@ def test_unrotate_output_inverts_a_rotation_of_the_values():
     q, k, v = _case(n=11)
     rotation = jnp.stack([jnp.linalg.qr(jax.random.normal(jax.random.key(h), (16, 16)))[0]
                           for h in range(3)])
-    rotated_v = jnp.einsum("kde,bkne->bknd", rotation, v)      # R v per head
+    # R v per head, in full float32 (a GPU would otherwise use TF32)
+    rotated_v = jnp.einsum("kde,bkne->bknd", rotation, v, precision=jax.lax.Precision.HIGHEST)
     valid = jnp.ones((2, 11), bool)
     o, m, l = dense_partial(q, k, rotated_v, valid, sm_scale=0.3)
     back = normalize(unrotate_output(o, rotation), m, l)
