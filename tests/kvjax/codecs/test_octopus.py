@@ -284,12 +284,12 @@ def test_octopus_qjl_is_unbiased_over_draws():
 
 
 @pytest.mark.parametrize(("spec", "needle"), [
-    ("octopus", "expected bB"), ("octopus:3", "expected bB"), ("octopus:b0", "1..7"),
+    ("octopus", "expected bB"), ("octopus:3", "unexpected value '3'"), ("octopus:b0", "1..7"),
     ("octopus:b8", "1..7"), ("octopus:b1,qjl", "2..8"), ("octopus:b2,d3", "expected bB"),
     ("octopus:d3", "expected bB"), ("octopus:d9,n1", "0..8"), ("octopus:d0,n0", "both 0"),
-    ("octopus:b2,qjl,qjl", "expected bB"), ("polarquant", "expected bB"),
-    ("polarquant:b0", "1..7"), ("polarquant:b2,l0", "1..16"), ("polarquant:b2,x1", "expected"),
-    ("polarquant:b2,qjl", "expected bB"),
+    ("octopus:b2,qjl,qjl", "'qjl' given twice"), ("polarquant", "expected bB"),
+    ("polarquant:b0", "1..7"), ("polarquant:b2,l0", "1..16"),
+    ("polarquant:b2,x1", "unknown option 'x1'"), ("polarquant:b2,qjl", "unknown option 'qjl'"),
 ])
 def test_bad_specs(spec, needle):
     with pytest.raises(CodecError, match=needle):
