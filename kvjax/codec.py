@@ -268,13 +268,16 @@ class Example:
             Gaussian vectors (0 for exact storage).
         head_dim: the head dim to run it at.
         seeded: ``init`` draws parameters from the key (different keys give different
-            parameters); False: the parameters do not depend on the key.
+            parameters and codes); False: the parameters do not depend on the key.
+        bad_head_dims: positive head dims that the codec rejects (a power of two or a
+            divisor it needs), besides the non-positive ones every codec rejects.
     """
 
     spec: str
     rel_mse: float
     head_dim: int = 64
     seeded: bool = False
+    bad_head_dims: tuple[int, ...] = ()
 
 
 @functools.cache

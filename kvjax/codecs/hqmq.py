@@ -93,8 +93,8 @@ class HqmqCodec(Codec):
                     hi=MAX_RADIUS_BITS, always=True),
     )
     examples: ClassVar[tuple[Example, ...]] = (
-        Example("hqmq", rel_mse=0.1, seeded=True),
-        Example("hqmq:s24,r3", rel_mse=0.2, head_dim=80, seeded=True),
+        Example("hqmq", rel_mse=0.025, seeded=True),
+        Example("hqmq:s24,r3", rel_mse=0.06, head_dim=80, seeded=True),
     )
 
     secondary: int = DEFAULT_SECONDARY

@@ -350,10 +350,13 @@ class HyperQuantCodec(Codec):
         Option.flag("margin", "m", "margin", "X", type=float, lo=0, hi=20),
     )
     examples: ClassVar[tuple[Example, ...]] = (
-        Example("hyperquant:e8,2bps", rel_mse=0.1, seeded=True),
-        Example("hyperquant:d4,3bps,signs,dither,t2", rel_mse=0.05, head_dim=32, seeded=True),
-        Example("hyperquant:z,2bps,haar,tile16,m0", rel_mse=0.1, seeded=True),
-        Example("hyperquant:a2,4bps,int8", rel_mse=0.02, seeded=True),
+        Example("hyperquant:e8,2bps", rel_mse=0.14, seeded=True, bad_head_dims=(48,)),
+        Example("hyperquant:d4,3bps,signs,t2", rel_mse=0.04, head_dim=32, seeded=True,
+                bad_head_dims=(24,)),
+        Example("hyperquant:z,2bps,haar,tile16,m0", rel_mse=0.2, seeded=True,
+                bad_head_dims=(40,)),
+        Example("hyperquant:a2,4bps,dither,int8", rel_mse=0.01, seeded=True,
+                bad_head_dims=(48,)),
     )
 
     lattice: str

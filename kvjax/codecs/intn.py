@@ -149,8 +149,7 @@ class IntCodec(Codec):
     name: ClassVar[str] = "int"
     options: ClassVar[tuple[Option, ...]] = (BITS_OPTION,)
     examples: ClassVar[tuple[Example, ...]] = (
-        Example("int:4", rel_mse=0.012), Example("int:2", rel_mse=0.25),
-        Example("int:8", rel_mse=5e-5, head_dim=80),
+        Example("int:4", rel_mse=0.012), Example("int:3", rel_mse=0.055, head_dim=80),
     )
 
     bits: int

@@ -85,8 +85,7 @@ class KiviCodec(Codec):
         Option.word("per_token", "token", "per-token variant"),
     )
     examples: ClassVar[tuple[Example, ...]] = (
-        Example("kivi:2,g32", rel_mse=0.2), Example("kivi:3,g7", rel_mse=0.05),
-        Example("kivi:2,g32,token", rel_mse=0.2, head_dim=80),
+        Example("kivi:2,g32", rel_mse=0.2), Example("kivi:3,g7,token", rel_mse=0.015, head_dim=80),
         Example("kivi:4", rel_mse=0.012),
     )
 

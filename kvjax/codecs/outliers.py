@@ -66,7 +66,7 @@ class MedOutlierCodec(Codec):
     )
     examples: ClassVar[tuple[Example, ...]] = (
         Example("int:4,med3,mb8,mp5", rel_mse=0.012),
-        Example("hqmq:s24,r4,med2.5", rel_mse=0.1, seeded=True),
+        Example("hqmq:s24,r4,med2.5", rel_mse=0.05, seeded=True),
     )
 
     base: Codec

@@ -131,6 +131,10 @@ class RotatedCodec(Codec):
         if params["signs"].shape[-1] != x.shape[-1]:
             raise CodecError(f"{self.spec}: vectors of head_dim {x.shape[-1]} given to "
                              f"parameters made for head_dim {params['signs'].shape[-1]}")
+        # the stored norm is that of the vector clipped to the fp16 range; the direction
+        # must be too, or beyond it (+-Inf under jit) the unit vector is not one and
+        # stored radii (PolarQuant below full depth) overflow
+        x = jnp.clip(x, -FP16_MAX, FP16_MAX)
         norm = stored_norm(x)
         y = randomized_hadamard(x / jnp.where(norm > 0, norm, 1.0), params["signs"])
         codes = self.encode_unit(y)

@@ -52,8 +52,9 @@ class SawCodec(Codec):
         Option.word("rotate_values", "kv", "rotated V"),
     )
     examples: ClassVar[tuple[Example, ...]] = (
-        Example("saw:h16,signs", rel_mse=0.012, seeded=True),
-        Example("saw:h64,b2,kv", rel_mse=0.25), Example("saw", rel_mse=0.012, head_dim=128),
+        Example("saw:h16,signs", rel_mse=0.012, seeded=True, bad_head_dims=(24,)),
+        Example("saw:h64,b2,kv", rel_mse=0.25, bad_head_dims=(48,)),
+        Example("saw", rel_mse=0.015, head_dim=128, bad_head_dims=(64,)),
     )
 
     block: int = 128
