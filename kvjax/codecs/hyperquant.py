@@ -1,10 +1,9 @@
-"""HyperQuant,
-``hyperquant:LATTICE,RATEbps[,none|signs|haar][,dither][,int8][,tileH][,tN][,mX]``:
+"""HyperQuant, ``hyperquant:LATTICE,RATEbps[,ROTATION][,dither][,int8][,tileN][,tN][,mX]``:
 lattice quantization of rotated, normalized vectors, bit-stripped and Rice coded.
 
 Encode path of one vector ``x[D]`` (the paper's Figure 1, KV side):
 
-1. **Randomized Hadamard transform** per tile of ``tileH`` coordinates (default: the head
+1. **Randomized Hadamard transform** per tile of ``tileN`` coordinates (default: the head
    dim), seeded signs per (layer, kv head, K|V).
 2. **Rotation** ``none`` (default), ``signs`` (a seeded +-1 diagonal) or ``haar`` (a seeded
    Haar-random orthogonal ``D x D``: the paper's "qjl" rotation).
@@ -344,8 +343,8 @@ class HyperQuantCodec(Codec):
         Option.choice("rotation", ROTATIONS, "rotation"),
         Option.word("dither", "dither", "dither"),
         Option.word("int8", "int8", "int8 storage"),
-        Option.flag("tile", "tile", "Hadamard tile", "H", lo=1,
-                    note="H a power of two >= the lattice dim (default the head dim)"),
+        Option.flag("tile", "tile", "Hadamard tile", "N", lo=1,
+                    note="tileN a power of two >= the lattice dim (default the head dim)"),
         Option.flag("block_tokens", "t", "tokens per block", "N", lo=1, hi=256),
         Option.flag("margin", "m", "margin", "X", type=float, lo=0, hi=20),
     )
@@ -401,7 +400,7 @@ class HyperQuantCodec(Codec):
         if tile & (tile - 1) or tile < self.lat.dim or head_dim % tile:
             raise CodecError(
                 f"{self.spec}: head_dim {head_dim} needs a power-of-two Hadamard tile "
-                f">= {self.lat.dim} that divides it (tile {tile}); set tileH")
+                f">= {self.lat.dim} that divides it (tile {tile}); set tileN")
 
     def plan(self, head_dim: int) -> _Plan:
         """Scale, SNR and block budget for ``head_dim`` (from the calibration)."""

@@ -5,8 +5,9 @@ Per example: the round trip within the error the example states, the bits formul
 to the bits of the stored arrays, vmap over heads (each with its own parameters, as the
 cache calls a codec) equal to one call per head, determinism under a seed, non-finite
 input (an error eagerly, finite codes under jit), all-zero and constant rows, bad head
-dims, and the spec round trip. Per codec: jit equal to eager, examples that exist and use
-every declared option, and one-line errors with the usage for bad option values.
+dims, and the spec round trip. Per codec: the codes under jit equal to eager ones, examples
+that exist and use every declared option, and one-line errors with the usage for bad
+option values.
 
 A codec registered without examples fails here. Each example compiles two programs (the
 vmapped round trip and the one-head round trip) that every check reads; eager dispatch,
@@ -308,8 +309,4 @@ def test_jit_matches_eager(cls, example):
     r = run(example.spec, example.head_dim)
     codec, params = r["codec"], head(r["params"], 0)
     x = jnp.asarray(r["x"][0, at("gauss")])
-    eager = codec.encode(params, x)
-    assert leaves_equal(eager, head(r["one_codes"][0], at("gauss")))
-    # equal codes; the reconstruction may differ in the last float32 bits
-    np.testing.assert_allclose(np.asarray(codec.decode(params, eager)),
-                               r["one_hat"][0][at("gauss")], rtol=1e-6, atol=1e-6)
+    assert leaves_equal(codec.encode(params, x), head(r["one_codes"][0], at("gauss")))
