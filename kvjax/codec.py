@@ -197,8 +197,8 @@ class Option:
             return isinstance(value, bool)
         if self.type is str:
             return isinstance(value, str) and value in self.choices
-        if isinstance(value, bool) or not isinstance(
-                value, (int, np.integer) if self.type is int else (int, float, np.integer)):
+        numbers = (int, np.integer) if self.type is int else (int, float, np.integer, np.floating)
+        if isinstance(value, bool) or not isinstance(value, numbers):
             return False
         if self.choices:
             return value in self.choices
