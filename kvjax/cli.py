@@ -145,11 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_codecs() -> int:
-    for name, cls in sorted(registered().items()):
-        doc = (cls.from_options.__doc__ or cls.__doc__ or "").strip().splitlines()
-        print(f"{name:12s} {doc[0] if doc else ''}")
-    print("any lossy token-wise codec also takes ,medC[,mbN][,mpP]: Med-C outlier chunks "
-          "in fp16 (e.g. int:4,med3)")
+    from kvjax.codecs.outliers import MedOutlierCodec
+
+    # the grammar and the examples come from each codec's option declarations
+    for cls in [*(cls for _, cls in sorted(registered().items())), MedOutlierCodec]:
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+        print(cls.usage())
+        if cls is MedOutlierCodec:
+            doc = "any lossy token-wise codec takes these: Med-C outlier chunks kept in fp16"
+        print(f"    {doc.replace('``', '')}")
+        if cls.examples:
+            print(f"    e.g. {', '.join(example.spec for example in cls.examples)}")
     return 0
 
 

@@ -13,16 +13,24 @@ are ``[..., T // block_tokens]`` (one entry per block), so a cache can store the
 fixed block slots. The cache calls ``init``/``encode``/``decode`` once per
 (layer, kv head, K|V) through ``jax.vmap``; a codec never sees the head axis.
 
-Spec strings (``int:4``, ``kivi:2,g32``) are parsed by :mod:`kvjax.spec`, which sits
-above the codecs; this module imports no codec. ``register`` puts a class in the
-registry that the grammar reads.
+Options. Each codec declares the options of its spec string once, as
+:attr:`Codec.options` (a tuple of :class:`Option`): which dataclass field an option sets,
+how it is written (``4``, ``g32``, ``3bps``, ``token``, ``e8``), its type, valid values
+and default. :meth:`Codec.from_options` (parsing, with one-line errors that give the
+usage), the field checks at construction, the canonical :attr:`Codec.spec` and
+:meth:`Codec.usage` are all derived from that declaration. :attr:`Codec.examples` lists
+specs, with the error each promises, that the conformance suite runs. Whole spec strings
+(``int:4``, ``kivi:2,g32``) are parsed by :mod:`kvjax.spec`, which sits above the codecs;
+this module imports no codec. ``register`` puts a class in the registry that the
+grammar reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -40,6 +48,256 @@ class CodecError(ValueError):
     """A codec spec or an input that a codec cannot represent."""
 
 
+# -- options: the spec grammar that each codec declares once ---------------------------
+
+#: characters of a number in a spec option (``g32``, ``2.5bps``, ``med2.5``)
+_NUMBER = "0123456789."
+_FORMS = ("value", "prefix", "suffix", "word", "choice")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Option:
+    """One option of a codec's spec string, declared once on the codec class.
+
+    A codec lists its options in :attr:`Codec.options`; parsing (:meth:`Codec.from_options`),
+    field validation, the canonical :attr:`Codec.spec` and the usage text all read that
+    declaration. Build options with the constructors :meth:`value`, :meth:`flag`,
+    :meth:`suffix`, :meth:`word` and :meth:`choice`.
+
+    Attributes:
+        field: the dataclass field the option sets (or a value that
+            :meth:`Codec.from_values` maps to fields, e.g. OCTOPUS's nominal bits).
+        form: ``"value"`` a bare number (``int:4``), ``"prefix"`` text then a number
+            (``g32``), ``"suffix"`` a number then text (``3bps``), ``"word"`` a bool set by
+            its presence (``token``), ``"choice"`` one word of ``choices`` (``e8``).
+        text: the prefix, suffix or word.
+        type: ``int``, ``float``, ``bool`` (words) or ``str`` (choices).
+        lo, hi: the valid range of a number (either may be None); ``lo_open`` excludes
+            ``lo``.
+        choices: the valid values (words of a choice, or the numbers of a prefix).
+        what, metavar: names for messages and the usage text (``group size``, ``G``).
+        always: the canonical spec writes the option even at its default.
+        required: the spec must give it; None: when the field has no default.
+        note: the usage text of the valid values, where the range alone would mislead.
+    """
+
+    field: str
+    form: str
+    text: str = ""
+    type: type = int
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    choices: tuple[Any, ...] = ()
+    what: str = ""
+    metavar: str = ""
+    always: bool = False
+    required: bool | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.form not in _FORMS:
+            raise TypeError(f"option form must be one of {_FORMS}, got {self.form!r}")
+
+    # -- constructors -------------------------------------------------------------------
+    @classmethod
+    def value(cls, field: str, what: str, metavar: str = "N", **kw: Any) -> Option:
+        """A bare number, e.g. the ``4`` of ``int:4``."""
+        return cls(field=field, form="value", what=what, metavar=metavar, **kw)
+
+    @classmethod
+    def flag(cls, field: str, prefix: str, what: str, metavar: str, **kw: Any) -> Option:
+        """A prefixed number, e.g. ``g32`` (prefix ``g``)."""
+        return cls(field=field, form="prefix", text=prefix, what=what, metavar=metavar, **kw)
+
+    @classmethod
+    def suffix(cls, field: str, suffix: str, what: str, metavar: str, **kw: Any) -> Option:
+        """A number with a suffix, e.g. ``3bps`` (suffix ``bps``)."""
+        return cls(field=field, form="suffix", text=suffix, what=what, metavar=metavar, **kw)
+
+    @classmethod
+    def word(cls, field: str, word: str, what: str) -> Option:
+        """A bool field that is True when ``word`` is given, e.g. ``token``."""
+        return cls(field=field, form="word", text=word, type=bool, what=what)
+
+    @classmethod
+    def choice(cls, field: str, choices: tuple[str, ...], what: str, metavar: str = "",
+               **kw: Any) -> Option:
+        """One word of ``choices``, e.g. the lattice ``e8`` of ``e8|d4|a2|z``."""
+        return cls(field=field, form="choice", type=str, choices=tuple(choices), what=what,
+                   metavar=metavar, **kw)
+
+    # -- text ---------------------------------------------------------------------------
+    @property
+    def syntax(self) -> str:
+        """How the option is written in the usage text: ``N``, ``gG``, ``RATEbps``..."""
+        if self.form == "prefix":
+            return self.text + self.metavar
+        if self.form == "suffix":
+            return self.metavar + self.text
+        if self.form == "word":
+            return self.text
+        if self.form == "choice":
+            return self.metavar or "|".join(self.choices)
+        return self.metavar
+
+    @property
+    def key(self) -> str:
+        """The option's name in lists of known options: its prefix, suffix or word(s)."""
+        return "|".join(self.choices) if self.form == "choice" else self.text
+
+    @property
+    def label(self) -> str:
+        """The option in messages: ``bit width N``."""
+        return f"{self.what} {self.metavar}".strip()
+
+    def is_required(self, defaults: Mapping[str, Any]) -> bool:
+        """Whether a spec must give the option (``defaults``: the codec's field defaults)."""
+        return self.required if self.required is not None else self.field not in defaults
+
+    def valid_range(self) -> str:
+        """The valid values in words: ``2..8``, ``(0, 100]``, ``16/32/64/128``; '' if any."""
+        if self.choices:
+            return "/".join(str(c) for c in self.choices)
+        if self.lo is None and self.hi is None:
+            return ""
+        if self.hi is None:
+            return f">= {self.lo:g}"
+        if self.lo_open:
+            return f"({self.lo:g}, {self.hi:g}]"
+        return f"{self.lo:g}..{self.hi:g}"
+
+    def requirement(self) -> str:
+        """What a valid value is, for messages: ``an integer in 2..8``."""
+        if self.type is bool:
+            return "a bool"
+        if self.choices:
+            return "one of " + ", ".join(str(c) for c in self.choices)
+        noun = {int: "an integer", float: "a number"}[self.type]
+        span = self.valid_range()
+        if not span:
+            return noun
+        return f"{noun} {span}" if span.startswith(">") else f"{noun} in {span}"
+
+    def render(self, value: Any) -> str:
+        """The option as the canonical spec writes it, for a value it writes."""
+        if self.form == "word":
+            return self.text
+        text = f"{value:g}" if self.type is float else str(value)
+        if self.form == "prefix":
+            return self.text + text
+        if self.form == "suffix":
+            return text + self.text
+        return text
+
+    # -- values -------------------------------------------------------------------------
+    def accepts(self, value: Any) -> bool:
+        """Whether ``value`` is a valid value of the field (type, range, choices)."""
+        if self.type is bool:
+            return isinstance(value, bool)
+        if self.type is str:
+            return isinstance(value, str) and value in self.choices
+        numbers = (int, np.integer) if self.type is int else (int, float, np.integer, np.floating)
+        if isinstance(value, bool) or not isinstance(value, numbers):
+            return False
+        if self.choices:
+            return value in self.choices
+        if self.lo is not None and not (value > self.lo if self.lo_open else value >= self.lo):
+            return False
+        return (self.hi is None or value <= self.hi) and (self.type is int or math.isfinite(value))
+
+    def read(self, text: str) -> Any:
+        """The value of an option's text (without its prefix or suffix); ValueError if
+        it is not a valid value."""
+        if self.form == "word":
+            if text != self.text:
+                raise ValueError(f"option '{self.text}' takes no value, got '{text}'")
+            return True
+        value = text if self.type is str else self.type(text)
+        if not self.accepts(value):
+            raise ValueError(text)
+        return value
+
+    def match(self, token: str) -> str | None:
+        """The value text of ``token`` when it spells this option (a bare number matches
+        no option: :meth:`Codec.parse_options` gives those to the value option)."""
+        head = token.rstrip(_NUMBER)
+        if self.form in ("word", "choice"):
+            words = self.choices if self.form == "choice" else (self.text,)
+            # a word with a number glued on is still that word (then its value is wrong)
+            return token if token in words or (self.form == "word" and head == self.text) \
+                else None
+        if self.form == "prefix":
+            return token[len(head):] if head == self.text else None
+        if self.form == "suffix" and token.endswith(self.text):
+            number = token[: -len(self.text)]
+            # a whole number, or one with digits after the point (``3bps``, ``2.5bps``)
+            if number and not number.strip(_NUMBER) and "." not in (number[0], number[-1]):
+                return number
+        return None
+
+
+def _usage(head: str, sep: str, options: tuple[Option, ...], defaults: Mapping[str, Any]) -> str:
+    """``head`` followed by the options' syntax and their valid values: the usage text."""
+    text = head
+    for i, opt in enumerate(options):
+        lead = sep if i == 0 else ","
+        text += f"{lead}{opt.syntax}" if opt.is_required(defaults) else f"[{lead}{opt.syntax}]"
+    details = []
+    for opt in options:
+        span = opt.valid_range()
+        if opt.note:
+            details.append(opt.note)
+        elif opt.metavar and span:
+            span = f"{opt.metavar} {span}" if span.startswith(">") else f"{opt.metavar} in {span}"
+            default = defaults.get(opt.field)
+            if default is not None and not opt.is_required(defaults):
+                span += f" (default {default:g})" if opt.type is float else f" (default {default})"
+            details.append(span)
+    return text + (" with " + ", ".join(details) if details else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """A spec that the conformance suite (``tests/kvjax/codecs/test_conformance.py``) runs
+    for its codec, with what the codec promises for it.
+
+    Attributes:
+        spec: the codec spec.
+        rel_mse: bound on ``sum((x - x_hat)^2) / sum(x^2)`` of a round trip of standard
+            Gaussian vectors (0 for exact storage).
+        head_dim: the head dim to run it at.
+        seeded: ``init`` draws parameters from the key (different keys give different
+            parameters and codes); False: the parameters do not depend on the key.
+        bad_head_dims: positive head dims that the codec rejects (a power of two or a
+            divisor it needs), besides the non-positive ones every codec rejects.
+    """
+
+    spec: str
+    rel_mse: float
+    head_dim: int = 64
+    seeded: bool = False
+    bad_head_dims: tuple[int, ...] = ()
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[frozenset[str], dict[str, Any]]:
+    """``(field names, {field: default})`` of a codec dataclass."""
+    names, defaults = set(), {}
+    for f in dataclasses.fields(cls):
+        names.add(f.name)
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return frozenset(names), defaults
+
+
+def _written(name: str, options: Sequence[str]) -> str:
+    """The spec as written, to quote in error messages."""
+    return f"{name}:{','.join(options)}" if options else name
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Codec:
     """Base class of every codec. Subclasses override the ``_encode``/``decode`` pair."""
@@ -55,18 +313,162 @@ class Codec:
     #: whose scores are an estimator of their own (QJL), which only ``scores`` computes
     scores_reconstruct: ClassVar[bool] = True
 
+    #: the options of the spec string, in the order the canonical spec writes them
+    options: ClassVar[tuple[Option, ...]] = ()
+    #: specs that the conformance suite runs (every registered codec needs some)
+    examples: ClassVar[tuple[Example, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        keys = [opt.key for opt in cls.options]
+        if [opt.form for opt in cls.options].count("value") > 1 or len(set(keys)) < len(keys):
+            raise TypeError(f"{cls.__name__}: options need distinct names and at most one "
+                            f"bare value, got {keys}")
+
     # -- construction -------------------------------------------------------------
+    def __post_init__(self) -> None:
+        """Check every declared option's field (float ones become floats), then
+        :meth:`validate`."""
+        names, defaults = _fields(type(self))
+        for opt in self.options:
+            if opt.field not in names:
+                continue
+            value = getattr(self, opt.field)
+            if value is None and opt.field in defaults and defaults[opt.field] is None:
+                continue
+            if not opt.accepts(value):
+                raise CodecError(f"{self.name}: {opt.label} must be {opt.requirement()}, "
+                                 f"got {value!r}")
+            if opt.type is float:
+                object.__setattr__(self, opt.field, float(value))
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks across fields that the option declarations cannot state; raise
+        :class:`CodecError` with a message that starts with ``'{name}: '``."""
+
     @classmethod
-    def from_options(cls, options: list[str]) -> Codec:
-        """Build from the comma-separated options of a spec string."""
-        if options:
-            raise CodecError(f"codec '{cls.name}' takes no options, got {options}")
-        return cls()
+    def usage(cls, head: str | None = None, sep: str = ":") -> str:
+        """The spec grammar with the valid values, e.g.
+        ``kivi:N[,gG][,token] with N in 2..8, G in 1..4096 (default 32)``; ``head`` and
+        ``sep`` are what the options follow (the name and ``:``)."""
+        return _usage(head or cls.name, sep, cls.options, _fields(cls)[1])
+
+    @classmethod
+    def claims(cls, token: str) -> bool:
+        """Whether ``token`` spells one of this codec's options other than a bare value."""
+        return any(opt.match(token) is not None for opt in cls.options)
+
+    @classmethod
+    def parse_options(cls, options: Sequence[str], spec: str | None = None) -> dict[str, Any]:
+        """``{field: value}`` of the comma-separated options of a spec string.
+
+        Every option must spell a declared one (a bare number is the value option), at
+        most once and with a valid value; required ones must be there. ``spec`` is
+        quoted in errors: a :class:`CodecError` of one line with the usage.
+        """
+        spec = spec or _written(cls.name, options)
+        if not cls.options:
+            if options:
+                raise CodecError(f"{spec}: codec '{cls.name}' takes no options, "
+                                 f"got {list(options)}")
+            return {}
+        defaults = _fields(cls)[1]
+
+        def fail(problem: str) -> CodecError:
+            return CodecError(f"{spec}: {problem}; usage: {cls.usage()}")
+
+        def read(opt: Option, text: str) -> Any:
+            try:
+                return opt.read(text)
+            except ValueError as err:
+                if opt.form == "word":
+                    raise fail(str(err)) from None
+                raise fail(f"{opt.label} must be {opt.requirement()}, got '{text}'") from None
+
+        bare_value = next((opt for opt in cls.options if opt.form == "value"), None)
+        # a codec whose one option is a bare value reads every option as that value, so
+        # that a wrong one is reported against what the value must be
+        only_value = len(cls.options) == 1 and bare_value is not None
+        values: dict[str, Any] = {}
+        given: dict[str, str] = {}
+        bare: list[str] = []
+        for token in options:
+            match = None if only_value else next(
+                ((opt, text) for opt in cls.options if (text := opt.match(token)) is not None),
+                None)
+            if match is None:
+                is_number = not token.strip(_NUMBER)
+                if only_value or (bare_value is not None and is_number):
+                    bare.append(token)
+                    continue
+                if is_number:
+                    raise fail(f"unexpected value '{token}': {cls.name} takes no bare number")
+                known = ", ".join(opt.key for opt in cls.options if opt.form != "value")
+                raise fail(f"unknown option '{token}'; known: {known}")
+            opt, text = match
+            if opt.field in given:
+                if opt.form == "choice" and given[opt.field] != token:
+                    raise fail(f"at most one {opt.what} ({opt.key}), got "
+                               f"'{given[opt.field]}' and '{token}'")
+                raise fail(f"option '{opt.key}' given twice")
+            given[opt.field] = token
+            values[opt.field] = read(opt, text)
+        if bare_value is not None:
+            if len(bare) > 1 or (not bare and bare_value.is_required(defaults)):
+                raise fail(f"expected exactly one {bare_value.label} in "
+                           f"{bare_value.valid_range()}, got {len(bare)} such options")
+            if bare:
+                values[bare_value.field] = read(bare_value, bare[0])
+        missing = [opt.syntax for opt in cls.options
+                   if opt.form != "value" and opt.is_required(defaults)
+                   and opt.field not in values]
+        if missing:
+            raise fail("expected " + " and ".join(missing))
+        return values
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> Codec:
+        """The codec of parsed option values; override where an option is not a field."""
+        return cls(**values)
+
+    @classmethod
+    def from_options(cls, options: Sequence[str], *, spec: str | None = None,
+                     **fields: Any) -> Codec:
+        """Build from the comma-separated options of a spec string (``fields``: fields
+        that the spec does not give, e.g. a wrapper's base codec)."""
+        spec = spec or _written(cls.name, options)
+        values = cls.parse_options(options, spec)
+        try:
+            return cls.from_values({**fields, **values})
+        except CodecError as err:
+            reason = str(err).removeprefix(f"{cls.name}: ")
+            raise CodecError(f"{spec}: {reason}; usage: {cls.usage()}") from None
+
+    def spec_values(self) -> dict[str, Any]:
+        """``{field: value}`` that the canonical spec writes (from the declared options);
+        override to leave out options that do not apply."""
+        return {opt.field: getattr(self, opt.field) for opt in self.options}
+
+    def spec_options(self) -> list[str]:
+        """The options of the canonical spec: declared order; defaults left out unless
+        the option is ``always`` written; words when True."""
+        defaults = _fields(type(self))[1]
+        values = self.spec_values()
+        out = []
+        for opt in self.options:
+            value = values.get(opt.field)
+            if value is None or value is False:
+                continue
+            if not opt.always and opt.field in defaults and value == defaults[opt.field]:
+                continue
+            out.append(opt.render(value))
+        return out
 
     @property
     def spec(self) -> str:
         """The canonical spec string: ``parse_codec(c.spec) == c``."""
-        return self.name
+        return _written(self.name, self.spec_options())
 
     def value_codec(self) -> Codec:
         """The codec that V uses when one spec names a K/V pair (``--codec SPEC``)."""
@@ -249,55 +651,7 @@ def register(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-# -- option parsing shared by codecs -------------------------------------------------
-
-
-def parse_int(value: str, what: str, spec: str, lo: int, hi: int) -> int:
-    """An int option in ``[lo, hi]`` or a :class:`CodecError` that says what is valid."""
-    try:
-        out = int(value)
-    except ValueError:
-        raise CodecError(
-            f"{spec}: {what} must be an integer in {lo}..{hi}, got '{value}'"
-        ) from None
-    if not lo <= out <= hi:
-        raise CodecError(f"{spec}: {what} must be in {lo}..{hi}, got {out}")
-    return out
-
-
-def check_range(value: int, what: str, codec_name: str, lo: int, hi: int) -> None:
-    """Validate a dataclass field at construction."""
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or not lo <= value <= hi:
-        raise CodecError(f"{codec_name}: {what} must be an int in {lo}..{hi}, got {value!r}")
-
-
-def split_flags(options: list[str], spec: str, known: dict[str, Callable[[str], Any]]):
-    """Split ``['4', 'g32', 'token']`` into positional values and ``{prefix: value}``.
-
-    ``known`` maps a flag prefix (``'g'``) or a bare word (``'token'``) to a converter.
-    Unknown options raise :class:`CodecError` listing the known ones.
-    """
-    positional, flags = [], {}
-
-    def put(flag, value):
-        if flag in flags:
-            raise CodecError(f"{spec}: option '{flag}' given twice")
-        flags[flag] = value
-
-    for opt in options:
-        if opt in known:
-            put(opt, known[opt](opt))
-            continue
-        prefix = opt.rstrip("0123456789.")
-        if prefix and prefix in known and len(prefix) < len(opt):
-            put(prefix, known[prefix](opt[len(prefix) :]))
-        elif not prefix:
-            positional.append(opt)
-        else:
-            raise CodecError(
-                f"{spec}: unknown option '{opt}'; known: {', '.join(sorted(known)) or 'none'}"
-            )
-    return positional, flags
+# -- bit accounting shared by codecs ------------------------------------------------
 
 
 def fp16_scale_bits(head_dim: int, count: int = 1) -> float:

@@ -7,8 +7,9 @@ One grammar serves the CLI, sweeps and results files. A codec::
 Any lossy token-wise codec also takes the outlier options ``medC[,mbN][,mpP]``
 (``int:4,med3``, ``hqmq:s96,r4,med3``): see :mod:`kvjax.codecs.outliers`.
 
-Options are positional values or ``<letter(s)><value>`` flags; each codec's
-``from_options`` documents its own. ``parse_codec(codec.spec)`` returns an equal codec.
+Each codec declares its options (:attr:`kvjax.codec.Codec.options`; ``python -m kvjax
+codecs`` lists them); options that spell one of the outlier wrapper's go to the wrapper,
+the others to the codec. ``parse_codec(codec.spec)`` returns an equal codec.
 
 A whole cache (:func:`parse_cache`, :class:`CacheConfig`): clauses separated by spaces::
 
@@ -36,7 +37,7 @@ import numpy as np
 
 import kvjax.codecs  # noqa: F401  (the built-in codecs register on import)
 from kvjax.codec import Codec, CodecError, registry
-from kvjax.codecs.outliers import MedOutlierCodec, split_outlier_options
+from kvjax.codecs.outliers import MedOutlierCodec
 
 
 def registered() -> Mapping[str, type[Codec]]:
@@ -59,9 +60,13 @@ def parse_codec(spec: str | Codec) -> Codec:
     options = [o.strip() for o in rest.split(",")] if rest else []
     if any(not o for o in options):
         raise CodecError(f"empty option in codec spec '{spec}'")
-    options, outliers = split_outlier_options(spec, options)
-    codec = registry[name].from_options(options)
-    return MedOutlierCodec(base=codec, **outliers) if outliers else codec
+    written = f"{name}:{','.join(options)}" if options else name
+    outliers = [o for o in options if MedOutlierCodec.claims(o)]
+    codec = registry[name].from_options(
+        [o for o in options if not MedOutlierCodec.claims(o)], spec=written)
+    if outliers:
+        return MedOutlierCodec.from_options(outliers, spec=written, base=codec)
+    return codec
 
 
 def parse_kv(

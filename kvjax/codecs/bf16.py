@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import Codec, Codes, DenseFormat, Params, register
+from kvjax.codec import Codec, Codes, DenseFormat, Example, Params, register
 from kvjax.codecs.intn import saturate
 
 #: float32 values beyond this round to bf16 infinity; under jit (where +-Inf input has
@@ -67,9 +67,10 @@ class _IdentityCodec(Codec):
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Bf16Codec(_IdentityCodec):
-    """Identity storage as bfloat16. Spec ``bf16`` (no options)."""
+    """Identity storage as bfloat16 (no options)."""
 
     name: ClassVar[str] = "bf16"
+    examples: ClassVar[tuple[Example, ...]] = (Example("bf16", rel_mse=4e-6),)
     storage: ClassVar[Any] = jnp.bfloat16
 
     def _store(self, x: jax.Array) -> jax.Array:
@@ -79,10 +80,11 @@ class Bf16Codec(_IdentityCodec):
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class F32Codec(_IdentityCodec):
-    """Identity storage as float32. Spec ``f32`` (no options).
+    """Identity storage as float32 (no options).
 
     The exact cache: model parity tests against float32 references use it, and it is the
     32-bit end of a bits axis.
     """
 
     name: ClassVar[str] = "f32"
+    examples: ClassVar[tuple[Example, ...]] = (Example("f32", rel_mse=0.0),)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import Codec, Codes, Params, register, round_to_dtype
+from kvjax.codec import Codec, Codes, Example, Params, register, round_to_dtype
 from kvjax.codecs.intn import FP16_MAX, exact_bits, saturate
 
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
@@ -36,9 +36,10 @@ SCALE_FLOOR = float(jnp.finfo(jnp.float16).smallest_normal)
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Fp8Codec(Codec):
-    """Per-vector scaled float8 e4m3fn. Spec ``fp8`` (no options)."""
+    """Per-vector scaled float8 e4m3fn (no options)."""
 
     name: ClassVar[str] = "fp8"
+    examples: ClassVar[tuple[Example, ...]] = (Example("fp8", rel_mse=1e-3),)
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         del params

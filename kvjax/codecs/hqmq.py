@@ -46,18 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import (
-    Codec,
-    CodecError,
-    Codes,
-    Params,
-    check_range,
-    parse_int,
-    register,
-    round_to_dtype,
-    split_flags,
-)
-from kvjax.codecs.intn import FP16_MAX, FP16_TINY, exact_bits, head_dim_marker, option_spec
+from kvjax.codec import Codec, Codes, Example, Option, Params, register, round_to_dtype
+from kvjax.codecs.intn import FP16_MAX, FP16_TINY, exact_bits, head_dim_marker
 from kvjax.primitives.packing import (
     fields_bits,
     from_units,
@@ -84,8 +74,6 @@ MIN_RADIUS_BITS, MAX_RADIUS_BITS = 1, 12
 DEFAULT_SECONDARY, DEFAULT_RADIUS_BITS = 96, 4
 #: chunks whose ``S`` candidate products are evaluated at once (memory ~ 64 S bytes each)
 ENCODE_BATCH = 4096
-_USAGE = (f"hqmq:sS,rB with S in {MIN_SECONDARY}..{MAX_SECONDARY} secondary quaternions and "
-          f"B in {MIN_RADIUS_BITS}..{MAX_RADIUS_BITS} radius bits, e.g. hqmq:s96,r4")
 
 
 @register
@@ -98,39 +86,19 @@ class HqmqCodec(Codec):
     """
 
     name: ClassVar[str] = "hqmq"
+    options: ClassVar[tuple[Option, ...]] = (
+        Option.flag("secondary", "s", "secondary codebook size", "S", lo=MIN_SECONDARY,
+                    hi=MAX_SECONDARY, always=True),
+        Option.flag("radius_bits", "r", "radius bits", "B", lo=MIN_RADIUS_BITS,
+                    hi=MAX_RADIUS_BITS, always=True),
+    )
+    examples: ClassVar[tuple[Example, ...]] = (
+        Example("hqmq", rel_mse=0.025, seeded=True),
+        Example("hqmq:s24,r3", rel_mse=0.06, head_dim=80, seeded=True),
+    )
 
     secondary: int = DEFAULT_SECONDARY
     radius_bits: int = DEFAULT_RADIUS_BITS
-
-    def __post_init__(self) -> None:
-        check_range(self.secondary, "secondary codebook size S", self.name, MIN_SECONDARY,
-                    MAX_SECONDARY)
-        check_range(self.radius_bits, "radius bits B", self.name, MIN_RADIUS_BITS,
-                    MAX_RADIUS_BITS)
-
-    @classmethod
-    def from_options(cls, options: list[str]) -> HqmqCodec:
-        """``hqmq[:sS][,rB]``: S secondary quaternions (default 96), B radius bits (4)."""
-        spec = option_spec(cls.name, options)
-        known = {
-            "s": lambda v: parse_int(v, "secondary codebook size S", spec, MIN_SECONDARY,
-                                     MAX_SECONDARY),
-            "r": lambda v: parse_int(v, "radius bits B", spec, MIN_RADIUS_BITS,
-                                     MAX_RADIUS_BITS),
-        }
-        try:
-            positional, flags = split_flags(options, spec, known)
-        except CodecError as err:
-            raise CodecError(f"{err}; usage: {_USAGE}") from None
-        if positional:
-            raise CodecError(f"{spec}: unexpected option(s) {positional}; usage: {_USAGE}")
-        return cls(secondary=flags.get("s", DEFAULT_SECONDARY),
-                   radius_bits=flags.get("r", DEFAULT_RADIUS_BITS))
-
-    @property
-    def spec(self) -> str:
-        """``hqmq:sS,rB``."""
-        return f"{self.name}:s{self.secondary},r{self.radius_bits}"
 
     @property
     def alphabet(self) -> int:

@@ -78,16 +78,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import (
-    EXACT,
-    Codec,
-    CodecError,
-    Codes,
-    Params,
-    register,
-    split_flags,
-)
-from kvjax.codecs.intn import FP16_MAX, exact_bits, option_spec
+from kvjax.codec import EXACT, Codec, CodecError, Codes, Example, Option, Params, register
+from kvjax.codecs.intn import FP16_MAX, exact_bits
 from kvjax.codecs.rotated import stored_norm
 from kvjax.primitives import rice
 from kvjax.primitives.codebooks import codebook_dir
@@ -112,8 +104,6 @@ SNR_GRID = np.arange(-5.0, 40.0 + 1e-9, 0.25)
 CALIBRATION_VECTORS = 8192
 DEFAULT_BLOCK_TOKENS = 8
 DEFAULT_MARGIN = 4.0
-_USAGE = ("hyperquant:LATTICE,RATEbps[,none|signs|haar][,dither][,int8][,tileN][,tN][,mX], "
-          "LATTICE in e8/d4/a2/z, RATE in 1.5..5")
 
 
 def substreams(symbols: int, point_dim: int = 1) -> tuple[int, int]:
@@ -347,6 +337,26 @@ class HyperQuantCodec(Codec):
     """HyperQuant at a target Rice rate (see the module docstring)."""
 
     name: ClassVar[str] = "hyperquant"
+    options: ClassVar[tuple[Option, ...]] = (
+        Option.choice("lattice", LATTICES, "lattice", "LATTICE"),
+        Option.suffix("rate", "bps", "rate", "RATE", type=float, lo=MIN_RATE, hi=MAX_RATE),
+        Option.choice("rotation", ROTATIONS, "rotation"),
+        Option.word("dither", "dither", "dither"),
+        Option.word("int8", "int8", "int8 storage"),
+        Option.flag("tile", "tile", "Hadamard tile", "N", lo=1,
+                    note="tileN a power of two >= the lattice dim (default the head dim)"),
+        Option.flag("block_tokens", "t", "tokens per block", "N", lo=1, hi=256),
+        Option.flag("margin", "m", "margin", "X", type=float, lo=0, hi=20),
+    )
+    examples: ClassVar[tuple[Example, ...]] = (
+        Example("hyperquant:e8,2bps", rel_mse=0.14, seeded=True, bad_head_dims=(48,)),
+        Example("hyperquant:d4,3bps,signs,t2", rel_mse=0.04, head_dim=32, seeded=True,
+                bad_head_dims=(24,)),
+        Example("hyperquant:z,2bps,haar,tile16,m0", rel_mse=0.2, seeded=True,
+                bad_head_dims=(40,)),
+        Example("hyperquant:a2,4bps,dither,int8", rel_mse=0.01, seeded=True,
+                bad_head_dims=(48,)),
+    )
 
     lattice: str
     rate: float
@@ -357,36 +367,17 @@ class HyperQuantCodec(Codec):
     block_tokens: int = DEFAULT_BLOCK_TOKENS  # type: ignore[misc]
     margin: float = DEFAULT_MARGIN
 
-    def __post_init__(self) -> None:
-        if self.lattice not in LATTICES:
-            raise CodecError(f"{self.name}: unknown lattice '{self.lattice}'; valid: "
-                             f"{', '.join(LATTICES)}")
-        if (isinstance(self.rate, bool) or not isinstance(self.rate, int | float)
-                or not MIN_RATE <= self.rate <= MAX_RATE):
-            raise CodecError(f"{self.name}: rate must be in {MIN_RATE}..{MAX_RATE} bps, "
-                             f"got {self.rate!r}")
-        if self.rotation not in ROTATIONS:
-            raise CodecError(f"{self.name}: rotation must be one of {', '.join(ROTATIONS)}, "
-                             f"got {self.rotation!r}")
-        for flag in ("dither", "int8"):
-            if not isinstance(getattr(self, flag), bool):
-                raise CodecError(f"{self.name}: {flag} must be a bool")
-        if self.tile is not None and (not isinstance(self.tile, int) or self.tile < 1
-                                      or self.tile & (self.tile - 1)
+    def validate(self) -> None:
+        """The tile is a power of two that holds whole lattice points; with ``int8``
+        every vector is a block of its own and no budget applies (``t`` and ``m`` are
+        set to 1 and the default)."""
+        if self.tile is not None and (self.tile & (self.tile - 1)
                                       or self.tile < lattice(self.lattice).dim):
             raise CodecError(f"{self.name}: tile must be a power of two >= the lattice "
                              f"dimension, got {self.tile!r}")
-        tokens = 1 if self.int8 else self.block_tokens
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= 256:
-            raise CodecError(f"{self.name}: tokens per block must be in 1..256, "
-                             f"got {self.block_tokens!r}")
-        if not isinstance(self.margin, int | float) or not 0 <= self.margin <= 20:
-            raise CodecError(f"{self.name}: margin must be in 0..20 standard deviations, "
-                             f"got {self.margin!r}")
         if self.int8:
             object.__setattr__(self, "block_tokens", 1)
-        object.__setattr__(self, "rate", float(self.rate))
-        object.__setattr__(self, "margin", float(self.margin))
+            object.__setattr__(self, "margin", DEFAULT_MARGIN)
 
     @property
     def lat(self) -> Lattice:
@@ -394,62 +385,12 @@ class HyperQuantCodec(Codec):
         return lattice(self.lattice)
 
     # -- spec ------------------------------------------------------------------------
-    @classmethod
-    def from_options(cls, options: list[str]) -> HyperQuantCodec:
-        """``hyperquant:LATTICE,RATEbps[,none|signs|haar][,dither][,int8][,tileN][,tN][,mX]``."""
-        spec = option_spec(cls.name, options)
-        words = {w: (lambda v, w=w: w) for w in (*ROTATIONS, "dither", "int8")}
-        known = {**words, "tile": int, "t": int, "m": float}
-        rest = []
-        lat = rate = None
-        for opt in options:
-            if opt in LATTICES and lat is None:
-                lat = opt
-            elif re.fullmatch(r"\d+(\.\d+)?bps", opt) and rate is None:
-                rate = float(opt[:-3])
-            else:
-                rest.append(opt)
-        if lat is None or rate is None:
-            raise CodecError(f"{spec}: give a lattice and a rate; usage: {_USAGE}")
-        try:
-            positional, flags = split_flags(rest, spec, known)
-        except ValueError as err:
-            if isinstance(err, CodecError):
-                raise
-            raise CodecError(f"{spec}: {err}; usage: {_USAGE}") from None
-        if positional:
-            raise CodecError(f"{spec}: unexpected options {positional}; usage: {_USAGE}")
-        rotations = [r for r in ROTATIONS if r in flags]
-        if len(rotations) > 1:
-            raise CodecError(f"{spec}: give at most one rotation, got {rotations}")
-        kwargs: dict[str, Any] = dict(lattice=lat, rate=rate,
-                                      rotation=rotations[0] if rotations else "none",
-                                      dither="dither" in flags, int8="int8" in flags)
-        if "tile" in flags:
-            kwargs["tile"] = flags["tile"]
-        if "t" in flags:
-            kwargs["block_tokens"] = flags["t"]
-        if "m" in flags:
-            kwargs["margin"] = flags["m"]
-        return cls(**kwargs)
-
-    @property
-    def spec(self) -> str:
-        """``hyperquant:e8,3bps[,signs][,dither][,int8][,tile32][,t16][,m3]``."""
-        parts = [self.lattice, f"{self.rate:g}bps"]
-        if self.rotation != "none":
-            parts.append(self.rotation)
-        if self.dither:
-            parts.append("dither")
+    def spec_values(self) -> dict[str, Any]:
+        """The declared options, but ``tN`` and ``mX`` only without ``int8``."""
+        values = super().spec_values()
         if self.int8:
-            parts.append("int8")
-        if self.tile is not None:
-            parts.append(f"tile{self.tile}")
-        if not self.int8 and self.block_tokens != DEFAULT_BLOCK_TOKENS:
-            parts.append(f"t{self.block_tokens}")
-        if not self.int8 and self.margin != DEFAULT_MARGIN:
-            parts.append(f"m{self.margin:g}")
-        return f"{self.name}:{','.join(parts)}"
+            del values["block_tokens"], values["margin"]
+        return values
 
     # -- geometry ----------------------------------------------------------------------
     def check_head_dim(self, head_dim: int) -> None:

@@ -52,26 +52,13 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import (
-    Codec,
-    CodecError,
-    Codes,
-    Params,
-    check_range,
-    packed_words,
-    parse_int,
-    register,
-    split_flags,
-)
+from kvjax.codec import Codec, Codes, Example, Option, Params, packed_words, register
 from kvjax.codecs.intn import (
+    BITS_OPTION,
     FP16_MAX,
-    MAX_BITS,
-    MIN_BITS,
     asymmetric_params,
     dequantize,
     exact_bits,
-    option_spec,
-    parse_bits,
     quantize,
     saturate,
     token_codes,
@@ -80,10 +67,6 @@ from kvjax.primitives.packing import pack_bits, unpack_bits
 
 MIN_GROUP, MAX_GROUP = 1, 4096
 DEFAULT_GROUP = 32
-_USAGE = (
-    f"kivi:N[,gG][,token] with N in {MIN_BITS}..{MAX_BITS}, G in {MIN_GROUP}..{MAX_GROUP} "
-    f"(default {DEFAULT_GROUP}), e.g. kivi:2,g32 (keys) or kivi:2,g32,token (values)"
-)
 
 
 @register
@@ -96,50 +79,24 @@ class KiviCodec(Codec):
     """
 
     name: ClassVar[str] = "kivi"
+    options: ClassVar[tuple[Option, ...]] = (
+        BITS_OPTION,
+        Option.flag("group", "g", "group size", "G", lo=MIN_GROUP, hi=MAX_GROUP, always=True),
+        Option.word("per_token", "token", "per-token variant"),
+    )
+    examples: ClassVar[tuple[Example, ...]] = (
+        Example("kivi:2,g32", rel_mse=0.2), Example("kivi:3,g7,token", rel_mse=0.015, head_dim=80),
+        Example("kivi:4", rel_mse=0.012),
+    )
 
     bits: int
     group: int = DEFAULT_GROUP
     per_token: bool = False
 
-    def __post_init__(self) -> None:
-        check_range(self.bits, "bits", self.name, MIN_BITS, MAX_BITS)
-        check_range(self.group, "group size", self.name, MIN_GROUP, MAX_GROUP)
-        if not isinstance(self.per_token, bool):
-            raise CodecError(f"{self.name}: per_token must be a bool, got {self.per_token!r}")
-
     @property
     def block_tokens(self) -> int:  # type: ignore[override]
         """``G`` for keys (a channel's range spans G tokens), 1 for values."""
         return 1 if self.per_token else self.group
-
-    # -- spec ---------------------------------------------------------------------------
-    @classmethod
-    def from_options(cls, options: list[str]) -> KiviCodec:
-        """``kivi:N[,gG][,token]``; see the module docstring."""
-        spec = option_spec(cls.name, options)
-
-        def group(value: str) -> int:
-            return parse_int(value, "group size G", spec, MIN_GROUP, MAX_GROUP)
-
-        def token(value: str) -> bool:
-            if value != "token":
-                raise CodecError(f"{spec}: option 'token' takes no value")
-            return True
-
-        try:
-            positional, flags = split_flags(options, spec, {"g": group, "token": token})
-        except CodecError as err:
-            raise CodecError(f"{err}; usage: {_USAGE}") from None
-        return cls(
-            bits=parse_bits(positional, spec, _USAGE),
-            group=flags.get("g", DEFAULT_GROUP),
-            per_token=flags.get("token", False),
-        )
-
-    @property
-    def spec(self) -> str:
-        """``kivi:N,gG`` or ``kivi:N,gG,token`` (G always written)."""
-        return f"{self.name}:{self.bits},g{self.group}" + (",token" if self.per_token else "")
 
     def value_codec(self) -> KiviCodec:
         """The per-token variant with the same bits and group size."""

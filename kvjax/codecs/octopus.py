@@ -49,14 +49,13 @@ also gives its MSE stage ``B - 1`` bits.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import CodecError, Codes, check_range, parse_int, register
-from kvjax.codecs.intn import option_spec
-from kvjax.codecs.rotated import RotatedCodec
+from kvjax.codec import CodecError, Codes, Example, Option, register
+from kvjax.codecs.rotated import QJL_OPTION, RotatedCodec
 from kvjax.primitives import lloyd
 from kvjax.primitives.codebooks import lloyd_codebook
 from kvjax.primitives.packing import fields_bits, from_units, pack_fields, to_units, unpack_fields
@@ -151,14 +150,29 @@ class OctopusCodec(RotatedCodec):
     triplet norm (plus the QJL sketch with ``qjl``); see the module docstring."""
 
     name: ClassVar[str] = "octopus"
+    #: ``bB`` (the nominal split, :meth:`nominal`) or ``dX,nY``; the spec writes ``bB``
+    #: whenever the split is the nominal one
+    options: ClassVar[tuple[Option, ...]] = (
+        Option.flag("nominal_bits", "b", "nominal bits", "B", required=False,
+                    note=f"B in {MIN_NOMINAL}..{MAX_NOMINAL} ({MIN_NOMINAL + 1}.."
+                         f"{MAX_NOMINAL + 1} with qjl)"),
+        Option.flag("direction_bits", "d", "bits per octahedral coordinate", "X", lo=0,
+                    hi=MAX_BITS, required=False),
+        Option.flag("norm_bits", "n", "bits per triplet norm", "Y", lo=0, hi=MAX_BITS,
+                    required=False),
+        QJL_OPTION,
+    )
+    examples: ClassVar[tuple[Example, ...]] = (
+        Example("octopus:b2", rel_mse=0.11, seeded=True, bad_head_dims=(96, 1)),
+        Example("octopus:d3,n0", rel_mse=0.25, seeded=True, bad_head_dims=(80,)),
+        Example("octopus:b3,qjl", rel_mse=0.2, seeded=True, bad_head_dims=(48,)),
+    )
 
     direction_bits: int
     norm_bits: int
 
-    def __post_init__(self) -> None:
-        self._check_qjl()
-        check_range(self.direction_bits, "direction_bits", self.name, 0, MAX_BITS)
-        check_range(self.norm_bits, "norm_bits", self.name, 0, MAX_BITS)
+    def validate(self) -> None:
+        """At least one of the two widths is nonzero."""
         if self.direction_bits + self.norm_bits == 0:
             raise CodecError(f"{self.name}: direction_bits and norm_bits are both 0")
 
@@ -166,10 +180,30 @@ class OctopusCodec(RotatedCodec):
     def nominal(cls, bits: int, qjl: bool = False) -> OctopusCodec:
         """``octopus:bB[,qjl]``: the split ``(B + 1, B - 1)`` of the stage's ``B``
         (``B - 1`` beside the QJL sketch)."""
-        lo = MIN_NOMINAL + int(qjl)
-        check_range(bits, "bits", cls.name, lo, MAX_NOMINAL + int(qjl))
+        lo, hi = MIN_NOMINAL + int(qjl), MAX_NOMINAL + int(qjl)
+        if not isinstance(bits, int) or isinstance(bits, bool) or not lo <= bits <= hi:
+            raise CodecError(f"{cls.name}: nominal bits B must be an integer in {lo}..{hi}"
+                             f"{' with qjl' if qjl else ''}, got {bits!r}")
         stage = bits - int(qjl)
         return cls(direction_bits=stage + 1, norm_bits=stage - 1, qjl=qjl)
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> OctopusCodec:
+        """``bB`` alone, or ``dX`` and ``nY`` together."""
+        split = values.keys() & {"direction_bits", "norm_bits"}
+        if "nominal_bits" in values and not split:
+            return cls.nominal(values["nominal_bits"], qjl=values.get("qjl", False))
+        if "nominal_bits" not in values and len(split) == 2:
+            return cls(**values)
+        raise CodecError(f"{cls.name}: expected bB (nominal bits) or both dX and nY (bits "
+                         "per octahedral coordinate and per triplet norm)")
+
+    def spec_values(self) -> dict[str, Any]:
+        """``bB`` for the nominal split, else ``dX,nY``; ``qjl``."""
+        nominal = self.nominal_bits
+        split = ({"nominal_bits": nominal} if nominal is not None else
+                 {"direction_bits": self.direction_bits, "norm_bits": self.norm_bits})
+        return {**split, "qjl": self.qjl}
 
     @property
     def nominal_bits(self) -> int | None:
@@ -185,38 +219,6 @@ class OctopusCodec(RotatedCodec):
         if nominal is not None:
             return nominal
         return max(1, round((2 * self.direction_bits + self.norm_bits) / 3))
-
-    @classmethod
-    def from_options(cls, options: list[str]) -> OctopusCodec:
-        """``octopus:bB[,qjl]`` (B in 1..7, 2..8 with qjl) or ``octopus:dX,nY[,qjl]``."""
-        spec = option_spec(cls.name, options)
-        usage = ("expected bB (nominal bits) or dX,nY (bits per octahedral coordinate and "
-                 "per triplet norm), and optionally qjl, e.g. octopus:b3, octopus:b3,qjl, "
-                 "octopus:d4,n2")
-        qjl = "qjl" in options
-        values = {}
-        for o in options:
-            if o == "qjl" and options.count("qjl") == 1:
-                continue
-            if o[:1] not in ("b", "d", "n") or o[0] in values:
-                raise CodecError(f"{spec}: {usage}")
-            values[o[0]] = o[1:]
-        if set(values) == {"b"}:
-            lo = MIN_NOMINAL + int(qjl)
-            bits = parse_int(values["b"], "bits B", spec, lo, MAX_NOMINAL + int(qjl))
-            return cls.nominal(bits, qjl=qjl)
-        if set(values) == {"d", "n"}:
-            return cls(direction_bits=parse_int(values["d"], "direction bits", spec, 0, MAX_BITS),
-                       norm_bits=parse_int(values["n"], "norm bits", spec, 0, MAX_BITS), qjl=qjl)
-        raise CodecError(f"{spec}: {usage}")
-
-    @property
-    def spec(self) -> str:
-        """``octopus:bB[,qjl]`` for the nominal split, else ``octopus:dX,nY[,qjl]``."""
-        nominal = self.nominal_bits
-        body = (f"b{nominal}" if nominal is not None
-                else f"d{self.direction_bits},n{self.norm_bits}")
-        return f"{self.name}:{body}" + (",qjl" if self.qjl else "")
 
     def _widths(self, head_dim: int) -> list[tuple[int, int]]:
         triplets = -(-head_dim // 3)

@@ -41,52 +41,14 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import Codec, CodecError, Codes, Params, split_flags
+from kvjax.codec import Codec, CodecError, Codes, Example, Option, Params
 from kvjax.codecs.intn import FP16_MAX, exact_bits
 from kvjax.primitives.packing import num_words, pack_bits, unpack_bits
 from kvjax.primitives.quaternion import num_chunks, to_chunks
 
 DEFAULT_MULTIPLIER, DEFAULT_BLOCK, DEFAULT_CAPACITY_PCT = 3.0, 32, 3.0
 MIN_BLOCK, MAX_BLOCK = 1, 1024
-#: the options this wrapper takes out of any codec's spec
-OPTION_PREFIXES = ("med", "mb", "mp")
-
-
-def _number(text: str, what: str, spec: str, lo: float, hi: float) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise CodecError(f"{spec}: {what} must be a number, got '{text}'") from None
-    if not (lo < value <= hi) or not math.isfinite(value):
-        raise CodecError(f"{spec}: {what} must be in ({lo:g}, {hi:g}], got {text}")
-    return value
-
-
-def _whole(value: float, spec: str) -> int:
-    if value != int(value):
-        raise CodecError(f"{spec}: the outlier block N must be an integer, got {value:g}")
-    return int(value)
-
-
-def split_outlier_options(spec: str, options: list[str]) -> tuple[list[str], dict | None]:
-    """``(the base codec's options, MedOutlierCodec keywords or None)`` of a spec."""
-    mine = [o for o in options if o.startswith(OPTION_PREFIXES) and o.rstrip("0123456789.")
-            in OPTION_PREFIXES]
-    if not mine:
-        return options, None
-    known = {
-        "med": lambda v: _number(v, "outlier multiplier C (medC)", spec, 0.0, 1e4),
-        "mb": lambda v: _whole(_number(v, "outlier block N (mbN)", spec, MIN_BLOCK - 1,
-                                       MAX_BLOCK), spec),
-        "mp": lambda v: _number(v, "outlier capacity P% (mpP)", spec, 0.0, 100.0),
-    }
-    positional, flags = split_flags(mine, spec, known)
-    if positional or "med" not in flags:
-        raise CodecError(f"{spec}: outlier options need medC (e.g. med3); mbN and mpP "
-                         "refine it")
-    rest = [o for o in options if o not in mine]
-    return rest, {"multiplier": flags["med"], "block": flags.get("mb", DEFAULT_BLOCK),
-                  "capacity_pct": flags.get("mp", DEFAULT_CAPACITY_PCT)}
+MAX_MULTIPLIER = 1e4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,29 +56,39 @@ class MedOutlierCodec(Codec):
     """Med-C outlier chunks in fp16 around a token-wise ``base`` codec (module doc)."""
 
     name: ClassVar[str] = "med"
+    #: appended to the base codec's options (:func:`kvjax.spec.parse_codec` splits them off)
+    options: ClassVar[tuple[Option, ...]] = (
+        Option.flag("multiplier", "med", "outlier multiplier", "C", type=float, lo=0,
+                    lo_open=True, hi=MAX_MULTIPLIER, required=True, always=True),
+        Option.flag("block", "mb", "outlier block", "N", lo=MIN_BLOCK, hi=MAX_BLOCK),
+        Option.flag("capacity_pct", "mp", "outlier capacity %", "P", type=float, lo=0,
+                    lo_open=True, hi=100),
+    )
+    examples: ClassVar[tuple[Example, ...]] = (
+        Example("int:4,med3,mb8,mp5", rel_mse=0.012),
+        Example("hqmq:s24,r4,med2.5", rel_mse=0.05, seeded=True),
+    )
 
     base: Codec
     multiplier: float = DEFAULT_MULTIPLIER
     block: int = DEFAULT_BLOCK
     capacity_pct: float = DEFAULT_CAPACITY_PCT
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
+        """The base is a lossy token-wise codec whose scores are ``q . decode``."""
         if not isinstance(self.base, Codec) or isinstance(self.base, MedOutlierCodec):
             raise CodecError(f"med: base must be a codec without outliers, got {self.base!r}")
         if not self.base.lossy or self.base.block_tokens != 1:
-            raise CodecError(f"{self.base.spec}: outlier extraction (medC) needs a lossy "
-                             "token-wise codec")
+            raise CodecError("med: outlier extraction (medC) needs a lossy token-wise codec, "
+                             f"got {self.base.spec}")
         if not self.base.scores_reconstruct:
-            raise CodecError(f"{self.base.spec}: outlier extraction needs a codec whose "
-                             "scores are q . decode(codes)")
-        object.__setattr__(self, "multiplier", float(self.multiplier))
-        object.__setattr__(self, "capacity_pct", float(self.capacity_pct))
-        if not self.multiplier > 0 or not 0 < self.capacity_pct <= 100:
-            raise CodecError(f"med: need C > 0 and 0 < P <= 100, got C={self.multiplier}, "
-                             f"P={self.capacity_pct}")
-        if not isinstance(self.block, int) or not MIN_BLOCK <= self.block <= MAX_BLOCK:
-            raise CodecError(f"med: block must be an int in {MIN_BLOCK}..{MAX_BLOCK}, "
-                             f"got {self.block!r}")
+            raise CodecError("med: outlier extraction needs a codec whose scores are "
+                             f"q . decode(codes), got {self.base.spec}")
+
+    @classmethod
+    def usage(cls, head: str = "SPEC", sep: str = ",") -> str:
+        """``SPEC,medC[,mbN][,mpP]`` with the valid values."""
+        return super().usage(head, sep)
 
     @property
     def block_tokens(self) -> int:  # type: ignore[override]
@@ -128,12 +100,7 @@ class MedOutlierCodec(Codec):
         """``BASE,medC`` (``BASE:medC`` for a base without options), then ``mbN`` and
         ``mpP`` where not the defaults."""
         base = self.base.spec
-        opts = [f"med{self.multiplier:g}"]
-        if self.block != DEFAULT_BLOCK:
-            opts.append(f"mb{self.block}")
-        if self.capacity_pct != DEFAULT_CAPACITY_PCT:
-            opts.append(f"mp{self.capacity_pct:g}")
-        return base + ("," if ":" in base else ":") + ",".join(opts)
+        return base + ("," if ":" in base else ":") + ",".join(self.spec_options())
 
     def value_codec(self) -> Codec:
         """Outliers are extracted from V too, around the base's value codec."""

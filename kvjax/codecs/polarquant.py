@@ -44,8 +44,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import CodecError, Codes, check_range, parse_int, register, round_to_dtype
-from kvjax.codecs.intn import option_spec
+from kvjax.codec import CodecError, Codes, Example, Option, register, round_to_dtype
 from kvjax.codecs.rotated import RotatedCodec
 from kvjax.primitives import lloyd
 from kvjax.primitives.codebooks import lloyd_codebook
@@ -94,44 +93,28 @@ class PolarQuantCodec(RotatedCodec):
     ``log2 D``); see the module docstring."""
 
     name: ClassVar[str] = "polarquant"
+    options: ClassVar[tuple[Option, ...]] = (
+        Option.flag("bits", "b", "nominal bits", "B", lo=MIN_BITS, hi=MAX_BITS),
+        Option.flag("levels", "l", "levels", "L", lo=1, hi=MAX_LEVELS,
+                    note=f"L in 1..{MAX_LEVELS} (default log2 D)"),
+    )
+    examples: ClassVar[tuple[Example, ...]] = (
+        Example("polarquant:b2", rel_mse=0.16, seeded=True, bad_head_dims=(96, 1)),
+        Example("polarquant:b2,l3", rel_mse=0.16, seeded=True, bad_head_dims=(96, 1, 4)),
+    )
 
     bits: int
     levels: int | None = None
 
-    def __post_init__(self) -> None:
-        self._check_qjl()
-        if self.qjl:
+    def validate(self) -> None:
+        """PolarQuant has no QJL variant."""
+        if self.qjl is not False:
             raise CodecError(f"{self.name}: no QJL variant")
-        check_range(self.bits, "bits", self.name, MIN_BITS, MAX_BITS)
-        if self.levels is not None:
-            check_range(self.levels, "levels", self.name, 1, MAX_LEVELS)
 
     @property
     def value_bits(self) -> int:
         """``B``."""
         return self.bits
-
-    @classmethod
-    def from_options(cls, options: list[str]) -> PolarQuantCodec:
-        """``polarquant:bB[,lL]``: nominal B bits (1..7), L levels (default all)."""
-        spec = option_spec(cls.name, options)
-        usage = (f"expected bB (B in {MIN_BITS}..{MAX_BITS}) and optionally lL (levels), "
-                 "e.g. polarquant:b3 or polarquant:b3,l4")
-        values = {}
-        for o in options:
-            if o[:1] not in ("b", "l") or o[0] in values:
-                raise CodecError(f"{spec}: {usage}")
-            values[o[0]] = o[1:]
-        if "b" not in values:
-            raise CodecError(f"{spec}: {usage}")
-        bits = parse_int(values["b"], "bits B", spec, MIN_BITS, MAX_BITS)
-        levels = parse_int(values["l"], "levels L", spec, 1, MAX_LEVELS) if "l" in values else None
-        return cls(bits=bits, levels=levels)
-
-    @property
-    def spec(self) -> str:
-        """``polarquant:bB`` or ``polarquant:bB,lL``."""
-        return f"{self.name}:b{self.bits}" + (f",l{self.levels}" if self.levels else "")
 
     def check_head_dim(self, head_dim: int) -> None:
         """A power of two with at least ``2^L`` coordinates."""

@@ -41,6 +41,7 @@ from kvjax.codec import (
     Codec,
     CodecError,
     Codes,
+    Option,
     Params,
     packed_words,
     round_to_dtype,
@@ -56,6 +57,8 @@ from kvjax.primitives.rotations import (
 
 #: channel group of the value codec (the paper's V group of 32)
 VALUE_GROUP = 32
+#: the ``qjl`` option of the members that have a QJL variant
+QJL_OPTION = Option.word("qjl", "qjl", "QJL residual sketch")
 
 
 def check_power_of_two(codec: Codec, head_dim: int) -> None:
@@ -106,10 +109,6 @@ class RotatedCodec(Codec):
         raise NotImplementedError
 
     # -- the shared frame -------------------------------------------------------------
-    def _check_qjl(self) -> None:
-        if not isinstance(self.qjl, bool):
-            raise CodecError(f"{self.name}: qjl must be a bool, got {self.qjl!r}")
-
     def value_codec(self) -> Codec:
         """Group-wise INT of V: ``kivi:max(B, 2),g32,token``."""
         return KiviCodec(bits=max(self.value_bits, 2), group=VALUE_GROUP, per_token=True)
@@ -132,6 +131,10 @@ class RotatedCodec(Codec):
         if params["signs"].shape[-1] != x.shape[-1]:
             raise CodecError(f"{self.spec}: vectors of head_dim {x.shape[-1]} given to "
                              f"parameters made for head_dim {params['signs'].shape[-1]}")
+        # the stored norm is that of the vector clipped to the fp16 range; the direction
+        # must be too, or beyond it (+-Inf under jit) the unit vector is not one and
+        # stored radii (PolarQuant below full depth) overflow
+        x = jnp.clip(x, -FP16_MAX, FP16_MAX)
         norm = stored_norm(x)
         y = randomized_hadamard(x / jnp.where(norm > 0, norm, 1.0), params["signs"])
         codes = self.encode_unit(y)

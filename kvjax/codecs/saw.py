@@ -29,12 +29,21 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import EXACT, Codec, CodecError, Codes, IntFormat, Params, check_range, register
-from kvjax.codecs.intn import MAX_BITS, MIN_BITS, IntCodec, option_spec
+from kvjax.codec import (
+    EXACT,
+    Codec,
+    CodecError,
+    Codes,
+    Example,
+    IntFormat,
+    Option,
+    Params,
+    register,
+)
+from kvjax.codecs.intn import MAX_BITS, MIN_BITS, IntCodec
 from kvjax.primitives.rotations import block_hadamard, random_signs
 
 BLOCKS = (16, 32, 64, 128)
-USAGE = "saw[:hH][,bN][,signs][,kv] with H in 16/32/64/128, N in 2..8"
 
 
 @register
@@ -42,53 +51,26 @@ USAGE = "saw[:hH][,bN][,signs][,kv] with H in 16/32/64/128, N in 2..8"
 class SawCodec(Codec):
     """Block-diagonal Hadamard rotation (optionally sign-flipped) + token-wise INT-N.
 
-    Spec ``saw[:hH][,bN][,signs][,kv]``; see the module docstring.
+    See the module docstring.
     """
 
     name: ClassVar[str] = "saw"
+    options: ClassVar[tuple[Option, ...]] = (
+        Option.flag("block", "h", "rotation block", "H", choices=BLOCKS, always=True),
+        Option.flag("bits", "b", "bit width", "N", lo=MIN_BITS, hi=MAX_BITS, always=True),
+        Option.word("signs", "signs", "seeded sign flips"),
+        Option.word("rotate_values", "kv", "rotated V"),
+    )
+    examples: ClassVar[tuple[Example, ...]] = (
+        Example("saw:h16,signs", rel_mse=0.012, seeded=True, bad_head_dims=(24,)),
+        Example("saw:h64,b2,kv", rel_mse=0.25, bad_head_dims=(48,)),
+        Example("saw", rel_mse=0.015, head_dim=128, bad_head_dims=(64,)),
+    )
 
     block: int = 128
     bits: int = 4
     signs: bool = False
     rotate_values: bool = False
-
-    def __post_init__(self) -> None:
-        if self.block not in BLOCKS:
-            raise CodecError(f"{self.spec}: rotation block must be one of {BLOCKS}, "
-                             f"got {self.block}")
-        check_range(self.bits, "bits", self.name, MIN_BITS, MAX_BITS)
-
-    @classmethod
-    def from_options(cls, options: list[str]) -> SawCodec:
-        """``saw[:hH][,bN][,signs][,kv]``: block, bits, sign flips, rotated V."""
-        spec = option_spec(cls.name, options)
-        kw: dict[str, Any] = {}
-        for opt in options:
-            key = {"h": "block", "b": "bits"}.get(opt[:1])
-            if opt in ("signs", "kv"):
-                field = "signs" if opt == "signs" else "rotate_values"
-                if field in kw:
-                    raise CodecError(f"{spec}: option '{opt}' given twice; usage: {USAGE}")
-                kw[field] = True
-            elif key is not None and opt[1:].isdigit():
-                if key in kw:
-                    raise CodecError(f"{spec}: option '{opt[0]}' given twice; usage: {USAGE}")
-                kw[key] = int(opt[1:])
-            else:
-                raise CodecError(f"{spec}: unknown option '{opt}'; usage: {USAGE}")
-        if "block" in kw and kw["block"] not in BLOCKS:
-            raise CodecError(f"{spec}: rotation block H must be one of {BLOCKS}, "
-                             f"got {kw['block']}; usage: {USAGE}")
-        if "bits" in kw:
-            check_range(kw["bits"], "bits", spec, MIN_BITS, MAX_BITS)
-        return cls(**kw)
-
-    @property
-    def spec(self) -> str:
-        """``saw:hH,bN[,signs][,kv]``, every option spelled out."""
-        opts = [f"h{self.block}", f"b{self.bits}"]
-        opts += ["signs"] * self.signs + ["kv"] * self.rotate_values
-        return f"{self.name}:{','.join(opts)}"
 
     @property
     def _int(self) -> IntCodec:

@@ -36,9 +36,8 @@ from typing import ClassVar
 
 import jax
 
-from kvjax.codec import CodecError, Codes, check_range, packed_words, parse_int, register
-from kvjax.codecs.intn import option_spec
-from kvjax.codecs.rotated import RotatedCodec
+from kvjax.codec import CodecError, Codes, Example, Option, packed_words, register
+from kvjax.codecs.rotated import QJL_OPTION, RotatedCodec
 from kvjax.primitives import lloyd
 from kvjax.primitives.codebooks import lloyd_codebook
 from kvjax.primitives.packing import pack_bits, unpack_bits
@@ -58,12 +57,23 @@ class TurboQuantCodec(RotatedCodec):
     TurboQuant-QJL with ``qjl=True`` (``turboquant:bB,qjl``); see the module docstring."""
 
     name: ClassVar[str] = "turboquant"
+    options: ClassVar[tuple[Option, ...]] = (
+        Option.flag("bits", "b", "bits", "B", lo=MIN_BITS, hi=MAX_BITS,
+                    note=f"B in {MIN_BITS}..{MAX_BITS} ({MIN_BITS + 1}..{MAX_BITS} with qjl)"),
+        QJL_OPTION,
+    )
+    examples: ClassVar[tuple[Example, ...]] = (
+        Example("turboquant:b3", rel_mse=0.045, seeded=True, bad_head_dims=(96, 1)),
+        Example("turboquant:qjl,b3", rel_mse=0.25, seeded=True, bad_head_dims=(48,)),
+    )
 
     bits: int
 
-    def __post_init__(self) -> None:
-        self._check_qjl()
-        check_range(self.bits, "bits", self.name, MIN_BITS + int(self.qjl), MAX_BITS)
+    def validate(self) -> None:
+        """The QJL variant needs a bit for its MSE stage."""
+        if self.qjl and self.bits < MIN_BITS + 1:
+            raise CodecError(f"{self.name}: bits B must be an integer in {MIN_BITS + 1}.."
+                             f"{MAX_BITS} with qjl, got {self.bits!r}")
 
     @property
     def mse_bits(self) -> int:
@@ -74,23 +84,6 @@ class TurboQuantCodec(RotatedCodec):
     def value_bits(self) -> int:
         """``B``."""
         return self.bits
-
-    @classmethod
-    def from_options(cls, options: list[str]) -> TurboQuantCodec:
-        """``turboquant:bB[,qjl]``: B bits per rotated coordinate (1..8; 2..8 with qjl)."""
-        spec = option_spec(cls.name, options)
-        rest = [o for o in options if o != "qjl"]
-        if len(rest) != 1 or not rest[0].startswith("b") or len(options) - len(rest) > 1:
-            raise CodecError(f"{spec}: expected one option bB (B in {MIN_BITS}..{MAX_BITS}) "
-                             "and optionally qjl, e.g. turboquant:b3 or turboquant:b3,qjl")
-        qjl = len(rest) < len(options)
-        return cls(bits=parse_int(rest[0][1:], "bits B", spec, MIN_BITS + int(qjl), MAX_BITS),
-                   qjl=qjl)
-
-    @property
-    def spec(self) -> str:
-        """``turboquant:bB`` or ``turboquant:bB,qjl``."""
-        return f"{self.name}:b{self.bits}" + (",qjl" if self.qjl else "")
 
     def encode_unit(self, y: jax.Array) -> Codes:
         """``codes``: the ``D`` Lloyd-Max indices bit-packed into uint32 words."""

@@ -422,9 +422,9 @@ def test_head_dim_errors():
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ("hyperquant", "give a lattice and a rate"),
-        ("hyperquant:e7,3bps", "give a lattice and a rate"),
-        ("hyperquant:e8", "give a lattice and a rate"),
+        ("hyperquant", "expected LATTICE and RATEbps"),
+        ("hyperquant:e7,3bps", "unknown option 'e7'"),
+        ("hyperquant:e8", "expected RATEbps"),
         ("hyperquant:e8,1.4bps", r"1\.5\.\.5"),
         ("hyperquant:e8,5.1bps", r"1\.5\.\.5"),
         ("hyperquant:e8,3bps,signs,haar", "at most one rotation"),

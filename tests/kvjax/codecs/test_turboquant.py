@@ -15,7 +15,7 @@ from kvjax.codecs import KiviCodec, TurboQuantCodec
 from kvjax.codecs.turboquant import rotated_coordinate_codebook
 from kvjax.primitives import codebooks, lloyd
 from kvjax.primitives.rotations import random_signs, randomized_hadamard
-from kvjax.spec import parse_codec, parse_kv
+from kvjax.spec import parse_cache, parse_codec
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
@@ -84,8 +84,8 @@ def test_error_matches_theory_and_bits_match_the_arrays(bits):
 
 
 @pytest.mark.parametrize(("spec", "needle"), [
-    ("turboquant", "one option bB"), ("turboquant:3", "one option bB"),
-    ("turboquant:b0", "1..8"), ("turboquant:b9", "1..8"), ("turboquant:b2,b3", "one option"),
+    ("turboquant", "expected bB"), ("turboquant:3", "unexpected value '3'"),
+    ("turboquant:b0", "1..8"), ("turboquant:b9", "1..8"), ("turboquant:b2,b3", "'b' given twice"),
 ])
 def test_bad_specs(spec, needle):
     with pytest.raises(CodecError, match=needle):
@@ -95,8 +95,8 @@ def test_bad_specs(spec, needle):
 def test_spec_and_value_codec():
     codec = parse_codec("turboquant:b3")
     assert codec == TurboQuantCodec(bits=3) and parse_codec(codec.spec) == codec
-    assert parse_kv("turboquant:b3")[1] == KiviCodec(bits=3, group=32, per_token=True)
-    assert parse_kv("turboquant:b1")[1] == KiviCodec(bits=2, group=32, per_token=True)
+    assert parse_cache("turboquant:b3").v == KiviCodec(bits=3, group=32, per_token=True)
+    assert parse_cache("turboquant:b1").v == KiviCodec(bits=2, group=32, per_token=True)
 
 
 def test_codebooks_are_designed_once_and_read_from_disk(tmp_path, monkeypatch):
@@ -156,5 +156,5 @@ def test_qjl_specs():
     assert parse_codec("turboquant:qjl,b3").spec == "turboquant:b3,qjl"
     with pytest.raises(CodecError, match=r"2\.\.8"):
         parse_codec("turboquant:b1,qjl")
-    with pytest.raises(CodecError, match="one option"):
+    with pytest.raises(CodecError, match="'qjl' given twice"):
         parse_codec("turboquant:b3,qjl,qjl")
