@@ -69,28 +69,6 @@ def parse_codec(spec: str | Codec) -> Codec:
     return codec
 
 
-def parse_kv(
-    codec: str | Codec | None = None,
-    *,
-    k: str | Codec | None = None,
-    v: str | Codec | None = None,
-) -> tuple[Codec, Codec]:
-    """The (K codec, V codec) pair from ``--codec`` or from ``--k`` and ``--v``.
-
-    One spec for both uses the codec for K and its :meth:`Codec.value_codec` for V
-    (KIVI quantizes keys per channel and values per token). ``k``/``v`` override.
-    """
-    if codec is None and (k is None or v is None):
-        if k is None and v is None:
-            raise CodecError("give a codec spec, or both a K spec and a V spec")
-        if codec is None:
-            raise CodecError("give both a K spec and a V spec (or one spec for both)")
-    base = parse_codec(codec) if codec is not None else None
-    k_codec = parse_codec(k) if k is not None else base
-    v_codec = parse_codec(v) if v is not None else base.value_codec()
-    return k_codec, v_codec
-
-
 # -- whole caches -------------------------------------------------------------------
 
 #: the clauses of a cache spec, for error messages

@@ -13,7 +13,7 @@ Spec grammar::
     kivi:2,g32          key variant: per channel over blocks of G tokens
     kivi:2,g32,token    value variant: per token over groups of G channels
 
-``parse_kv('kivi:2,g32')`` pairs the key variant for K with :meth:`KiviCodec.value_codec`
+The cache spec ``kivi:2,g32`` pairs the key variant for K with :meth:`KiviCodec.value_codec`
 (the token variant, same N and G) for V, as the paper does.
 
 Key variant, ``block_tokens = G``; codes of ``x[..., T, D]`` with ``B = T // G``::

@@ -20,7 +20,7 @@ import pytest
 
 from kvjax.codec import Codec, CodecError, measured_bits_per_element
 from kvjax.codecs import Bf16Codec, Fp8Codec, IntCodec, KiviCodec
-from kvjax.spec import parse_codec, parse_kv, registered
+from kvjax.spec import parse_cache, parse_codec, registered
 
 INT_BITS = list(range(2, 9))
 KIVI_SPECS = [
@@ -526,13 +526,16 @@ def test_spec_spellings_normalize(spec, codec):
     assert parse_codec(codec.spec) == codec
 
 
-def test_parse_kv_pairs_kivi_keys_with_token_values():
-    k, v = parse_kv("kivi:2,g32")
+def test_one_cache_spec_pairs_kivi_keys_with_token_values():
+    config = parse_cache("kivi:2,g32")
+    k, v = config.k, config.v
     assert k == KiviCodec(bits=2, group=32, per_token=False)
     assert v == KiviCodec(bits=2, group=32, per_token=True)
     assert v.value_codec() == v
-    assert parse_kv("int:4") == (IntCodec(bits=4), IntCodec(bits=4))
-    assert parse_kv(k="kivi:4,g64", v="fp8") == (KiviCodec(bits=4, group=64), Fp8Codec())
+    int4 = parse_cache("int:4")
+    assert (int4.k, int4.v) == (IntCodec(bits=4), IntCodec(bits=4))
+    apart = parse_cache("k=kivi:4,g64 v=fp8")
+    assert (apart.k, apart.v) == (KiviCodec(bits=4, group=64), Fp8Codec())
 
 
 VALID_CODECS = (r"valid codecs: bf16, f32, fp8, hqmq, hyperquant, int, kivi, octopus, polarquant, "
