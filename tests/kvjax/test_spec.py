@@ -97,7 +97,7 @@ def test_defaults_fill_what_the_spec_does_not_say():
         ("int:4 layers[1:2:0]:k=bf16", "bad layer selection"),
         ("int:4 layers[0]:q=bf16", "bad layer rule"),
         ("int:4 layers[0]k=bf16", "bad layer rule"),
-        ("int:99", "bit width N must be in 2..8"),
+        ("int:99", "bit width N must be an integer in 2..8"),
         ("nope:1", "unknown codec 'nope'"),
         ("k=int:4 k=int:2", "k is given twice"),
         ("int:4 attn=", "at least one implementation"),

@@ -53,7 +53,9 @@ def test_saw_offers_rotated_int_codes(spec):
     params = codec.init(jax.random.key(0), 64)
     r = fmt.rotation(params, 64)
     x = jax.random.normal(jax.random.key(1), (5, 64))
-    np.testing.assert_allclose(x @ r.T, codec.rotate(params, x), atol=1e-5)
+    # full float32: a GPU would run a default-precision matmul in TF32
+    rotated = jnp.matmul(x, r.T, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(rotated, codec.rotate(params, x), atol=1e-5)
     np.testing.assert_allclose(r @ r.T, np.eye(64), atol=1e-5)
     codes = codec.encode(params, x)
     k_codes, scale, zero = fmt.arrays(codes)
