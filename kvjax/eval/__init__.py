@@ -5,8 +5,11 @@
 - :mod:`kvjax.eval.needle`: needle-in-a-haystack retrieval with a generating model.
 - :mod:`kvjax.eval.synthetic`: model-free probes on Gaussian keys (reconstruction,
   inner products, a synthetic needle).
-- :mod:`kvjax.eval.memory`: cache bytes per token and at long contexts, measured from
-  encoded arrays.
+- :mod:`kvjax.eval.memory`: cache bytes per token and at long contexts, read from the
+  shapes of the arrays that :func:`kvjax.cache.init_cache` allocates; the table of model
+  shapes.
+- :mod:`kvjax.eval.corpus`: the offline corpora (Shakespeare, Austen, text files) and
+  their tokenized windows.
 - :mod:`kvjax.eval.sweep`: a resumable sweep of cache configurations on one model and
   corpus (the evaluator is passed in), its tables and Pareto plots, and the helpers the
   papers' protocol scripts share.
@@ -17,7 +20,7 @@
 - :mod:`kvjax.eval.lattice_rates`: HyperQuant's lattice rate measurements (second
   moments, Rice rate and the cost of not stripping, realized vs target rate).
 
-The model is an argument, never an import (DESIGN.md §2).
+The model is an argument, never an import.
 """
 
 from kvjax.eval.ppl import PerplexityResult, perplexity
