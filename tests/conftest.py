@@ -55,3 +55,22 @@ def embedded_model_loaded_once():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(models, "load", load)
         yield loaded
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_programs_released_per_module():
+    """Drop JAX's compiled programs after each test module.
+
+    Every program XLA compiles for the CPU keeps its own memory mappings, and one process
+    running the whole suite compiles thousands: the mapping count climbs past the
+    kernel's ``vm.max_map_count`` (65530 by default) and the next compilation segfaults.
+    Clearing the caches lets the programs of finished modules be freed; a module
+    recompiles only what it uses itself.
+    """
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
