@@ -21,6 +21,7 @@ import pytest
 from kvjax.codec import Codec, CodecError, measured_bits_per_element
 from kvjax.codecs import Bf16Codec, Fp8Codec, IntCodec, KiviCodec
 from kvjax.spec import parse_cache, parse_codec, registered
+from tests.kvjax.codecs.compiled import FAST_COMPILE
 
 INT_BITS = list(range(2, 9))
 KIVI_SPECS = [
@@ -47,11 +48,6 @@ SLICES = [
     "zero_rows", "clean", "nan", "nan_as_zero", "inf", "-inf", "huge",
 ]
 FINITE = [name for name in SLICES if name not in ("nan", "inf", "-inf", "huge")]
-# a test-only trade: half the compile time on 2-core CI; the numerics are the same
-# (no fast-math), and test_jit_and_vmap_match_eager compiles with the defaults
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 def gaussian(seed, shape):
     """Seeded standard normal float32 array."""
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)

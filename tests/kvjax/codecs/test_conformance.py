@@ -27,6 +27,7 @@ import pytest
 from kvjax.codec import Codec, CodecError, Example, measured_bits_per_element
 from kvjax.codecs.outliers import MedOutlierCodec
 from kvjax.spec import parse_codec, registered
+from tests.kvjax.codecs.compiled import FAST_COMPILE, encode_decode
 
 #: every codec class: the registered ones and the outlier wrapper
 CLASSES = [*(cls for _, cls in sorted(registered().items())), MedOutlierCodec]
@@ -41,9 +42,6 @@ SLICES = ("shared", "gauss", "zero", "const", "negconst", "nonfinite")
 CONSTANTS = {"const": 0.37, "negconst": -3.3}
 ZERO_ROWS = (1, 6)  # rows of the "gauss" slice set to zero
 BAD_AT = {np.nan: (0, 3), np.inf: (2, 5), -np.inf: (5, 0)}  # (token, channel)
-# a test-only trade: half the compile time on 2-core CI; the numerics are the same (no
-# fast-math), and test_jit_matches_eager compares against op-by-op dispatch
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def at(name: str) -> int:
@@ -51,15 +49,8 @@ def at(name: str) -> int:
 
 
 @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-def roundtrip(codec, params, x):
-    """Codes and reconstruction of ``x[..., T, D]``."""
-    codes = codec.encode(params, x)
-    return codes, codec.decode(params, codes)
-
-
-@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
 def roundtrip_heads(codec, params, x):
-    """:func:`roundtrip` vmapped over a leading head axis of ``params`` and ``x``."""
+    """:func:`encode_decode` vmapped over a leading head axis of ``params`` and ``x``."""
 
     def one(p, v):
         codes = codec.encode(p, v)
@@ -124,7 +115,7 @@ def run(spec: str, d: int) -> dict:
     params = init_heads(codec, d)
     codes, x_hat = roundtrip_heads(codec, params, jnp.asarray(x))
     # one head at a time: the same program for every head
-    one = [roundtrip(codec, head(params, h), jnp.asarray(x[h])) for h in range(HEADS)]
+    one = [encode_decode(codec, head(params, h), jnp.asarray(x[h])) for h in range(HEADS)]
     again = init_heads(codec, d)
     again_codes, _ = roundtrip_heads(codec, again, jnp.asarray(x))
     return {

@@ -2,7 +2,6 @@
 quaternion algebra, the 2T group, encode vs brute force, bit accounting (the paper's
 Table 21 and the stored bits), error trends, jit/vmap/seeds, bad input and specs."""
 
-import functools
 import itertools
 
 import jax
@@ -23,6 +22,7 @@ from kvjax.primitives.quaternion import (
     right_multiplication_matrix,
 )
 from kvjax.spec import parse_cache, parse_codec
+from tests.kvjax.codecs.compiled import encode_decode
 
 KEY = jax.random.key(0)
 
@@ -36,19 +36,9 @@ def rel_mse(x, y):
     return float(np.sum((x - y) ** 2) / np.sum(x**2))
 
 
-# eager dispatch compiles every primitive of the packing on its own; one program is faster
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-def _encode_decode(codec, params, x):
-    codes = codec.encode(params, x)
-    return codes, codec.decode(params, codes)
-
-
 def roundtrip(codec, x, key=KEY):
     params = codec.init(key, x.shape[-1])
-    return params, *_encode_decode(codec, params, jnp.asarray(x))
+    return params, *encode_decode(codec, params, jnp.asarray(x))
 
 
 # -- quaternions and 2T -------------------------------------------------------------------

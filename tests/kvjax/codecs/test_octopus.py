@@ -3,7 +3,6 @@ norm, octahedral coordinate, polar angles) against Monte-Carlo, the octahedral m
 Lloyd-Max optimality of their codebooks, joint rounding against the full grid, error and
 bit accounting, jit/vmap/seeds, QJL, specs."""
 
-import functools
 import itertools
 import math
 
@@ -26,8 +25,7 @@ from kvjax.codecs.polarquant import inverse_polar_transform, level_codebook, pol
 from kvjax.primitives import lloyd
 from kvjax.primitives.rotations import random_signs, randomized_hadamard
 from kvjax.spec import parse_cache, parse_codec
-
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+from tests.kvjax.codecs.compiled import encode_decode
 
 
 def gaussian(shape, seed=0):
@@ -58,15 +56,9 @@ def assert_histogram_matches(samples, density, edges, tol):
     assert np.abs(hist - expected).max() < tol * expected.max()
 
 
-@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-def _encode_decode(codec, params, x):
-    codes = codec.encode(params, x)
-    return codes, codec.decode(params, codes)
-
-
 def relative_error(codec, x, seed=0):
     params = codec.init(jax.random.key(seed), x.shape[-1])
-    codes, x_hat = _encode_decode(codec, params, x)
+    codes, x_hat = encode_decode(codec, params, x)
     return float(jnp.sum((x_hat - x) ** 2) / jnp.sum(x**2)), codes
 
 

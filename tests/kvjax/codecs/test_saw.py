@@ -1,6 +1,5 @@
 """Tests of the SAW-INT4 codec (block-diagonal Hadamard rotation + token-wise INT-N)."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +10,7 @@ from kvjax.codec import CodecError, measured_bits_per_element
 from kvjax.codecs import IntCodec, SawCodec
 from kvjax.primitives.rotations import hadamard
 from kvjax.spec import parse_cache, parse_codec
+from tests.kvjax.codecs.compiled import encode_decode
 
 KEY = jax.random.key(0)
 
@@ -25,20 +25,9 @@ def with_outlier_channels(tokens, d, channels=(3, 17, 40), scale=30.0, seed=0):
     return x
 
 
-# eager dispatch compiles every primitive of the rotation and the packing on its own; one
-# program is faster (the conformance suite checks eager == jit)
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-def _encode_decode(codec, params, x):
-    codes = codec.encode(params, x)
-    return codes, codec.decode(params, codes)
-
-
 def roundtrip(codec, x, key=KEY):
     params = codec.init(key, x.shape[-1])
-    codes, x_hat = _encode_decode(codec, params, jnp.asarray(x))
+    codes, x_hat = encode_decode(codec, params, jnp.asarray(x))
     return params, codes, np.asarray(x_hat)
 
 

@@ -2,7 +2,6 @@
 the sphere-coordinate marginal against Monte-Carlo, Lloyd-Max optimality, error against
 theory, bit accounting, jit/vmap/seeds, bad input and specs."""
 
-import functools
 import itertools
 
 import jax
@@ -16,18 +15,11 @@ from kvjax.codecs.turboquant import rotated_coordinate_codebook
 from kvjax.primitives import codebooks, lloyd
 from kvjax.primitives.rotations import random_signs, randomized_hadamard
 from kvjax.spec import parse_cache, parse_codec
-
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+from tests.kvjax.codecs.compiled import encode_decode
 
 
 def gaussian(shape, seed=0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-def _encode_decode(codec, params, x):
-    codes = codec.encode(params, x)
-    return codes, codec.decode(params, codes)
 
 
 def test_rotated_coordinates_follow_the_sphere_marginal():
@@ -73,7 +65,7 @@ def test_error_matches_theory_and_bits_match_the_arrays(bits):
     codec = TurboQuantCodec(bits=bits)
     x = gaussian((512, 64), bits)
     params = codec.init(jax.random.key(0), 64)
-    codes, x_hat = _encode_decode(codec, params, x)
+    codes, x_hat = encode_decode(codec, params, x)
     err = float(jnp.sum((x_hat - x) ** 2) / jnp.sum(x**2))
     theory = 64 * rotated_coordinate_codebook(64, bits).mse
     assert err == pytest.approx(theory, rel=0.08)
