@@ -48,6 +48,30 @@ class CodecError(ValueError):
     """A codec spec or an input that a codec cannot represent."""
 
 
+#: largest finite fp16: the bound of every scale, zero point and norm a codec stores in
+#: fp16 (the papers' metadata type)
+FP16_MAX = float(jnp.finfo(jnp.float16).max)
+#: smallest normal fp16: metadata below it is kept as an fp16 subnormal, on a grid of
+#: ``FP16_STEP``, so precision there is absolute rather than relative
+FP16_TINY = float(jnp.finfo(jnp.float16).smallest_normal)
+#: smallest positive fp16 (subnormal): metadata of smaller magnitude stores as zero
+FP16_STEP = float(jnp.finfo(jnp.float16).smallest_subnormal)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The largest magnitudes a codec's stored arrays can represent, per vector.
+
+    ``element`` bounds every ``|x_i|`` (a scalar codec's fp16 zero point, bf16 storage);
+    ``norm`` bounds ``|x|_2`` (a norm-direction codec's fp16 norm). A vector beyond either
+    is *out of range*: :meth:`Codec.encode` raises on it outside ``jit`` and saturates it
+    under ``jit`` (:meth:`Codec.saturate`), and the cache flags the row.
+    """
+
+    element: float = math.inf
+    norm: float = math.inf
+
+
 # -- options: the spec grammar that each codec declares once ---------------------------
 
 #: characters of a number in a spec option (``g32``, ``2.5bps``, ``med2.5``)
@@ -317,6 +341,8 @@ class Codec:
     options: ClassVar[tuple[Option, ...]] = ()
     #: specs that the conformance suite runs (every registered codec needs some)
     examples: ClassVar[tuple[Example, ...]] = ()
+    #: what the stored arrays can represent (see :meth:`in_range`)
+    limits: ClassVar[Limits] = Limits()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -489,16 +515,42 @@ class Codec:
     def encode(self, params: Params, x: jax.Array) -> Codes:
         """Packed codes of ``x[..., T, D]`` (``T`` a multiple of ``block_tokens``).
 
-        Non-finite input: outside ``jit`` this raises :class:`CodecError`; under ``jit``
-        (where values cannot be inspected) NaN is encoded as 0 and +-Inf as the largest
-        finite float32, so the output stays finite; the cache records such rows
+        Input the storage cannot represent (NaN/Inf, or finite vectors beyond
+        :attr:`limits`): outside ``jit`` this raises :class:`CodecError`; under ``jit``
+        (where values cannot be inspected) NaN is encoded as 0, +-Inf as the largest
+        finite float32, and every vector is then saturated into range
+        (:meth:`saturate`), so the output stays finite; the cache records such rows
         (see :func:`kvjax.cache.check`).
         """
-        x = self._check_input(x)
+        x = self.saturate(self._check_input(x))
         # the barrier makes the codes real even when encode and decode share a program:
         # without it XLA may fold a narrowing cast and its widening inverse into nothing
         # (excess precision, applied on GPU), and a fused round trip would not quantize
         return jax.lax.optimization_barrier(self._encode(params, x))
+
+    def in_range(self, x: jax.Array) -> jax.Array:
+        """``bool[..., T]``: which vectors of ``x[..., T, D]`` are finite and within
+        :attr:`limits` (so encode stores them without saturating)."""
+        x = x.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x), axis=-1, initial=0.0)
+        ok = jnp.all(jnp.isfinite(x), axis=-1) & (amax <= self.limits.element)
+        if math.isfinite(self.limits.norm):
+            ok &= safe_norm(x)[..., 0] <= self.limits.norm
+        return ok
+
+    def saturate(self, x: jax.Array) -> jax.Array:
+        """Finite ``x[..., T, D]`` brought into :attr:`limits`: elements clipped to
+        ``+-element``, then vectors longer than ``norm`` scaled down to that length
+        (direction kept). Vectors in range pass unchanged."""
+        x = x.astype(jnp.float32)
+        if math.isfinite(self.limits.element):
+            x = jnp.clip(x, -self.limits.element, self.limits.element)
+        if math.isfinite(self.limits.norm):
+            norm = safe_norm(x)
+            # one ulp below the limit, so the norm recomputed from the result stays in range
+            target = np.float32(self.limits.norm) * np.float32(1 - 2.0**-20)
+            x = jnp.where(norm > self.limits.norm, x * (target / jnp.maximum(norm, 1.0)), x)
+        return x
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         raise NotImplementedError
@@ -547,7 +599,30 @@ class Codec:
                 finite = bool(jnp.all(jnp.isfinite(x)))
             if not finite:
                 raise CodecError(f"{self.spec}: input contains NaN or Inf")
+            with jax.ensure_compile_time_eval():
+                outside = not bool(jnp.all(self.in_range(x)))
+            if outside:
+                raise CodecError(f"{self.spec}: {self._range_problem(x)}")
         return sanitize(x)
+
+    def _range_problem(self, x: jax.Array) -> str:
+        """Why concrete finite ``x`` is out of range, for the error message."""
+        amax = float(jnp.max(jnp.abs(x)))
+        if amax > self.limits.element:
+            return (f"input magnitude {amax:.4g} exceeds {self.limits.element:.6g}, the "
+                    "largest element this codec's storage can represent")
+        norm = float(jnp.max(safe_norm(x)))
+        return (f"a vector norm of {norm:.4g} exceeds {self.limits.norm:.6g}, the largest "
+                "norm this codec's storage can represent")
+
+
+def safe_norm(x: jax.Array) -> jax.Array:
+    """``|x|_2`` over the last axis (kept as a size-1 axis) in float32, without the
+    overflow of squaring elements beyond ~1.8e19: computed on ``x / max|x_i|``."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True, initial=0.0)
+    unit = x / jnp.where(amax > 0, amax, 1.0)
+    return amax * jnp.sqrt(jnp.sum(unit * unit, axis=-1, keepdims=True))
 
 
 def sanitize(x: jax.Array) -> jax.Array:
@@ -562,13 +637,20 @@ def round_to_dtype(x: jax.Array, dtype: Any) -> jax.Array:
     with must be rounded explicitly: XLA may drop an ``f32 -> f16 -> f32`` round trip
     (``xla_allow_excess_precision``, which it applies on GPU), so ``x.astype(f16)`` used
     inside the same program could differ from what is stored. ``reduce_precision``
-    cannot be elided. The result casts to ``dtype`` exactly; ``dtype``'s subnormals flush
-    to zero, so callers keep stored scales at or above ``finfo(dtype).smallest_normal``.
+    cannot be elided. The result casts to ``dtype`` exactly, ``dtype``'s subnormals
+    included (``reduce_precision`` alone flushes them to zero).
     """
     info = jnp.finfo(dtype)
-    return jax.lax.reduce_precision(
-        x.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant
-    )
+    x = x.astype(jnp.float32)
+    normal = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    if info.nexp >= 8:
+        # float32's own exponent range: its subnormals are float32 subnormals too
+        return normal
+    # subnormals are evenly spaced: round to that grid (scaling by a power of two is
+    # exact, and round-half-even matches the cast)
+    step = float(info.smallest_subnormal)
+    subnormal = jnp.round(x * np.float32(1 / step)) * np.float32(step)
+    return jnp.where(jnp.abs(x) < float(info.smallest_normal), subnormal, normal)
 
 
 def codes_nbytes(codes: Codes) -> int:

@@ -111,10 +111,9 @@ def assert_codes_equal(a, b):
 FP16_TINY = np.float32(np.finfo(np.float16).smallest_normal)
 
 
-def flush_fp16(x):
-    """Round to fp16 with its subnormals flushed to zero, as stored scales are."""
-    r = np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
-    return np.where(np.abs(r) < FP16_TINY, np.float32(0) * r, r)
+def to_fp16(x):
+    """Round to fp16, subnormals included, as stored scales and zeros are."""
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
 
 
 def element_grid(codec, codes, shape):
@@ -168,8 +167,8 @@ def test_integer_codecs_match_numpy_reference(spec, d):
     lo, hi = element_ranges(codec, x)
     scale = (hi - lo) * np.float32(1 / levels)
     scale = np.where(scale > 0, np.maximum(scale, FP16_TINY), 0)  # documented floor
-    scale = flush_fp16(scale)
-    zero = flush_fp16(lo)
+    scale = to_fp16(scale)
+    zero = to_fp16(lo)
     stored_scale, stored_zero = element_grid(codec, codes, x.shape)
     np.testing.assert_array_equal(stored_scale, scale)
     np.testing.assert_array_equal(stored_zero, zero)
@@ -190,7 +189,7 @@ def test_integer_codecs_error_within_half_step(spec, d):
     levels = 2**codec.bits - 1
     # interior elements round to the nearest grid point (half a step); the extremes may
     # also be off by the fp16 rounding of the zero and of the scale times the levels
-    # (a zero in fp16's subnormal range is stored flushed to 0)
+    # (a zero in fp16's subnormal range is stored on the subnormal grid)
     slack = 2.0**-10 * (np.abs(zero) + levels * scale) + FP16_TINY
     excess = np.abs(x - x_hat) - (scale / 2 + slack)
     assert np.all(excess <= 0), float(np.max(excess))
