@@ -20,17 +20,25 @@ arrays; :func:`scan_layers` runs one ``lax.scan`` per segment.
 Storage is head-major (``[B, K, S, ...]``) so that one kv head's codes are contiguous
 for the fused kernels. Model code passes K/V token-major, ``[B, T, K, D]``.
 
-Bad input. An append that would exceed ``max_len`` raises ``ValueError`` when the lengths
-are concrete; under ``jit`` the tokens past capacity are dropped (never written over
-other tokens) and the row's ``overflowed`` flag is set. Non-finite K/V are stored as
-finite numbers (NaN -> 0, Inf -> largest finite) and the row's ``nonfinite`` flag is set.
-:func:`check` raises ``ValueError`` on either flag; generation and evaluation call it.
+Bad input. An append that would exceed ``max_len``, or whose ``valid`` count is negative
+or longer than its chunk, raises ``ValueError`` when the counts and lengths are concrete.
+Under ``jit`` each row appends ``clip(valid, 0, min(T, max_len - length))`` tokens of a
+chunk of ``T``: the tokens past capacity are dropped and the row's ``overflowed`` flag is
+set, a count outside ``0..T`` is clamped and ``bad_valid`` is set; a stored token is never
+written over and a length never decreases. Non-finite K/V are stored as finite numbers
+(NaN -> 0, Inf -> largest finite) and the row's ``nonfinite`` flag is set. Finite values
+that the storage cannot hold are saturated and flagged in ``saturated``: beyond the raw
+dtype's largest finite value (clipped to it) or, for a token being encoded, outside the
+codec's :attr:`~kvjax.codec.Codec.limits` (see :meth:`~kvjax.codec.Codec.saturate`).
+:func:`check` raises ``ValueError`` naming the rows and the cause of every flag set;
+generation and evaluation call it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +58,7 @@ def _register(cls, data: tuple[str, ...], meta: tuple[str, ...]):
 
 @functools.partial(
     _register,
-    data=("codes", "params", "raw", "sink", "nonfinite", "layer"),
+    data=("codes", "params", "raw", "sink", "nonfinite", "saturated", "layer"),
     meta=("codec", "window", "sinks", "max_len"),
 )
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +70,9 @@ class Store:
     raw: ``[L, B, K, R, D]`` recent tokens, position-ordered from the first uncompressed.
     sink: ``[L, B, K, sinks, D]``.
     nonfinite: ``[L, B]`` set when a row received NaN/Inf.
+    saturated: ``[L, B]`` uint8, a bit per cause of a row's finite values being altered to
+    fit the storage: :data:`SATURATED_RAW` (clipped to the raw dtype's range),
+    :data:`SATURATED_CODEC` (an encoded token outside the codec's limits).
     layer: ``None``, or in the layer views :func:`scan_layers` makes, the int32 index of
     the view's layer in ``codes``, which then keep their ``L`` axis: appending writes the
     new blocks into the whole stack in place and readers index it
@@ -73,6 +84,7 @@ class Store:
     raw: jax.Array
     sink: jax.Array
     nonfinite: jax.Array
+    saturated: jax.Array
     codec: Codec
     window: int
     sinks: int
@@ -123,16 +135,29 @@ class Segment:
     stop: int
 
 
+#: :attr:`Store.saturated` bit: a value beyond the raw dtype's range was clipped to it
+SATURATED_RAW = 1
+#: :attr:`Store.saturated` bit: a token encoded into codes was outside the codec's limits
+SATURATED_CODEC = 2
+
+
 @functools.partial(
-    _register, data=("segments", "lengths", "overflowed"), meta=("config", "num_layers")
+    _register, data=("segments", "lengths", "overflowed", "bad_valid"),
+    meta=("config", "num_layers"),
 )
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """The whole cache: segments of layers, per-row lengths and overflow flags."""
+    """The whole cache: segments of layers, per-row lengths and flags.
+
+    ``overflowed[B]``: an append had more real tokens than the row had room for (the
+    excess was dropped). ``bad_valid[B]``: an append's ``valid`` count was negative or
+    longer than its chunk (it was clamped).
+    """
 
     segments: tuple[Segment, ...]
     lengths: jax.Array
     overflowed: jax.Array
+    bad_valid: jax.Array
     config: CacheConfig
     num_layers: int
 
@@ -207,6 +232,7 @@ def init_cache(
         segments=tuple(segments),
         lengths=jnp.zeros((batch,), jnp.int32),
         overflowed=jnp.zeros((batch,), bool),
+        bad_valid=jnp.zeros((batch,), bool),
         config=config,
         num_layers=num_layers,
     )
@@ -227,7 +253,8 @@ def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_l
         ],
     )
     store = Store(
-        codes=None, params=params, raw=None, sink=None, nonfinite=None, codec=codec,
+        codes=None, params=params, raw=None, sink=None, nonfinite=None, saturated=None,
+        codec=codec,
         window=config.residual_window, sinks=config.sink_tokens, max_len=max_len,
     )
     n = len(layers)
@@ -246,6 +273,7 @@ def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_l
         raw=jnp.zeros((n, batch, heads, store.raw_capacity, head_dim), dtype),
         sink=jnp.zeros((n, batch, heads, config.sink_tokens, head_dim), dtype),
         nonfinite=jnp.zeros((n, batch), bool),
+        saturated=jnp.zeros((n, batch), jnp.uint8),
     )
 
 
@@ -269,13 +297,18 @@ def decode_heads(codec: Codec, params, codes, dtype=jnp.float32):
 # -- appending ---------------------------------------------------------------------------
 
 
-@functools.partial(_register, data=("start", "valid"), meta=())
+@functools.partial(_register, data=("start", "valid", "overflowed", "bad_valid"), meta=())
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One append: per row, the length before it (``start``) and the new valid tokens."""
+    """One append, per row: the length before it (``start``), the tokens it stores
+    (``valid``, always within ``0..T`` and the room left), and what :func:`commit` flags:
+    real tokens dropped for lack of room (``overflowed``) and a requested count outside
+    ``0..T`` (``bad_valid``). :func:`make_step` builds it."""
 
     start: jax.Array
     valid: jax.Array
+    overflowed: jax.Array
+    bad_valid: jax.Array
 
     def positions(self, num_tokens: int) -> jax.Array:
         """``[B, T]`` absolute positions of the chunk's tokens."""
@@ -285,8 +318,10 @@ class Step:
 def make_step(cache: KVCache, num_tokens: int, valid: jax.Array | None = None) -> Step:
     """The :class:`Step` for appending a chunk of ``num_tokens`` (``valid[B]`` of them real).
 
-    Raises ``ValueError`` when the chunk cannot fit (always for a chunk longer than
-    ``max_len``; for concrete lengths whenever a row would overflow).
+    Raises ``ValueError`` for a chunk longer than ``max_len`` and, when ``valid`` and the
+    lengths are concrete, for a count outside ``0..num_tokens`` or a row that would
+    overflow. Under ``jit`` a row appends ``clip(valid, 0, min(num_tokens, max_len -
+    length))`` tokens, and the step carries the flags that :func:`commit` records.
     """
     if num_tokens > cache.max_len:
         raise ValueError(f"chunk of {num_tokens} tokens exceeds cache capacity {cache.max_len}")
@@ -305,17 +340,26 @@ def make_step(cache: KVCache, num_tokens: int, valid: jax.Array | None = None) -
                 f"cache overflow: rows {rows} would hold {end.max()} tokens, "
                 f"capacity is {cache.max_len}"
             )
-    return Step(start=cache.lengths, valid=valid)
+    # the tokens each row stores: the real ones (clamped into the chunk), as many as fit
+    real = jnp.clip(valid, 0, num_tokens)
+    room = cache.max_len - cache.lengths
+    return Step(
+        start=cache.lengths,
+        valid=jnp.minimum(real, room),
+        overflowed=real > room,
+        bad_valid=(valid < 0) | (valid > num_tokens),
+    )
 
 
 @jax.jit
 def commit(cache: KVCache, step: Step) -> KVCache:
-    """Advance the lengths after every layer has appended ``step``'s chunk."""
-    end = step.start + step.valid
+    """Advance the lengths and record the step's flags after every layer has appended
+    ``step``'s chunk."""
     return dataclasses.replace(
         cache,
-        lengths=jnp.minimum(end, cache.max_len),
-        overflowed=cache.overflowed | (end > cache.max_len),
+        lengths=step.start + step.valid,
+        overflowed=cache.overflowed | step.overflowed,
+        bad_valid=cache.bad_valid | step.bad_valid,
     )
 
 
@@ -370,6 +414,12 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
     # every token is rounded to the raw dtype before it is encoded, so a token encodes
     # the same whether it reaches the codec straight from a chunk or through the window
     limit = float(jnp.finfo(store.raw.dtype).max)
+    saturated = store.saturated
+    if limit < float(jnp.finfo(jnp.float32).max):
+        # finite values beyond the raw dtype are clipped; Inf is the nonfinite flag's
+        beyond = jnp.any(jnp.isfinite(x) & (jnp.abs(x) > limit), axis=(1, 3)) & is_new
+        saturated = saturated | jnp.where(jnp.any(beyond, axis=1), SATURATED_RAW, 0).astype(
+            saturated.dtype)
     x = jnp.clip(jnp.nan_to_num(x.astype(jnp.float32), nan=0.0), -limit, limit)
     x = round_to_dtype(x, store.raw.dtype)
     raw_x = x.astype(store.raw.dtype)
@@ -399,12 +449,21 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
     max_new = block * ((num_tokens + block - 1) // block)
     codes = store.codes
     if max_new and store.slots:
-        encoded = _encode_heads(store.codec, store.params, staged[:, :, :max_new])
+        leaving = staged[:, :, :max_new]
+        encoded = _encode_heads(store.codec, store.params, leaving)
         j = jnp.arange(max_new // block, dtype=jnp.int32)[None, :]
         n_new_blocks = (new_n_comp - old_n_comp) // block
         slot = jnp.where(j < n_new_blocks[:, None], old_n_comp[:, None] // block + j, store.slots)
         codes = jax.tree.map(lambda buf, val: _rows_set(buf, slot, val, store.layer),
                              store.codes, encoded)
+        limits = store.codec.limits
+        if math.isfinite(limits.element) or math.isfinite(limits.norm):
+            # the codec saturated (under jit) whichever written token it cannot represent
+            written = jnp.arange(max_new, dtype=jnp.int32)[None, :] < (
+                new_n_comp - old_n_comp)[:, None]
+            outside = jnp.any(~store.codec.in_range(leaving), axis=1) & written
+            saturated = saturated | jnp.where(
+                jnp.any(outside, axis=1), SATURATED_CODEC, 0).astype(saturated.dtype)
 
     # the new raw region starts at the first token that stays uncompressed
     moved = (new_n_comp - old_n_comp)[:, None]
@@ -412,7 +471,8 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
     new_raw_count = end - jnp.minimum(end, store.sinks) - new_n_comp
     raw = _rows_take(staged.astype(store.raw.dtype), moved + r)
     raw = jnp.where((r < new_raw_count[:, None])[:, None, :, None], raw, 0).astype(store.raw.dtype)
-    return dataclasses.replace(store, codes=codes, raw=raw, sink=sink, nonfinite=nonfinite)
+    return dataclasses.replace(store, codes=codes, raw=raw, sink=sink, nonfinite=nonfinite,
+                               saturated=saturated)
 
 
 # -- reading -----------------------------------------------------------------------------
@@ -494,22 +554,41 @@ def dense(store: Store, lengths: jax.Array, dtype=jnp.float32) -> jax.Array:
 
 
 def check(cache: KVCache) -> None:
-    """Raise ``ValueError`` if any row overflowed or received NaN/Inf (eager only)."""
+    """Raise ``ValueError`` if any row's flag is set (eager only): one line that names
+    the rows and the cause of each flag (overflow, bad valid counts, NaN/Inf, values
+    saturated to fit the storage)."""
+
+    def rows(mask) -> list[int]:
+        return np.nonzero(mask)[0].tolist()
+
+    problems = []
     over = np.asarray(cache.overflowed)
     if over.any():
-        raise ValueError(
-            f"cache overflow: rows {np.nonzero(over)[0].tolist()} received more than "
-            f"{cache.max_len} tokens; the excess was dropped"
-        )
-    bad = np.zeros(cache.batch, bool)
+        problems.append(f"cache overflow: rows {rows(over)} received more than "
+                        f"{cache.max_len} tokens; the excess was dropped")
+    bad_valid = np.asarray(cache.bad_valid)
+    if bad_valid.any():
+        problems.append(f"bad valid counts: rows {rows(bad_valid)} were given a valid "
+                        "count below 0 or above their chunk's length; it was clamped")
+    nonfinite = np.zeros(cache.batch, bool)
+    saturated: dict[str, np.ndarray] = {}
     for seg in cache.segments:
         for store in (seg.k, seg.v):
-            bad |= np.asarray(store.nonfinite).any(axis=0)
-    if bad.any():
-        raise ValueError(
-            f"non-finite K/V: rows {np.nonzero(bad)[0].tolist()} received NaN or Inf "
-            "(stored as finite numbers)"
-        )
+            nonfinite |= np.asarray(store.nonfinite).any(axis=0)
+            flags = np.bitwise_or.reduce(np.asarray(store.saturated), axis=0)
+            for bit, what in ((SATURATED_RAW, f"{store.raw.dtype} raw tokens"),
+                              (SATURATED_CODEC, store.codec.spec)):
+                hit = (flags & bit) != 0
+                if hit.any():
+                    saturated[what] = saturated.get(what, np.zeros(cache.batch, bool)) | hit
+    if nonfinite.any():
+        problems.append(f"non-finite K/V: rows {rows(nonfinite)} received NaN or Inf "
+                        "(stored as finite numbers)")
+    for what, hit in saturated.items():
+        problems.append(f"out-of-range K/V: values beyond what {what} can store were "
+                        f"saturated in rows {rows(hit)}")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 # -- layer iteration ---------------------------------------------------------------------
@@ -546,7 +625,7 @@ def scan_layers(
     return carry, dataclasses.replace(cache, segments=tuple(new_segments))
 
 
-_SMALL = ("params", "raw", "sink", "nonfinite")
+_SMALL = ("params", "raw", "sink", "nonfinite", "saturated")
 
 
 def _layer_view(seg: Segment, i: jax.Array) -> Segment:

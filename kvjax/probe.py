@@ -8,6 +8,7 @@ codecs' error is measured), reads the keys back and attends with one decode quer
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import attend, dense_attention
-from kvjax.cache import Step, append, check, commit, dense, init_cache, make_step, stored_bits
+from kvjax.cache import append, check, commit, dense, init_cache, make_step, stored_bits
 from kvjax.codec import EXACT, measured_bits_per_element
 from kvjax.spec import CacheConfig, parse_cache
 
@@ -109,8 +110,10 @@ def probe(
     q = jax.random.normal(jax.random.fold_in(key, 1), (1, 1, heads * queries, head_dim))
     exact = dense_attention(q, kb, vb, q_positions=jnp.array([[tokens - 1]]),
                             kv_lengths=jnp.array([tokens]))
-    approx = attend(q, layer, Step(start=jnp.array([tokens - 1]), valid=jnp.array([1])),
-                    impl=config.attention)
+    # the chunk's last query alone, over the cache holding the whole chunk
+    last = dataclasses.replace(step, start=step.start + tokens - 1,
+                               valid=jnp.ones_like(step.valid))
+    approx = attend(q, layer, last, impl=config.attention)
     qh = q[0, 0].reshape(heads, queries, head_dim)
     ip = jnp.einsum("hqd,thd->hqt", qh, kb[0], precision=EXACT)
     ip_hat = jnp.einsum("hqd,thd->hqt", qh, k_hat[0], precision=EXACT)

@@ -190,8 +190,8 @@ def generate(
     the prompts through the cache ``prefill_chunk`` tokens at a time (one compiled
     prefill for all chunks): the reference attention's scores then take ``[B, N, chunk,
     max_len]`` instead of ``[B, N, prompt, max_len]``, which long prompts need. Raises
-    ``ValueError`` for bad arguments and, after generation, for a cache that overflowed
-    or received non-finite K/V.
+    ``ValueError`` for bad arguments and, after generation, for a cache whose flags
+    :func:`kvjax.cache.check` reports (overflow, non-finite or saturated K/V).
     """
     max_len = _validate(config, prompts, max_new_tokens, temperature, top_p, max_len)
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int | np.integer)

@@ -86,7 +86,8 @@ def perplexity(
 
     Raises ``ValueError`` on an empty or malformed ``windows``, windows shorter than two
     tokens, ``chunk < 1`` or ``batch_size < 1``, and (via :func:`kvjax.cache.check`) when a
-    cache overflowed or received NaN/Inf.
+    cache overflowed, was given bad valid counts, received NaN/Inf or saturated values
+    beyond its storage's range.
     """
     wins = np.asarray(windows)
     if wins.ndim != 2 or wins.shape[0] == 0:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvjax import cache as kc
-from kvjax.codec import Codec, CodecError
+from kvjax.codec import Codec, CodecError, Limits
+from kvjax.codecs.intn import IntCodec
 from kvjax.spec import parse_cache, parse_codec
 
 
@@ -276,3 +277,110 @@ def test_kivi_unfinished_key_group_stays_raw():
     np.testing.assert_array_equal(got[:, :, 4:7], np.swapaxes(x, 1, 2)[:, :, 4:7])
     _, v_comp, _ = (np.asarray(a) for a in v_store.counts(cache.lengths))
     assert v_comp.tolist() == [7, 7]
+
+
+@pytest.mark.parametrize("spec", ["int:4", "kivi:4,g4"])
+def test_overflow_under_jit_keeps_every_stored_token(spec):
+    # sinks, a window and appends under jit that run past capacity: the first max_len
+    # tokens stay where they are, the excess is dropped
+    config = kc.CacheConfig(k=spec, v=spec, residual_window=2, sink_tokens=1)
+    max_len = 11
+    cache = _new(config, max_len=max_len)
+    rng = np.random.default_rng(6)
+    x = _bf16_exact(rng, (2, 16, 2, 16))
+    jitted = jax.jit(_append_all)
+    pos = 0
+    for n in (5, 3, 3, 3, 2):
+        cache = jitted(cache, jnp.asarray(x[:, pos:pos + n]), jnp.asarray(x[:, pos:pos + n]))
+        pos += n
+    assert np.asarray(cache.lengths).tolist() == [max_len, max_len]
+    assert np.asarray(cache.overflowed).all()
+    store = cache.layer(0).k
+    got = np.asarray(kc.dense(store, cache.lengths))
+    want = _expected_dense(store.codec, store.params, np.swapaxes(x, 1, 2)[:, :, :max_len],
+                           1, 2, store.block)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bad_valid_counts_raise_eagerly_and_clamp_under_jit():
+    config = kc.CacheConfig(k="int:4", v="int:4", residual_window=2, sink_tokens=1)
+    cache = _new(config, batch=3, max_len=10)
+    x = jnp.asarray(_bf16_exact(np.random.default_rng(7), (3, 4, 2, 16)))
+    cache = _append_all(cache, x, x, valid=jnp.array([3, 3, 3]))
+    for valid in ([-1, 2, 0], [0, 5, 1]):
+        with pytest.raises(ValueError, match=r"valid counts must be in 0\.\.4"):
+            kc.make_step(cache, 4, jnp.array(valid))
+    before = np.asarray(kc.dense(cache.layer(0).k, cache.lengths))
+
+    # a negative count appends nothing (the length never goes back), one past the chunk
+    # appends the whole chunk; both are flagged, apart from overflow
+    after = jax.jit(_append_all)(cache, x, x, jnp.array([-2, 9, 4]))
+    assert np.asarray(after.lengths).tolist() == [3, 7, 7]
+    assert np.asarray(after.bad_valid).tolist() == [True, True, False]
+    assert not np.asarray(after.overflowed).any()
+    store = after.layer(0).k
+    got = np.asarray(kc.dense(store, after.lengths))
+    np.testing.assert_array_equal(got[0], before[0])
+    stream = np.swapaxes(np.concatenate([x[1:, :3], x[1:]], axis=1), 1, 2)
+    want = _expected_dense(store.codec, store.params, stream, 1, 2, 1)
+    np.testing.assert_array_equal(got[1:, :, :7], want)
+    with pytest.raises(ValueError, match=r"^bad valid counts: rows \[0, 1\] .*clamped$"):
+        kc.check(after)
+
+    # a clamped count that also runs past capacity: both causes, in one line
+    full = jax.jit(_append_all)(after, x, x, jnp.array([0, 7, 0]))
+    assert np.asarray(full.lengths).tolist() == [3, 10, 7]
+    with pytest.raises(ValueError) as err:
+        kc.check(full)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "cache overflow: rows [1]" in message and "bad valid counts: rows [0, 1]" in message
+
+
+def test_values_beyond_the_raw_dtype_are_clipped_and_flagged():
+    config = kc.CacheConfig(k="int:8", v="bf16", residual_window=2, sink_tokens=1)
+    cache = _new(config, dtype=jnp.float16)
+    x = np.ones((2, 5, 2, 16), np.float32)
+    x[1, 0, 1, 3] = -1e5  # a sink token
+    x[1, 4, 0, 0] = 7e4  # stays in the window
+    x[0, 2, 0, 0] = np.inf  # NaN/Inf are the nonfinite flag's, not this one's
+    cache = _append_all(cache, jnp.asarray(x), jnp.asarray(x))
+    for store in (cache.layer(0).k, cache.layer(0).v):
+        assert np.asarray(store.saturated).tolist() == [0, kc.SATURATED_RAW]
+        got = np.asarray(kc.dense(store, cache.lengths))
+        assert got[1, 1, 0, 3] == -65504 and got[1, 0, 4, 0] == 65504
+    with pytest.raises(ValueError) as err:
+        kc.check(cache)
+    assert str(err.value) == (
+        "non-finite K/V: rows [0] received NaN or Inf (stored as finite numbers); "
+        "out-of-range K/V: values beyond what float16 raw tokens can store were "
+        "saturated in rows [1]")
+
+
+class _SmallInt(IntCodec):
+    """``int`` storage that holds vectors of norm up to 8 only."""
+
+    name = "small-int"
+    limits = Limits(norm=8.0)
+
+
+def test_tokens_the_codec_saturates_are_flagged_when_encoded():
+    codec = _SmallInt(bits=8)
+    config = kc.CacheConfig(k=codec, v="int:4", residual_window=2)
+    cache = _new(config, max_len=10)
+    x = np.full((2, 10, 2, 16), 0.5, np.float32)  # norm 2
+    x[1, 1, 1] = 5.0  # norm 20, every element in range
+    x[0, 8, 0] = 5.0  # past the tokens row 0 appends
+    step = jax.jit(_append_all)
+    cache = step(cache, jnp.asarray(x[:, :2]), jnp.asarray(x[:, :2]))
+    # still raw: nothing was saturated yet
+    assert not np.asarray(cache.layer(0).k.saturated).any()
+    cache = step(cache, jnp.asarray(x[:, 2:9]), jnp.asarray(x[:, 2:9]), jnp.array([4, 7]))
+    k_store, v_store = cache.layer(0).k, cache.layer(0).v
+    assert np.asarray(k_store.saturated).tolist() == [0, kc.SATURATED_CODEC]
+    assert not np.asarray(v_store.saturated).any()
+    got = np.asarray(kc.dense(k_store, cache.lengths))
+    assert np.linalg.norm(got[1, 1, 1]) == pytest.approx(8.0, rel=2e-2)
+    with pytest.raises(ValueError, match=r"^out-of-range K/V: values beyond what small-int:8 "
+                                         r"can store were saturated in rows \[1\]$"):
+        kc.check(cache)
