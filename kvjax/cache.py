@@ -326,14 +326,17 @@ def make_step(cache: KVCache, num_tokens: int, valid: jax.Array | None = None) -
     if num_tokens > cache.max_len:
         raise ValueError(f"chunk of {num_tokens} tokens exceeds cache capacity {cache.max_len}")
     if valid is None:
-        valid = jnp.full((cache.batch,), num_tokens, jnp.int32)
+        valid = np.full((cache.batch,), num_tokens, np.int32)
+    # read concrete counts before the conversion, which a trace would stage
+    counts = None if isinstance(valid, jax.core.Tracer) else np.asarray(valid)
     valid = jnp.asarray(valid, jnp.int32)
     if valid.shape != (cache.batch,):
         raise ValueError(f"valid must have shape ({cache.batch},), got {valid.shape}")
-    if not isinstance(valid, jax.core.Tracer) and not isinstance(cache.lengths, jax.core.Tracer):
-        if bool(jnp.any((valid < 0) | (valid > num_tokens))):
-            raise ValueError(f"valid counts must be in 0..{num_tokens}")
-        end = np.asarray(cache.lengths) + np.asarray(valid)
+    if counts is not None:
+        if ((counts < 0) | (counts > num_tokens)).any():
+            raise ValueError(f"valid counts must be in 0..{num_tokens}, got {counts.tolist()}")
+    if counts is not None and not isinstance(cache.lengths, jax.core.Tracer):
+        end = np.asarray(cache.lengths) + counts
         if (end > cache.max_len).any():
             rows = np.nonzero(end > cache.max_len)[0].tolist()
             raise ValueError(

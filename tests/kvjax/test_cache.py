@@ -308,8 +308,11 @@ def test_bad_valid_counts_raise_eagerly_and_clamp_under_jit():
     x = jnp.asarray(_bf16_exact(np.random.default_rng(7), (3, 4, 2, 16)))
     cache = _append_all(cache, x, x, valid=jnp.array([3, 3, 3]))
     for valid in ([-1, 2, 0], [0, 5, 1]):
-        with pytest.raises(ValueError, match=r"valid counts must be in 0\.\.4"):
+        with pytest.raises(ValueError, match=r"valid counts must be in 0\.\.4, got \["):
             kc.make_step(cache, 4, jnp.array(valid))
+    # concrete counts are checked even where the lengths are traced
+    with pytest.raises(ValueError, match=r"valid counts must be in 0\.\.4, got \[0, 5, 1\]"):
+        jax.jit(lambda c: kc.make_step(c, 4, np.array([0, 5, 1])))(cache)
     before = np.asarray(kc.dense(cache.layer(0).k, cache.lengths))
 
     # a negative count appends nothing (the length never goes back), one past the chunk
