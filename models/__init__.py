@@ -90,8 +90,9 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16):
 
 def context_length(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> int:
     """The model's context in tokens (``config.max_position_embeddings`` after
-    :func:`load`), read from the GGUF header or ``config.json`` alone: milliseconds where
-    loading takes seconds, so commands check their lengths first. Errors as :func:`load`.
+    :func:`load`), read from the GGUF header or ``config.json`` alone: a fraction of a
+    second where loading takes seconds, so commands check their lengths first. A GGUF
+    file's whole structure is checked on the way. Errors as :func:`load`.
     """
     kind, path = _locate(name_or_path)
     if kind == "gguf":

@@ -5,9 +5,8 @@ that is cut short or corrupt is a :class:`models.files.ModelFileError` naming wh
 wrong, never a numpy error from deep inside a reader); then ``gguf.GGUFReader``
 memory-maps the file and gives each tensor's raw bytes. The block dequantization of the
 types we accept is written here in vectorized numpy (so the supported set and its exact
-semantics are ours to test). The result is the same
-``(config, params, tokenizer)`` triple that the HF loader returns, with Q and K rows put
-back in the transformers order.
+semantics are ours to test). The result is the same ``(config, params, tokenizer)``
+triple that the HF loader returns, with Q and K rows put back in the transformers order.
 """
 
 from __future__ import annotations
@@ -330,7 +329,7 @@ class TensorInfo:
 @dataclasses.dataclass(frozen=True)
 class GGUFLayout:
     """The structure of a GGUF file: version, scalar and string header fields (arrays
-    left out), tensors, and where the tensor data begins."""
+    left out), tensors, where the tensor data begins, and the file's size in bytes."""
 
     version: int
     fields: dict[str, Any]
@@ -408,8 +407,8 @@ def read_layout(path: str | os.PathLike) -> GGUFLayout:
     encoding, every value type, the alignment, and each tensor's dimensions, type, data
     offset and size: all of a tensor's bytes must lie in the file. Anything wrong raises
     :class:`ModelFileError` naming the path and the problem (``"truncated file: tensor
-    'x' needs bytes A..B, file has N"``). Takes milliseconds: arrays (the vocabulary) are
-    stepped over, not built.
+    'x' needs bytes A..B, file has N"``). Arrays (the vocabulary) are checked and stepped
+    over, not built: under a tenth of a second for SmolLM2's 49k tokens and merges.
     """
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -503,15 +502,17 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
 
     ``gguf.GGUFReader`` builds numpy views for every element of every header array (a
     49k-token vocabulary and its merges: seconds); :func:`read_layout` walks the file with
-    ``struct`` and steps over arrays, so reading a model's shape takes milliseconds. Every
-    structural problem of the file raises :class:`ModelFileError`.
+    ``struct`` and steps over arrays, so reading a model's shape takes a fraction of a
+    second. Every structural problem of the file raises :class:`ModelFileError`.
     """
     return read_layout(path).fields
 
 
 def context_length(path: str | os.PathLike) -> int:
-    """``max_position_embeddings`` of a GGUF model, from its header alone (milliseconds;
-    :func:`load_gguf` takes seconds). Unsupported architectures raise as in loading."""
+    """``max_position_embeddings`` of a GGUF model, from its header alone (a fraction of
+    a second; :func:`load_gguf` takes seconds), after :func:`read_layout` has checked the
+    whole file. Unsupported architectures raise as in loading, as :class:`ModelFileError`.
+    """
     header = read_header(path)
     try:
         arch = _supported_architecture(header.get("general.architecture"))
