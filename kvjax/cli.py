@@ -9,7 +9,13 @@ Commands:
 
 Every command that builds a cache takes it as one cache spec (:func:`kvjax.spec.parse_cache`)
 in ``--cache SPEC`` (also spelled ``--codec``); results record its canonical form. A bad
-spec is a usage error: one line that lists what is valid, exit status 2.
+spec is a usage error: one line that lists what is valid, exit status 2. So is every other
+bad input: numbers out of range, a cache window or sinks longer than the context, missing
+or corrupt model and data files (:class:`models.files.ModelFileError`), values a codec
+cannot store (:class:`kvjax.codec.CodecError`): one line on stderr, never a traceback.
+
+``--json`` prints strict JSON (RFC 8259) on stdout: a number that is not finite (a
+metric with nothing to measure, or one that overflowed) is ``null``, never ``NaN``.
 
 This is the one module of kvjax that imports ``models`` (lazily, for ``generate``).
 """
@@ -18,10 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from kvjax.attention import check_names
+from kvjax.eval.corpus import CorpusDownloadError
 from kvjax.probe import BASELINE_CODECS
 from kvjax.spec import CACHE_CLAUSES, CacheConfig, parse_cache, registered
 
@@ -30,9 +41,21 @@ CACHE_HELP = ("cache spec, one quoted string of clauses: " + " ".join(CACHE_CLAU
               "python -m kvjax codecs lists the codecs")
 
 
+JSON_HELP = "strict JSON: numbers that are not finite are null"
+
+#: the largest count an option takes: XLA's array dimensions are 32-bit
+MAX_COUNT = 2**31 - 1
+#: seeds go to JAX (64-bit) and numpy (non-negative)
+MAX_SEED = 2**63 - 1
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        self.exit(2, f"kvjax: error: {message}\n")
+        self.exit(2, f"kvjax: error: {_one_line(message)}\n")
+
+
+def _one_line(message: Any) -> str:
+    return " ".join(str(message).split())
 
 
 def _positive(text: str) -> int:
@@ -42,6 +65,36 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer up to {MAX_COUNT}, got {value}")
+    return value
+
+
+def _finite(low: float, high: float, expected: str, *, low_open: bool = False):
+    """An option type: a finite float in ``[low, high]`` (``(low, high]`` when
+    ``low_open``), ``expected`` describing it in the error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        above = value > low if low_open else value >= low
+        if not (math.isfinite(value) and above and value <= high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got '{text}'")
+        return value
+
+    return parse
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0..{MAX_SEED}, got '{text}'")
     return value
 
 
@@ -59,6 +112,36 @@ def _add_cache(parser: argparse.ArgumentParser, extra_help: str, **kw) -> None:
     """The one cache option of a command: ``--cache SPEC``, also spelled ``--codec``."""
     parser.add_argument("--cache", "--codec", dest="cache", type=_cache, metavar="SPEC",
                         help=f"{CACHE_HELP}; {extra_help}", **kw)
+
+
+def check_context(config: CacheConfig, context: int, what: str) -> None:
+    """Raise ``ValueError`` when the cache's raw window or sinks hold more than
+    ``context`` tokens (``what`` says whose): they could never fill, and their buffers
+    are allocated whole."""
+    for clause, value in (("window", config.residual_window), ("sinks", config.sink_tokens)):
+        if value > context:
+            raise ValueError(f"cache {clause}={value} exceeds {what} of {context} tokens "
+                             f"(in '{config.spec}')")
+
+
+def strict_json(value: Any) -> str:
+    """``value`` as strict JSON: numpy scalars and arrays become numbers and lists, and
+    numbers that are not finite become ``null`` (Python's ``json`` would write ``NaN``)."""
+    return json.dumps(_jsonable(value), allow_nan=False)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def _bf16_baseline(config: CacheConfig) -> CacheConfig:
@@ -87,9 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_positive, default=1024)
     p.add_argument("--heads", type=_positive, default=2, help="kv heads")
     p.add_argument("--queries", type=_positive, default=16, help="probe queries per kv head")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--npy", metavar="FILE", help="K/V from a .npy [2, T, K, D] or [T, K, D]")
-    p.add_argument("--json", action="store_true", help="one JSON object (a list for several)")
+    p.add_argument("--json", action="store_true",
+                   help=f"one JSON object (a list for several); {JSON_HELP}")
 
     g = sub.add_parser("generate", help="generate text with a compressed KV cache")
     g.add_argument("--prompt", required=True, help="the prompt text")
@@ -98,15 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="registered name, .gguf file or HF checkpoint dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--max-new-tokens", type=_positive, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=_finite(0, math.inf, "a finite number >= 0"),
+                   default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=_finite(0, 1, "a number in (0, 1]", low_open=True),
+                   default=1.0)
+    g.add_argument("--seed", type=_seed, default=0)
     g.add_argument("--prefill-chunk", type=_positive, default=None, metavar="C",
                    help="feed the prompt C tokens at a time (long prompts)")
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true",
-                   help="one JSON object: text, tokens, prefill_s, decode_tok_per_s, cache_bytes")
+                   help="one JSON object: text, tokens, prefill_s, decode_tok_per_s, "
+                        f"cache_bytes; {JSON_HELP}")
 
     q = sub.add_parser("ppl", help="perplexity on a corpus, compressed cache vs bf16 cache")
     _add_cache(q, "a bf16 cache with its window and sinks is the baseline", required=True)
@@ -119,28 +206,30 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="registered name, .gguf file or HF checkpoint dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    q.add_argument("--seed", type=int, default=0, help="seed of the codec parameters")
+    q.add_argument("--seed", type=_seed, default=0, help="seed of the codec parameters")
     q.add_argument("--progress", action="store_true", help="a progress bar over chunks")
-    q.add_argument("--json", action="store_true", help="one JSON object")
+    q.add_argument("--json", action="store_true", help=f"one JSON object; {JSON_HELP}")
 
     n = sub.add_parser("needle", help="needle-in-a-haystack retrieval accuracy per cache")
     _add_cache(n, "repeat for several; a bf16 cache with the window and sinks of each "
                "always runs too", action="append")
     n.add_argument("--lengths", type=_positive, nargs="+", default=[512, 1024],
                    metavar="N", help="prompt lengths in tokens")
-    n.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
-                   metavar="F", help="needle depths, fractions of the haystack")
+    n.add_argument("--depths", type=_finite(0, 1, "a fraction in [0, 1]"), nargs="+",
+                   default=[0.1, 0.5, 0.9], metavar="F",
+                   help="needle depths, fractions of the haystack")
     n.add_argument("--trials", type=_positive, default=2,
                    help="numbers (and haystacks) per length and depth")
     n.add_argument("--corpus", default="shakespeare", metavar="NAME|PATH",
                    help="haystack text: shakespeare, austen, or a UTF-8 text file")
     n.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="an instruct model with a chat template (default: SmolLM2-135M-Instruct)")
-    n.add_argument("--seed", type=int, default=0, help="seed of the numbers and codecs")
+    n.add_argument("--seed", type=_seed, default=0, help="seed of the numbers and codecs")
     n.add_argument("--batch-size", type=_positive, default=None,
                    help="prompts per generate call (default: all of one length)")
     n.add_argument("--progress", action="store_true", help="a progress bar over prompts")
-    n.add_argument("--json", action="store_true", help="one JSON list of every answer")
+    n.add_argument("--json", action="store_true",
+                   help=f"one JSON list of every answer; {JSON_HELP}")
     return parser
 
 
@@ -159,6 +248,13 @@ def _cmd_codecs() -> int:
     return 0
 
 
+def _check_values(what: str, *dims: int) -> None:
+    """Raise ``ValueError`` when an array of shape ``dims`` would be too large for XLA."""
+    if math.prod(dims) > MAX_COUNT:
+        raise ValueError(f"{what}: {' x '.join(map(str, dims))} values, more than "
+                         f"{MAX_COUNT} in one array")
+
+
 def _cmd_probe(args) -> int:
     from kvjax.probe import gaussian_kv, load_kv, probe
 
@@ -166,12 +262,16 @@ def _cmd_probe(args) -> int:
     if args.npy:
         k, v = load_kv(args.npy)
     else:
+        _check_values("tokens x heads x head dim", args.tokens, args.heads, args.head_dim)
         k, v = gaussian_kv(args.seed, args.tokens, args.heads, args.head_dim)
+    _check_values("queries x heads x head dim", args.queries, *k.shape[1:])
+    for config in configs:
+        check_context(config, len(k), "the probe's input")
     rows = [{"cache": config.spec,
              **probe(config, k=k, v=v, queries=args.queries, seed=args.seed)}
             for config in configs]
     if args.json:
-        print(json.dumps(rows[0] if len(rows) == 1 else rows, indent=None))
+        print(strict_json(rows[0] if len(rows) == 1 else rows))
     else:
         print(format_probe_table(rows))
     return 0
@@ -184,9 +284,12 @@ def _cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
     cache_config = args.cache
-    config, params, tokenizer = models.load(args.model or models.DEFAULT_MODEL)
+    model_name = args.model or models.DEFAULT_MODEL
+    # a cache or a model file that cannot work fails before the model is loaded
+    check_context(cache_config, models.context_length(model_name), "the model's context")
+    config, params, tokenizer = models.load(model_name)
     if tokenizer is None:
-        raise ValueError(f"model '{args.model}' has no tokenizer")
+        raise ValueError(f"model '{model_name}' has no tokenizer")
     if args.chat:
         prompt_ids = models.chat_prompt_ids(tokenizer, args.prompt)
     else:
@@ -199,7 +302,7 @@ def _cmd_generate(args) -> int:
     tokens = result.tokens[0]
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     if args.json:
-        print(json.dumps({
+        print(strict_json({
             "text": text, "tokens": tokens, "prefill_s": result.prefill_s,
             "decode_tok_per_s": result.decode_tok_per_s, "cache_bytes": result.cache_bytes,
             "cache": cache_config.spec, "k_codec": cache_config.k.spec,
@@ -218,7 +321,9 @@ def _cmd_ppl(args) -> int:
     cache_config = args.cache
     baseline = _bf16_baseline(cache_config)
     model_name = args.model or models.DEFAULT_MODEL
-    check_window_len(models.context_length(model_name), args.window_len)
+    context = models.context_length(model_name)
+    check_window_len(context, args.window_len)
+    check_context(cache_config, context, "the model's context")
     config, params, _, _, wins = load_model_and_windows(model_name, args.corpus,
                                                         args.windows, args.window_len)
 
@@ -241,7 +346,7 @@ def _cmd_ppl(args) -> int:
         "tokens": result.tokens, "seconds": result.seconds, "bf16_seconds": base.seconds,
     }
     if args.json:
-        print(json.dumps(row))
+        print(strict_json(row))
     else:
         delta = 100.0 * (row["ppl"] / row["bf16_ppl"] - 1.0)
         print("| cache | bits/elem | ppl | bf16 ppl | delta % |")
@@ -262,8 +367,12 @@ def _cmd_needle(args) -> int:
     check_grid(args.lengths, args.depths, args.trials)
     configs = needle_caches(args.cache or [])
     model_name = args.model or models.DEFAULT_MODEL
-    # lengths past the model's context fail before the corpus and the model are loaded
-    check_needle_lengths(models.context_length(model_name), args.lengths)
+    # lengths and caches past the model's context fail before the corpus and the model
+    # are loaded
+    context = models.context_length(model_name)
+    check_needle_lengths(context, args.lengths)
+    for cache_config in configs:
+        check_context(cache_config, context, "the model's context")
     text = load_corpus(args.corpus)
     config, params, tokenizer = models.load(model_name, jnp.float32)
     cases = needle_cases(config, tokenizer, text, lengths=args.lengths, depths=args.depths,
@@ -275,7 +384,7 @@ def _cmd_needle(args) -> int:
                                     progress=args.progress):
             rows.append({"cache": cache_config.spec, **row})
     if args.json:
-        print(json.dumps(rows))
+        print(strict_json(rows))
     else:
         print(accuracy_table(rows, key="cache"))
     return 0
@@ -310,8 +419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_ppl(args)
         if args.command == "needle":
             return _cmd_needle(args)
-    except (ValueError, OSError) as err:  # CodecError and CacheSpecError are ValueErrors
-        print(f"kvjax: error: {err}", file=sys.stderr)
+    # CodecError, CacheSpecError and ModelFileError are ValueErrors
+    except (ValueError, OSError, CorpusDownloadError) as err:
+        print(f"kvjax: error: {_one_line(err)}", file=sys.stderr)
         return 2
     raise AssertionError(f"unhandled command {args.command}")
 

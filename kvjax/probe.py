@@ -35,8 +35,23 @@ def gaussian_kv(seed: int, tokens: int, heads: int, head_dim: int) -> tuple[np.n
 
 
 def load_kv(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """K/V from a ``.npy`` file: ``[2, T, K, D]`` (K and V) or ``[T, K, D]`` (used for both)."""
-    arr = np.load(path)
+    """K/V from a ``.npy`` file: ``[2, T, K, D]`` (K and V) or ``[T, K, D]`` (used for both).
+
+    Raises ``ValueError`` naming the file for anything else: not a ``.npy`` file (an
+    ``.npz`` archive, text), a malformed or truncated one, pickled objects, values that are
+    not real numbers, or another shape; ``OSError`` when it cannot be read.
+    """
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":
+        kind = "an .npz archive" if magic.startswith(b"PK") else "not a .npy file"
+        raise ValueError(f"{path}: {kind}; expected one array saved with numpy.save")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as err:
+        raise ValueError(f"{path}: a malformed .npy file ({err})") from None
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{path}: expected real numbers, got dtype {arr.dtype}")
     if arr.ndim == 4 and arr.shape[0] == 2:
         return arr[0].astype(np.float32), arr[1].astype(np.float32)
     if arr.ndim == 3:
@@ -44,7 +59,23 @@ def load_kv(path: str) -> tuple[np.ndarray, np.ndarray]:
     raise ValueError(f"{path}: expected an array [2, T, K, D] or [T, K, D], got {arr.shape}")
 
 
+def _unit(*arrays: jax.Array) -> float:
+    """A power of two to divide ``arrays`` by before squaring and summing them in float32.
+
+    1 for ordinary magnitudes, so their metrics are computed exactly as they always were;
+    for finite values so large (up to float32's limit) or so small that their squares
+    would overflow to Inf or vanish, the power of two at or below their peak: dividing by
+    it only shifts exponents, so the metrics are those of the same problem, representable.
+    """
+    peak = max(float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(a), a, 0)))) for a in arrays)
+    if peak == 0 or 2.0**-32 <= peak <= 2.0**32:
+        return 1.0
+    return float(2.0 ** np.floor(np.log2(peak)))
+
+
 def _relative_mse(x, x_hat):
+    unit = _unit(x)
+    x, x_hat = x / unit, x_hat / unit
     return float(jnp.sum((x - x_hat) ** 2) / jnp.maximum(jnp.sum(x**2), 1e-30))
 
 
@@ -57,7 +88,14 @@ def row_cosine(x: jax.Array, x_hat: jax.Array) -> jax.Array:
 
 
 def _mean_cosine(x, x_hat):
-    return float(jnp.mean(row_cosine(x, x_hat)))
+    unit = _unit(x, x_hat)  # the cosine does not depend on the scale
+    return float(jnp.mean(row_cosine(x / unit, x_hat / unit)))
+
+
+def _relative_error(approx, exact):
+    unit = _unit(approx, exact)
+    approx, exact = approx / unit, exact / unit
+    return float(jnp.linalg.norm(approx - exact) / jnp.maximum(jnp.linalg.norm(exact), 1e-30))
 
 
 def probe(
@@ -115,8 +153,9 @@ def probe(
                                valid=jnp.ones_like(step.valid))
     approx = attend(q, layer, last, impl=config.attention)
     qh = q[0, 0].reshape(heads, queries, head_dim)
-    ip = jnp.einsum("hqd,thd->hqt", qh, kb[0], precision=EXACT)
-    ip_hat = jnp.einsum("hqd,thd->hqt", qh, k_hat[0], precision=EXACT)
+    unit = _unit(kb, k_hat)  # q.k in units of a power of two: no overflow, exact shift back
+    ip = jnp.einsum("hqd,thd->hqt", qh, kb[0] / unit, precision=EXACT)
+    ip_hat = jnp.einsum("hqd,thd->hqt", qh, k_hat[0] / unit, precision=EXACT)
     return {
         "k_codec": k_codec.spec,
         "v_codec": v_codec.spec,
@@ -129,9 +168,8 @@ def probe(
         "cache_bits_per_element": stored_bits(cache)["bits_per_element"],
         "rel_mse": _relative_mse(kb, k_hat),
         "cosine": _mean_cosine(kb, k_hat),
-        "ip_abs_err": float(jnp.mean(jnp.abs(ip - ip_hat))),
+        "ip_abs_err": float(jnp.mean(jnp.abs(ip - ip_hat))) * unit,
         "v_rel_mse": _relative_mse(vb, v_hat),
         "v_cosine": _mean_cosine(vb, v_hat),
-        "attn_rel_err": float(jnp.linalg.norm(approx - exact)
-                              / jnp.maximum(jnp.linalg.norm(exact), 1e-30)),
+        "attn_rel_err": _relative_error(approx, exact),
     }

@@ -4,7 +4,9 @@
 a ``.gguf`` file (``models.gguf``) or an HF checkpoint directory (``models.hf``), and
 ``context_length(name_or_path)`` its context without loading the weights. Every
 loader produces the same params layout (weights ``[in, out]``, layers stacked on a leading
-axis) and a :class:`models.config.ModelConfig`.
+axis) and a :class:`models.config.ModelConfig`, and reports every problem with a model
+file or checkpoint directory (missing, truncated, corrupt, unsupported) as one
+:class:`ModelFileError` that names the path.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import importlib.util
 import os
 
 import jax.numpy as jnp
+
+from models.files import ModelFileError
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -49,20 +53,22 @@ def registered_path(name: str) -> str:
 
 
 def _locate(name_or_path: str | os.PathLike) -> tuple[str, str]:
-    """``("gguf", file)`` or ``("hf", directory)`` behind a name or path; clear errors."""
+    """``("gguf", file)`` or ``("hf", directory)`` behind a name or path; clear errors
+    (:class:`ModelFileError` for a path that is neither)."""
     target = os.fspath(name_or_path)
     if target in REGISTRY:
         return "gguf", registered_path(target)
     if target.endswith(".gguf"):
         if not os.path.isfile(target):
-            raise ValueError(f"no GGUF file at '{target}'")
+            raise ModelFileError(target, "a directory, not a GGUF file" if os.path.isdir(target)
+                                 else "no such GGUF file")
         return "gguf", target
     if os.path.isdir(target) and os.path.isfile(os.path.join(target, "config.json")):
         return "hf", target
+    if os.path.isdir(target):
+        raise ModelFileError(target, "a directory without config.json, not an HF checkpoint")
     if os.path.exists(target):
-        raise ValueError(
-            f"'{target}' is neither a .gguf file nor a directory with config.json"
-        )
+        raise ModelFileError(target, "neither a .gguf file nor a directory with config.json")
     raise ValueError(
         f"unknown model '{target}' (no such file or directory); known names: "
         f"{', '.join(sorted(REGISTRY))}"
@@ -84,8 +90,9 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16):
 
 def context_length(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> int:
     """The model's context in tokens (``config.max_position_embeddings`` after
-    :func:`load`), read from the GGUF header or ``config.json`` alone: milliseconds where
-    loading takes seconds, so commands check their lengths first. Errors as :func:`load`.
+    :func:`load`), read from the GGUF header or ``config.json`` alone: a fraction of a
+    second where loading takes seconds, so commands check their lengths first. A GGUF
+    file's whole structure is checked on the way. Errors as :func:`load`.
     """
     kind, path = _locate(name_or_path)
     if kind == "gguf":

@@ -521,7 +521,11 @@ def load_corpus(
         raise ValueError(
             f"unknown corpus {str(name_or_path)!r}: not one of {CORPUS_NAMES} and not a file"
         )
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"corpus {str(path)!r} is not UTF-8 text (byte {err.start}: "
+                         f"{err.reason})") from None
 
 
 def windows(token_ids, num_windows: int, window_len: int, offset: int = 0) -> np.ndarray:

@@ -10,12 +10,18 @@ import pytest
 from kvjax.cli import main, needle_caches
 from kvjax.spec import parse_cache
 
+
+def _loads(text: str):
+    """Strict JSON: NaN and Infinity, which Python's json reads, fail the test."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+
+
 SMALL = ["--head-dim", "32", "--tokens", "64", "--heads", "2", "--queries", "4"]
 
 
 def _probe_json(capsys, *args):
     assert main(["probe", *args, *SMALL, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    return _loads(capsys.readouterr().out)
 
 
 def test_probe_json_fields_and_bits(capsys):
@@ -143,7 +149,7 @@ def test_module_entry_point_runs():
         capture_output=True, text=True, check=False, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    out = _loads(proc.stdout)
     assert parse_cache(out["cache"]) == parse_cache("fp8")
     bad = subprocess.run([sys.executable, "-m", "kvjax", "probe", "--codec", "int:1"],
                          capture_output=True, text=True, check=False, timeout=300)
@@ -153,12 +159,12 @@ def test_module_entry_point_runs():
 def test_generate_with_the_embedded_model(capsys):
     args = ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "4"]
     assert main([*args, "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = _loads(capsys.readouterr().out)
     assert "Paris" in out["text"] and len(out["tokens"]) == 4
     assert out["cache_bytes"] > 0 and out["decode_tok_per_s"] > 0 and out["prefill_s"] > 0
     assert out["cache"] == "bf16"
     assert main([*args, "--cache", "k=int:4 v=int:8 window=2", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = _loads(capsys.readouterr().out)
     assert out["text"].strip() and out["cache"] == "k=int:4 v=int:8 window=2"
 
 

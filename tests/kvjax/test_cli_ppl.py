@@ -8,13 +8,19 @@ import pytest
 from kvjax.cli import main
 from kvjax.spec import parse_codec
 
+
+def _loads(text: str):
+    """Strict JSON: NaN and Infinity, which Python's json reads, fail the test."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+
+
 SMOLLM2_HEAD_DIM = 64  # SmolLM2-135M: 576 hidden / 9 heads
 
 
 def test_ppl_real_model_on_shakespeare(capsys):
     args = ["ppl", "--codec", "int:4", "--windows", "2", "--window-len", "64", "--json"]
     assert main(args) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = _loads(capsys.readouterr().out)
     assert out["cache"] == "int:4" and out["k_codec"] == out["v_codec"] == "int:4"
     assert out["bf16_cache"] == "bf16"
     assert out["corpus"] == "shakespeare" and out["windows"] == 2 and out["window_len"] == 64

