@@ -110,7 +110,9 @@ class Store:
 
     @property
     def raw_capacity(self) -> int:
-        return self.window + self.block - 1
+        """Raw token slots: the window plus an unfinished block, but never more than the
+        non-sink capacity (a window longer than the cache holds every token raw)."""
+        return min(self.window + self.block - 1, self.max_len - self.sinks)
 
     def counts(self, lengths: jax.Array):
         """Per row: (valid sink tokens, compressed tokens, raw tokens)."""

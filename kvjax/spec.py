@@ -220,13 +220,11 @@ def _split_clauses(text: str) -> list[str]:
 
 
 def _non_negative(clause: str, value: str) -> int:
-    try:
-        out = int(value)
-    except ValueError:
-        out = -1
-    if out < 0:
+    # int() also takes signs, underscores, spaces and non-ASCII digits: a spec is plain
+    # ASCII decimal, so it reads the same everywhere it is written down
+    if not (value.isascii() and value.isdigit()):
         raise CacheSpecError(f"'{clause}': expected a non-negative integer")
-    return out
+    return int(value)
 
 
 def parse_cache(spec: str | CacheConfig, **defaults: Any) -> CacheConfig:

@@ -111,6 +111,19 @@ def test_chunked_appends_read_back_like_one_shot_encoding(cfg):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_window_longer_than_the_cache_keeps_every_token_raw():
+    config = kc.CacheConfig(k="int:4", v="int:4", residual_window=10**9, sink_tokens=2)
+    rng = np.random.default_rng(3)
+    cache = _new(config, batch=1, max_len=12)
+    store = cache.layer(0).k
+    assert store.slots == 0 and store.raw.shape[-2] == 10
+    k = _bf16_exact(rng, (1, 12, 2, 16))
+    cache = _append_all(cache, k[:, :7], k[:, :7])
+    cache = _append_all(cache, k[:, 7:], k[:, 7:])
+    got = np.asarray(kc.dense(cache.layer(0).k, cache.lengths))
+    np.testing.assert_array_equal(got, np.swapaxes(k, 1, 2))
+
+
 def test_ragged_rows_hold_their_own_tokens():
     config = kc.CacheConfig(k="int:8", v="int:8", residual_window=2, sink_tokens=1)
     rng = np.random.default_rng(2)
