@@ -237,6 +237,9 @@ class Option:
             if text != self.text:
                 raise ValueError(f"option '{self.text}' takes no value, got '{text}'")
             return True
+        if self.type is not str and text.strip(_NUMBER):
+            # Python's int()/float() would also take '1e3', '+4', '3_0', 'inf'
+            raise ValueError(text)
         value = text if self.type is str else self.type(text)
         if not self.accepts(value):
             raise ValueError(text)
@@ -252,7 +255,13 @@ class Option:
             return token if token in words or (self.form == "word" and head == self.text) \
                 else None
         if self.form == "prefix":
-            return token[len(head):] if head == self.text else None
+            # the prefix then anything but a letter is this option, its value maybe wrong
+            # (``g3x``, ``med-1``); the prefix then a letter is another word (``tile16``
+            # is not ``t``)
+            rest = token[len(self.text):]
+            if token.startswith(self.text) and not rest[:1].isalpha():
+                return rest
+            return None
         if self.form == "suffix" and token.endswith(self.text):
             number = token[: -len(self.text)]
             # a whole number, or one with digits after the point (``3bps``, ``2.5bps``)

@@ -8,8 +8,10 @@ Any lossy token-wise codec also takes the outlier options ``medC[,mbN][,mpP]``
 (``int:4,med3``, ``hqmq:s96,r4,med3``): see :mod:`kvjax.codecs.outliers`.
 
 Each codec declares its options (:attr:`kvjax.codec.Codec.options`; ``python -m kvjax
-codecs`` lists them); options that spell one of the outlier wrapper's go to the wrapper,
-the others to the codec. ``parse_codec(codec.spec)`` returns an equal codec.
+codecs`` lists them); options that the codec does not spell and that start like one of
+the outlier wrapper's (``med``, ``mb``, ``mp``) go to the wrapper, so a misspelled one is
+reported against its usage; the others go to the codec. ``parse_codec(codec.spec)``
+returns an equal codec.
 
 A whole cache (:func:`parse_cache`, :class:`CacheConfig`): clauses separated by spaces::
 
@@ -53,6 +55,11 @@ def parse_codec(spec: str | Codec) -> Codec:
         raise CodecError(f"empty codec spec; valid codecs: {', '.join(sorted(registered()))}")
     name, _, rest = spec.strip().partition(":")
     registry = registered()
+    head, comma, tail = name.partition(",")
+    if name not in registry and comma and head in registry and not rest:
+        # ``hqmq,med3``: the outlier usage ``SPEC,medC`` read with a SPEC without options
+        raise CodecError(f"codec spec '{spec}': options follow a ':' after the codec name, "
+                         f"e.g. '{head}:{tail}'")
     if name not in registry:
         raise CodecError(
             f"unknown codec '{name}' in spec '{spec}'; valid codecs: {', '.join(sorted(registry))}"
@@ -61,9 +68,10 @@ def parse_codec(spec: str | Codec) -> Codec:
     if any(not o for o in options):
         raise CodecError(f"empty option in codec spec '{spec}'")
     written = f"{name}:{','.join(options)}" if options else name
-    outliers = [o for o in options if MedOutlierCodec.claims(o)]
-    codec = registry[name].from_options(
-        [o for o in options if not MedOutlierCodec.claims(o)], spec=written)
+    # an option the base codec spells stays with it, however it starts
+    base = registry[name]
+    outliers = [o for o in options if not base.claims(o) and MedOutlierCodec.claims(o)]
+    codec = base.from_options([o for o in options if o not in outliers], spec=written)
     if outliers:
         return MedOutlierCodec.from_options(outliers, spec=written, base=codec)
     return codec

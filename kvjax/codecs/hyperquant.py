@@ -38,10 +38,17 @@ Gaussian data.
 Fixed capacity. A cache stores codes in fixed block slots, so each block of
 ``tN`` tokens gets a budget of ``W`` 32-bit words: the calibrated mean payload of a
 block plus ``mX`` (default 4) standard deviations of it. A block whose code does not fit
-is re-quantized at a coarser scale ``alpha 2^(-j/2)``, ``j = 1, 2, 3`` (each step about
-0.5 bps fewer), and if none fits its coordinates' signs are stored instead (1 bit each,
-which always fits since the budget is at least 1.5 bits per element). The level is
-stored, so nothing is ever truncated: a fallback costs precision for that block only.
+falls back to whichever candidate reconstructs it best (the least squared error of its
+vectors, measured at encode) among the coarser scales ``alpha 2^(-j/2)``, ``j = 1, 2, 3``
+(each step about 0.5 bps fewer) whose code fits, and the *sign fallback*: its rotated
+coordinates' signs (1 bit each, which always fits since the budget is at least 1.5 bits
+per element) and, in the words they leave free, each token's ``mean |Y|`` on an
+``(c + 1) / 256`` grid (fewer bits when the budget is that tight; ``sqrt(2 / pi)`` when
+there is no room). The signs matter for spiky vectors: a single large coordinate
+becomes, rotated, a flat vector of equal magnitudes that a coarse lattice rounds to zero
+and the signs with their scale keep exactly. The level is stored, so nothing is ever
+truncated: a fallback costs precision for that block only, and a code too long to
+count (Rice lengths saturate, :mod:`kvjax.primitives.rice`) never fits.
 :meth:`HyperQuantCodec.fallback_blocks` counts them.
 
 Codes of ``x[..., T, D]`` (``T`` a multiple of the block), ``nb = T / tN``::
@@ -96,9 +103,11 @@ MIN_RATE, MAX_RATE = 1.5, 5.0
 ROTATIONS = ("none", "signs", "haar")
 #: symbols per Rice sub-stream (the paper's S)
 SUBSTREAM = 512
-#: coarser scales tried, ``alpha 2^(-j/2)``, before the sign fallback
+#: scales tried, ``alpha 2^(-j/2)`` for ``j < LADDER``, besides the sign fallback
 LADDER = 4
 SIGN_LEVEL = LADDER
+#: most bits of a token's scale in the sign fallback
+SIGN_SCALE_BITS = 8
 #: calibration grid (dB) and sample size (Gaussian vectors)
 SNR_GRID = np.arange(-5.0, 40.0 + 1e-9, 0.25)
 CALIBRATION_VECTORS = 8192
@@ -140,7 +149,7 @@ def stream_parameters(lat: Lattice, symbols: jax.Array, classes: np.ndarray):
     cost1 = rice.parameter_costs(symbols, ~first)
     if lat.name == "d4":
         shifted = jnp.concatenate([cost1[..., :1], cost1[..., :-1]], axis=-1)
-        k1 = jnp.argmin(cost0 + shifted, axis=-1).astype(jnp.int32)
+        k1 = jnp.argmin(rice.saturating_add(cost0, shifted), axis=-1).astype(jnp.int32)
         return k1, jnp.maximum(k1 - 1, 0)
     return (jnp.argmin(cost0, -1).astype(jnp.int32), jnp.argmin(cost1, -1).astype(jnp.int32))
 
@@ -161,21 +170,21 @@ def quantize_symbols(lat: Lattice, y: jax.Array, dither: jax.Array | None):
 def reconstruct(lat: Lattice, codes: jax.Array, dither: jax.Array | None) -> jax.Array:
     """Point coordinates ``[..., D]`` of codes ``[..., D / n, n]`` (dither subtracted)."""
     pts = lat.point(codes)
-    pts = pts.reshape(*pts.shape[:-2], -1)
+    pts = pts.reshape(*pts.shape[:-2], pts.shape[-2] * pts.shape[-1])
     return pts if dither is None else pts - dither
 
 
 def block_payload(lat: Lattice, symbols: jax.Array, n_sub: int):
     """Rice parameters and payload bits of blocks of symbols ``[..., N]``.
 
-    Returns ``(k1, k2, bits)``: ``[..., n_sub]`` twice and int32 ``[...]``.
+    Returns ``(k1, k2, bits)``: ``[..., n_sub]`` twice and int32 ``[...]`` (saturating:
+    :func:`kvjax.primitives.rice.saturating_sum`, so an over-long code never fits).
     """
     size = symbols.shape[-1] // n_sub
     streams = symbols.reshape(*symbols.shape[:-1], n_sub, size)
     classes = _symbol_classes(lat, size)
     k1, k2 = stream_parameters(lat, streams, classes)
-    lengths = rice.code_lengths(streams, symbol_parameters(k1, k2, classes))
-    return k1, k2, jnp.sum(lengths, axis=(-2, -1))
+    return k1, k2, rice.code_length(streams, symbol_parameters(k1, k2, classes))
 
 
 # -- rate calibration -------------------------------------------------------------------
@@ -329,6 +338,8 @@ class _Plan:
     n_sub: int
     substream: int
     tile: int
+    #: bits of each token's scale in the sign fallback (0: no room, a fixed scale)
+    sign_scale_bits: int
 
 
 @register
@@ -479,16 +490,32 @@ class HyperQuantCodec(Codec):
             return {"codes": codes.reshape(*lead, nb * tokens, head_dim),
                     "norm": norm.astype(jnp.float16)}
         elements = tokens * head_dim
-        levels = []
+        capacity = 32 * plan.words
+        # a vector's squared error is |x|^2 / D times that of its y: blocks compare
+        # candidates by their reconstruction error of x
+        weight = jnp.square(norm_blocks)[..., None]
+        levels, fits, errors = [], [], []
         for j in range(LADDER):
             alpha = plan.alpha * 2.0 ** (-j / 2)
-            _, symbols = quantize_symbols(lat, alpha * y, u)
+            lattice_codes, symbols = quantize_symbols(lat, alpha * y, u)
             symbols = symbols.reshape(*lead, nb, elements)
             k1, k2, bits = block_payload(lat, symbols, plan.n_sub)
-            levels.append((symbols, k1, k2, bits))
-        capacity = 32 * plan.words
-        fits = jnp.stack([bits <= capacity for *_, bits in levels], axis=-1)
-        level = jnp.where(jnp.any(fits, -1), jnp.argmax(fits, -1), SIGN_LEVEL).astype(jnp.int32)
+            levels.append((symbols, k1, k2))
+            fits.append(bits <= capacity)
+            if j:  # the calibrated scale is kept whenever it fits: no error needed
+                y_hat = reconstruct(lat, lattice_codes, u) / alpha
+                errors.append(_block_error(y, y_hat, weight))
+        scale_codes = _sign_scale_codes(y, plan.sign_scale_bits)
+        y_sign = _sign_scales(scale_codes, plan.sign_scale_bits)[..., None] * jnp.where(
+            y >= 0, 1.0, -1.0)
+        errors.append(_block_error(y, y_sign, weight))
+        # a block that fits at the calibrated scale keeps it; one that does not takes the
+        # candidate that reconstructs it best among the coarser scales that fit and the
+        # signs (which always fit). A coarser scale is not always better than the signs:
+        # a spike, rotated, is a flat vector that a coarse lattice rounds to zero.
+        allowed = jnp.stack([*fits[1:], jnp.ones_like(fits[0])], axis=-1)
+        fallback = 1 + jnp.argmin(jnp.where(allowed, jnp.stack(errors, -1), jnp.inf), -1)
+        level = jnp.where(fits[0], 0, fallback).astype(jnp.int32)
 
         def pick(i):
             stacked = jnp.stack([lv[i] for lv in levels], axis=0)
@@ -501,7 +528,8 @@ class HyperQuantCodec(Codec):
         classes = _symbol_classes(lat, plan.substream)
         k = symbol_parameters(k1, k2, classes)
         words, offsets, _ = rice.encode(streams, k, plan.words)
-        sign_words = _sign_words(y.reshape(*lead, nb, elements), plan.words)
+        sign_words = _sign_words(y.reshape(*lead, nb, elements), scale_codes,
+                                 plan.sign_scale_bits, plan.words)
         use_signs = (level == SIGN_LEVEL)[..., None]
         words = jnp.where(use_signs, sign_words, words)
         k1 = jnp.where(use_signs, 0, k1)
@@ -520,8 +548,8 @@ class HyperQuantCodec(Codec):
             c = codes["codes"].astype(jnp.int32)
             lead = c.shape[:-2]
             norm = codes["norm"].astype(jnp.float32)
-            u = (self._dither(params, norm.reshape(*lead, -1, 1), head_dim).reshape(c.shape)
-                 if self.dither else None)
+            u = (self._dither(params, norm.reshape(*lead, c.shape[-2], 1), head_dim)
+                 .reshape(c.shape) if self.dither else None)
             pts = reconstruct(lat, c.reshape(*c.shape[:-1], head_dim // lat.dim, lat.dim), u)
             y = pts / (plan.alpha * math.sqrt(head_dim))
             return (norm * self._unrotate(params, y, plan.tile)).astype(dtype)
@@ -542,8 +570,10 @@ class HyperQuantCodec(Codec):
         pts = reconstruct(lat, c, u)  # [..., nb, tN, D]
         scale = plan.alpha * 2.0 ** (-jnp.minimum(level, LADDER - 1).astype(jnp.float32) / 2)
         y = pts / (scale[..., None, None] * math.sqrt(head_dim))
-        signs = _unpack_signs(codes["stream"], tokens * head_dim).reshape(y.shape)
-        y_sign = signs * math.sqrt(2.0 / math.pi) / math.sqrt(head_dim)
+        signs, scale_codes = _unpack_signs(codes["stream"], tokens, head_dim,
+                                           plan.sign_scale_bits)
+        scales = _sign_scales(scale_codes, plan.sign_scale_bits)[..., None]
+        y_sign = signs.reshape(y.shape) * scales / math.sqrt(head_dim)
         y = jnp.where((level == SIGN_LEVEL)[..., None, None], y_sign, y)
         x = norm[..., None] * self._unrotate(params, y, plan.tile)
         return x.reshape(*lead, nb * tokens, head_dim).astype(dtype)
@@ -584,17 +614,53 @@ def _mix(bits: jax.Array) -> jax.Array:
     return h
 
 
-def _sign_words(y: jax.Array, num_words: int) -> jax.Array:
-    """Bits ``y >= 0`` of ``y[..., N]`` packed LSB-first into ``num_words`` words."""
-    words = pack_bits((y >= 0).astype(jnp.uint32), 1)
+def _block_error(y: jax.Array, y_hat: jax.Array, weight: jax.Array) -> jax.Array:
+    """``sum weight |y - y_hat|^2`` over each block's tokens and coordinates ``[..., nb]``."""
+    return jnp.sum(weight * jnp.square(y - y_hat), axis=(-2, -1))
+
+
+def _sign_scale_codes(y: jax.Array, bits: int) -> jax.Array:
+    """Per token of ``y[..., tN, D]`` (mean square 1): the code of ``mean |y|``, the scale
+    of ``sign(y)`` that reconstructs it best, on the grid ``(c + 1) / 2^bits`` (``uint32
+    [..., tN]``; zeros when ``bits`` is 0)."""
+    if not bits:
+        return jnp.zeros(y.shape[:-1], jnp.uint32)
+    levels = 1 << bits
+    codes = jnp.round(jnp.mean(jnp.abs(y), axis=-1) * levels) - 1
+    return jnp.clip(codes, 0, levels - 1).astype(jnp.uint32)
+
+
+def _sign_scales(codes: jax.Array, bits: int) -> jax.Array:
+    """The scales of :func:`_sign_scale_codes`; ``sqrt(2 / pi)`` (a Gaussian's mean
+    ``|y|``) for every token when the budget has no room for them (``bits`` 0)."""
+    if not bits:
+        return jnp.full(codes.shape, math.sqrt(2.0 / math.pi), jnp.float32)
+    return (codes.astype(jnp.float32) + 1.0) / (1 << bits)
+
+
+def _sign_words(y: jax.Array, scale_codes: jax.Array, scale_bits: int,
+                num_words: int) -> jax.Array:
+    """The sign fallback of blocks ``y[..., N]``: bits ``y >= 0`` packed LSB-first, then
+    from the next word the tokens' scale codes ``[..., tN]`` at ``scale_bits`` each,
+    zero-padded to ``num_words`` words."""
+    parts = [pack_bits((y >= 0).astype(jnp.uint32), 1)]
+    if scale_bits:
+        parts.append(pack_bits(scale_codes, scale_bits))
+    words = jnp.concatenate(parts, axis=-1)
     pad = num_words - words.shape[-1]
     return jnp.pad(words, [(0, 0)] * (words.ndim - 1) + [(0, pad)])
 
 
-def _unpack_signs(words: jax.Array, count: int) -> jax.Array:
+def _unpack_signs(words: jax.Array, tokens: int, head_dim: int, scale_bits: int):
+    """Inverse of :func:`_sign_words`: signs ``+-1`` ``[..., tN * D]`` and the tokens'
+    scale codes ``[..., tN]``."""
+    count = tokens * head_dim
     n = -(-count // 32)
-    bits = unpack_bits(words[..., :n], 1, count)
-    return 2.0 * bits.astype(jnp.float32) - 1.0
+    signs = 2.0 * unpack_bits(words[..., :n], 1, count).astype(jnp.float32) - 1.0
+    if not scale_bits:
+        return signs, jnp.zeros((*words.shape[:-1], tokens), jnp.uint32)
+    m = -(-tokens * scale_bits // 32)
+    return signs, unpack_bits(words[..., n:n + m], scale_bits, tokens)
 
 
 @functools.cache
@@ -608,5 +674,8 @@ def _plan(codec: HyperQuantCodec, head_dim: int) -> _Plan:
     n_sub, size = substreams(elements, codec.lat.dim)
     budget = codec.rate * elements + codec.margin * cal.std_at(snr)
     words = max(math.ceil(budget / 32), -(-elements // 32))
+    # the sign fallback's scales go in the words its signs leave free
+    spare = 32 * (words - -(-elements // 32))
     return _Plan(alpha=alpha, snr_db=snr, words=words, n_sub=n_sub, substream=size,
-                 tile=codec.tile or head_dim)
+                 tile=codec.tile or head_dim,
+                 sign_scale_bits=min(SIGN_SCALE_BITS, spare // codec.block_tokens))

@@ -64,6 +64,9 @@ MAX_BITS = 8
 MIN_NOMINAL, MAX_NOMINAL = 1, 7
 #: offsets of the local candidate set around the scalar seed
 LOCAL = tuple((dx, dy) for dx in (-1, 0, 1) for dy in (-1, 0, 1))
+#: smallest head dim: the triplet norm's law needs ``D >= 5`` (a bounded density) and the
+#: rotation a power of two
+MIN_HEAD_DIM = 8
 
 
 def direction_codebook(bits: int) -> lloyd.LloydMaxQuantizer:
@@ -107,7 +110,8 @@ def to_triplets(y: jax.Array) -> jax.Array:
     pad = -head_dim % 3
     if pad:
         y = jnp.concatenate([y, jnp.zeros((*y.shape[:-1], pad), y.dtype)], axis=-1)
-    return y.reshape(*y.shape[:-1], -1, 3)
+    # explicit sizes: a ``-1`` cannot be inferred when a leading axis is empty
+    return y.reshape(*y.shape[:-1], y.shape[-1] // 3, 3)
 
 
 def joint_round(
@@ -163,7 +167,7 @@ class OctopusCodec(RotatedCodec):
         QJL_OPTION,
     )
     examples: ClassVar[tuple[Example, ...]] = (
-        Example("octopus:b2", rel_mse=0.11, seeded=True, bad_head_dims=(96, 1)),
+        Example("octopus:b2", rel_mse=0.11, seeded=True, bad_head_dims=(96, 1, 2, 4)),
         Example("octopus:d3,n0", rel_mse=0.25, seeded=True, bad_head_dims=(80,)),
         Example("octopus:b3,qjl", rel_mse=0.2, seeded=True, bad_head_dims=(48,)),
     )
@@ -220,6 +224,15 @@ class OctopusCodec(RotatedCodec):
             return nominal
         return max(1, round((2 * self.direction_bits + self.norm_bits) / 3))
 
+    def check_head_dim(self, head_dim: int) -> None:
+        """A power of two (the rotation) of at least :data:`MIN_HEAD_DIM` (the triplet
+        norm law)."""
+        super().check_head_dim(head_dim)
+        if head_dim < MIN_HEAD_DIM:
+            raise CodecError(f"{self.spec}: head_dim must be a power of two >= "
+                             f"{MIN_HEAD_DIM} (the law of a triplet's norm needs D >= 5), "
+                             f"got {head_dim}")
+
     def _widths(self, head_dim: int) -> list[tuple[int, int]]:
         triplets = -(-head_dim // 3)
         return [(triplets, b) for b in (self.direction_bits, self.direction_bits,
@@ -252,7 +265,7 @@ class OctopusCodec(RotatedCodec):
         m = octahedral_decode(lloyd.dequantize(i_xi, direction),
                               lloyd.dequantize(i_eta, direction))
         rho = lloyd.dequantize(i_rho, norm_codebook(head_dim, self.norm_bits))
-        return (rho[..., None] * m).reshape(*lead, -1)[..., :head_dim]
+        return (rho[..., None] * m).reshape(*lead, 3 * triplets)[..., :head_dim]
 
     def unit_bits(self, head_dim: int) -> int:
         """The index stream in whole bytes."""

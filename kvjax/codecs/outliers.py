@@ -90,6 +90,14 @@ class MedOutlierCodec(Codec):
         """``SPEC,medC[,mbN][,mpP]`` with the valid values."""
         return super().usage(head, sep)
 
+    @classmethod
+    def claims(cls, token: str) -> bool:
+        """Whether ``token`` is an outlier option: one that spells ``medC``, ``mbN`` or
+        ``mpP``, or any other token that starts with ``med``, ``mb`` or ``mp``, so that a
+        misspelled one is reported against the outlier usage rather than the base
+        codec's."""
+        return any(token.startswith(opt.text) for opt in cls.options)
+
     @property
     def block_tokens(self) -> int:  # type: ignore[override]
         """Tokens that share a median and the outlier slots."""

@@ -82,7 +82,7 @@ def inverse_polar_transform(angles: list[jax.Array], radii: jax.Array) -> jax.Ar
     r = radii
     for psi in reversed(angles):
         pair = jnp.stack([r * jnp.cos(psi), r * jnp.sin(psi)], axis=-1)
-        r = pair.reshape(*pair.shape[:-2], -1)
+        r = pair.reshape(*pair.shape[:-2], 2 * pair.shape[-2])
     return r
 
 

@@ -19,6 +19,14 @@ Sub-streams of a buffer follow each other with no gap; their start offsets are r
 by the encoder and must be given to the decoder. A buffer has a fixed number of words:
 bits past its end are dropped and the encoder reports the length the code needed, so a
 caller detects overflow by comparing it with the capacity.
+
+Lengths never wrap. A symbol near ``2^32`` at ``k = 0`` has a codeword of ``2^32`` bits,
+and a block of them far more. Every length, cost, offset and total here is an int32 that
+is exact up to :data:`EXACT_BELOW` and reads :data:`SATURATED` (the largest int32) where
+it would not fit; one between the two reads either way (sums are checked against a
+float32 copy, whose rounding decides there), never wrapped. Both are beyond any buffer
+(at most :data:`MAX_WORDS` words, ``2^29`` bits), so an over-long code is reported as not
+fitting, and a parameter under which some codeword is that long is never the cheapest.
 """
 
 from __future__ import annotations
@@ -30,28 +38,74 @@ import jax.numpy as jnp
 
 #: largest Rice parameter (parameters are stored in 4-bit fields)
 MAX_PARAMETER = 15
+#: what a length, cost or bit position too large for an int32 reads (the largest int32)
+SATURATED = 2**31 - 1
+#: lengths below this are exact; from it up to :data:`SATURATED` they may read either
+EXACT_BELOW = 2**29
+#: largest buffer in words: its ``2^29`` bits stay below every inexact length
+MAX_WORDS = EXACT_BELOW // 32
+
+
+def saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a + b`` of non-negative int32 lengths, :data:`SATURATED` where it would not fit."""
+    a = jnp.asarray(a, jnp.int32)
+    b = jnp.asarray(b, jnp.int32)
+    return jnp.where(a > SATURATED - b, SATURATED, a + b)
+
+
+def _checked(exact: jax.Array, approx: jax.Array) -> jax.Array:
+    """An int32 sum where its float32 copy shows that it cannot have wrapped (below
+    ``2 EXACT_BELOW``: the int32 sum is then below ``2^31`` whatever float32 rounding
+    did), else :data:`SATURATED`."""
+    return jnp.where(approx < 2.0 * EXACT_BELOW, exact, SATURATED)
+
+
+def saturating_sum(lengths: jax.Array, axis: int | tuple[int, ...] = -1) -> jax.Array:
+    """Sum of non-negative int32 ``lengths`` over ``axis``: exact below
+    :data:`EXACT_BELOW`, else exact or :data:`SATURATED` (a plain sum would wrap to a
+    small or negative number)."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    # two plain reductions compile far faster than a reduction with a saturating add
+    return _checked(jnp.sum(lengths, axis=axis), jnp.sum(lengths.astype(jnp.float32), axis))
+
+
+def saturating_cumsum(lengths: jax.Array, axis: int = -1) -> jax.Array:
+    """Inclusive cumulative sum of non-negative int32 ``lengths``, saturating as
+    :func:`saturating_sum` does."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    return _checked(jnp.cumsum(lengths, axis=axis),
+                    jnp.cumsum(lengths.astype(jnp.float32), axis=axis))
 
 
 def code_lengths(symbols: jax.Array, k: jax.Array) -> jax.Array:
-    """Bits of each symbol's Rice codeword, ``(u >> k) + 1 + k`` (int32)."""
+    """Bits of each symbol's Rice codeword, ``(u >> k) + 1 + k`` (int32, saturating at
+    :data:`SATURATED`); ``k`` in ``0..15``."""
     u = jnp.asarray(symbols, jnp.uint32)
     k = jnp.asarray(k, jnp.uint32)
-    return ((u >> k) + 1 + k).astype(jnp.int32)
+    quotient = jnp.minimum(u >> k, jnp.uint32(SATURATED) - 1 - k)
+    return (quotient + 1 + k).astype(jnp.int32)
+
+
+def code_length(symbols: jax.Array, k: jax.Array) -> jax.Array:
+    """Bits of the whole code of ``symbols[..., n_sub, S]`` with parameters ``k`` (as
+    :func:`encode` takes them): int32 ``[...]``, saturating (:func:`saturating_sum`)."""
+    return saturating_sum(code_lengths(symbols, k), axis=(-2, -1))
 
 
 def parameter_costs(symbols: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Total code length of ``symbols[..., S]`` under every parameter ``0..15``:
-    int32 ``[..., 16]``; ``mask[..., S]`` (bool) selects the symbols that count."""
+    int32 ``[..., 16]``, saturating (:func:`saturating_sum`); ``mask[..., S]`` (bool)
+    selects the symbols that count."""
     u = jnp.asarray(symbols, jnp.uint32)[..., None]
-    k = jnp.arange(MAX_PARAMETER + 1, dtype=jnp.uint32)
-    lengths = ((u >> k) + 1 + k).astype(jnp.int32)
+    lengths = code_lengths(u, jnp.arange(MAX_PARAMETER + 1, dtype=jnp.uint32))
     if mask is not None:
         lengths = jnp.where(jnp.asarray(mask)[..., None], lengths, 0)
-    return jnp.sum(lengths, axis=-2)
+    return saturating_sum(lengths, axis=-2)
 
 
 def best_parameter(symbols: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """The Rice parameter (int32 ``[...]``) that codes ``symbols[..., S]`` in the fewest bits."""
+    """The Rice parameter (int32 ``[...]``) that codes ``symbols[..., S]`` in the fewest bits
+    (the first of those, so 0 when every parameter's code saturates)."""
     return jnp.argmin(parameter_costs(symbols, mask), axis=-1).astype(jnp.int32)
 
 
@@ -62,20 +116,24 @@ def encode(symbols: jax.Array, k: jax.Array, num_words: int):
         symbols: uint32 ``[..., n_sub, S]``: ``n_sub`` sub-streams of ``S`` symbols.
         k: Rice parameter of every symbol, int ``[..., n_sub, S]`` in ``0..15`` (a
             sub-stream may mix parameters, e.g. one per symbol class).
-        num_words: buffer capacity in uint32 words.
+        num_words: buffer capacity in uint32 words, at most :data:`MAX_WORDS`.
 
     Returns:
         ``(words, offsets, total)``: uint32 ``[..., num_words]``, the int32 start bit of
         each sub-stream ``[..., n_sub]``, and the int32 bits the whole code needs
-        ``[...]`` (above ``32 * num_words`` the tail was dropped).
+        ``[...]`` (above ``32 * num_words`` the tail was dropped; offsets and the total
+        saturate as :func:`saturating_sum` does).
     """
+    if not 1 <= num_words <= MAX_WORDS:
+        raise ValueError(f"rice.encode: num_words must be in 1..{MAX_WORDS}, got {num_words}")
     symbols = jnp.asarray(symbols, jnp.uint32)
     k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), symbols.shape)
     lead = symbols.shape[:-2]
     flat = _encode_block_batch(symbols.reshape(-1, *symbols.shape[-2:]),
                                k.reshape(-1, *k.shape[-2:]), num_words)
     words, offsets, total = flat
-    return (words.reshape(*lead, num_words), offsets.reshape(*lead, -1), total.reshape(lead))
+    return (words.reshape(*lead, num_words), offsets.reshape(*lead, symbols.shape[-2]),
+            total.reshape(lead))
 
 
 def decode(words: jax.Array, offsets: jax.Array, k: jax.Array) -> jax.Array:
@@ -102,13 +160,17 @@ def used_bits(words: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(top > 0, 32 * index + top, 0), axis=-1)
 
 
-def _layout(k: jax.Array, quotient_plus_one: jax.Array):
-    """Start offsets and remainder starts of a block's sub-streams."""
-    stream_len = jnp.sum(k + quotient_plus_one, axis=-1)
-    offsets = jnp.cumsum(stream_len) - stream_len
-    remainder_start = offsets[:, None] + jnp.cumsum(k, axis=-1) - k
-    unary_start = offsets + jnp.sum(k, axis=-1)
-    return offsets, remainder_start, unary_start, jnp.sum(stream_len)
+def _layout(k: jax.Array, lengths: jax.Array):
+    """Start offsets, remainder starts and unary starts of a block's sub-streams and its
+    total length, from the parameters and codeword lengths ``[n_sub, S]`` (saturating)."""
+    stream_len = saturating_sum(lengths, axis=-1)
+    ends = saturating_cumsum(stream_len)
+    # exclusive sums by shifting: ``ends - stream_len`` is wrong once they saturate
+    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]])
+    # k <= 15 per symbol: these small sums cannot wrap
+    remainder_start = saturating_add(offsets[:, None], jnp.cumsum(k, axis=-1) - k)
+    unary_start = saturating_add(offsets, jnp.sum(k, axis=-1))
+    return offsets, remainder_start, unary_start, ends[-1]
 
 
 _BIT = jnp.arange(MAX_PARAMETER, dtype=jnp.int32)
@@ -118,15 +180,17 @@ _BIT = jnp.arange(MAX_PARAMETER, dtype=jnp.int32)
 @functools.partial(jax.vmap, in_axes=(0, 0, None))
 def _encode_block_batch(u: jax.Array, k: jax.Array, num_words: int):
     capacity = 32 * num_words
-    q = (u >> k.astype(jnp.uint32)).astype(jnp.int32)
-    offsets, rem_start, unary_start, total = _layout(k, q + 1)
+    lengths = code_lengths(u, k)
+    offsets, rem_start, unary_start, total = _layout(k, lengths)
     # remainder bits, most significant first: bit b of a symbol is (u >> (k - 1 - b)) & 1
     has_bit = _BIT < k[..., None]
     shift = jnp.clip(k[..., None] - 1 - _BIT, 0, 31).astype(jnp.uint32)
     rem_bits = (u[..., None] >> shift) & 1
-    rem_pos = jnp.where(has_bit & (rem_bits == 1), rem_start[..., None] + _BIT, capacity)
-    # the terminating one of each quotient
-    term_pos = unary_start[:, None] + jnp.cumsum(q + 1, axis=-1) - 1
+    # starts past the buffer are held at its end, so adding the bit index cannot wrap
+    rem_pos = jnp.minimum(rem_start, capacity)[..., None] + _BIT
+    rem_pos = jnp.where(has_bit & (rem_bits == 1), rem_pos, capacity)
+    # the terminating one of each quotient (a saturated position lies past the buffer)
+    term_pos = saturating_add(unary_start[:, None], saturating_cumsum(lengths - k)) - 1
     pos = jnp.concatenate([rem_pos.reshape(-1), term_pos.reshape(-1)])
     pos = jnp.where(pos < capacity, pos, capacity)
     values = jnp.left_shift(jnp.uint32(1), (pos & 31).astype(jnp.uint32))
@@ -159,4 +223,5 @@ def _decode_block_batch(words: jax.Array, offsets: jax.Array, k: jax.Array) -> j
         target, position)
     previous = jnp.concatenate([unary_start[:, None] - 1, ends[:, :-1]], axis=-1)
     q = ends - previous - 1
-    return ((q << k) | rem).astype(jnp.uint32)
+    # in uint32: a symbol at or above 2^31 is a valid code at k >= 1
+    return (q.astype(jnp.uint32) << k.astype(jnp.uint32)) | rem.astype(jnp.uint32)

@@ -101,6 +101,7 @@ def test_defaults_fill_what_the_spec_does_not_say():
         ("int:4 layers[0]:q=bf16", "bad layer rule"),
         ("int:4 layers[0]k=bf16", "bad layer rule"),
         ("int:99", "bit width N must be an integer in 2..8"),
+        ("int:4,med3x window=8", "outlier multiplier C must be a number"),
         ("nope:1", "unknown codec 'nope'"),
         ("k=int:4 k=int:2", "k is given twice"),
         ("int:4 attn=", "at least one implementation"),
@@ -111,6 +112,70 @@ def test_bad_specs_are_one_line_errors_that_say_what_is_valid(text, message):
         parse_cache(text)
     assert "\n" not in str(err.value)
     assert isinstance(err.value, CodecError) and isinstance(err.value, ValueError)
+
+
+#: the outlier wrapper's usage, which every error about its options ends with
+OUTLIER_USAGE = "; usage: SPEC,medC[,mbN][,mpP] with C in (0, 10000]"
+
+
+@pytest.mark.parametrize(
+    ("spec", "cause"),
+    [
+        # a number that is not one: the option's rule, not the base codec's
+        ("int:4,med3x", "outlier multiplier C must be a number in (0, 10000], got '3x'"),
+        ("int:4,med-3", "outlier multiplier C must be a number in (0, 10000], got '-3'"),
+        ("int:4,med1e3", "got '1e3'"),
+        ("int:4,med3.5.2", "got '3.5.2'"),
+        ("int:4,med", "outlier multiplier C must be a number in (0, 10000], got ''"),
+        ("int:4,med0", "got '0'"),
+        ("hqmq:s24,med_3", "got '_3'"),
+        ("int:4,med3,mb-2", "outlier block N must be an integer in 1..1024, got '-2'"),
+        ("int:4,med3,mb8.5", "got '8.5'"),
+        ("int:4,med3,mp5%", "outlier capacity % P must be a number in (0, 100], got '5%'"),
+        # a misspelled outlier option: unknown to the wrapper, not a second bit width
+        ("int:4,medx", "unknown option 'medx'; known: med, mb, mp"),
+        ("int:4,mbx", "unknown option 'mbx'; known: med, mb, mp"),
+        ("kivi:2,token,medium", "unknown option 'medium'; known: med, mb, mp"),
+        # options of the wrapper without its multiplier, or twice, or on a codec it
+        # cannot wrap
+        ("int:4,mb8", "expected medC"),
+        ("int:4,med3,med4", "option 'med' given twice"),
+        ("kivi:2,med3", "needs a lossy token-wise codec"),
+    ],
+)
+def test_malformed_outlier_options_report_their_cause(spec, cause):
+    with pytest.raises(CodecError) as err:
+        parse_codec(spec)
+    message = str(err.value)
+    assert message.startswith(f"{spec}: ") and cause in message, message
+    assert OUTLIER_USAGE in message and "\n" not in message
+
+
+def test_outlier_options_after_a_codec_without_options_need_the_colon():
+    with pytest.raises(CodecError) as err:
+        parse_codec("hqmq,med3")
+    assert "options follow a ':' after the codec name, e.g. 'hqmq:med3'" in str(err.value)
+    assert parse_codec("hqmq:med3").spec == "hqmq:s96,r4,med3"
+
+
+@pytest.mark.parametrize(
+    ("spec", "cause"),
+    [
+        # a prefix followed by a non-letter is that option with a bad value
+        ("kivi:2,g3x", "group size G must be an integer in 1..4096, got '3x'"),
+        ("hyperquant:e8,3bps,t2x", "tokens per block N must be an integer in 1..256, got '2x'"),
+        # Python's int() and float() would read these
+        ("int:+4", "bit width N must be an integer in 2..8, got '+4'"),
+        ("int:4_0", "got '4_0'"),
+        ("hyperquant:e8,3bps,m1e1", "margin X must be a number in 0..20, got '1e1'"),
+        # a prefix followed by a letter is another word
+        ("kivi:2,gx", "unknown option 'gx'"),
+    ],
+)
+def test_malformed_option_values_name_the_option(spec, cause):
+    with pytest.raises(CodecError) as err:
+        parse_codec(spec)
+    assert cause in str(err.value), str(err.value)
 
 
 def test_unknown_clause_lists_the_valid_clauses():

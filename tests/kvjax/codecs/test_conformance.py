@@ -5,9 +5,9 @@ Per example: the round trip within the error the example states, the bits formul
 to the bits of the stored arrays, vmap over heads (each with its own parameters, as the
 cache calls a codec) equal to one call per head, determinism under a seed, non-finite
 input (an error eagerly, finite codes under jit), all-zero and constant rows, bad head
-dims, and the spec round trip. Per codec: the codes under jit equal to eager ones, examples
-that exist and use every declared option, and one-line errors with the usage for bad
-option values.
+dims, an empty token axis, and the spec round trip. Per codec: the codes under jit equal
+to eager ones, examples that exist and use every declared option, and one-line errors
+with the usage for bad option values.
 
 A codec registered without examples fails here. Each example compiles two programs (the
 vmapped round trip and the one-head round trip) that every check reads; eager dispatch,
@@ -57,6 +57,13 @@ def roundtrip_heads(codec, params, x):
         return codes, codec.decode(p, codes)
 
     return jax.vmap(one)(params, x)
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def empty_round_trip(codec, params, x, q):
+    """Codes, reconstruction and scores of ``q`` against ``x``, in one program."""
+    codes = codec.encode(params, x)
+    return codes, codec.decode(params, codes), codec.scores(params, q, codes)
 
 
 def tokens(codec: Codec) -> int:
@@ -280,6 +287,20 @@ def test_bad_head_dims_and_shapes(cls, example):
         codec.encode(params, jnp.zeros((example.head_dim,)))
     with pytest.raises(CodecError, match="floating"):
         codec.encode(params, jnp.zeros((tokens(codec), example.head_dim), jnp.int32))
+
+
+@pytest.mark.parametrize(("cls", "example"), CASES)
+def test_empty_token_axis(cls, example):
+    """No tokens (T = 0), with and without leading axes: empty codes that decode to no
+    vectors and score to no columns (traced as under jit: the shapes are what matter)."""
+    codec, d = parse_codec(example.spec), example.head_dim
+    params = codec.init(jax.random.key(0), d)
+    for shape in ((0, d), (HEADS, 0, d)):
+        q = jnp.ones((*shape[:-2], 3, d), jnp.float32)
+        codes, x_hat, scores = empty_round_trip(codec, params, jnp.zeros(shape), q)
+        assert x_hat.shape == shape and x_hat.dtype == jnp.float32
+        assert all(0 in leaf.shape for leaf in jax.tree.leaves(codes))
+        assert scores.shape == (*shape[:-2], 3, 0)
 
 
 @pytest.mark.parametrize(("cls", "example"), CASES)

@@ -1,7 +1,9 @@
-"""HyperQuant: lattices against brute force, bit-stripping, the Rice coder against a
-serial reference, rate calibration, dither unbiasedness, budgets and fallbacks, bit
-accounting, and the codec's handling of bad input and specs."""
+"""HyperQuant: lattices against brute force, bit-stripping, rate calibration, dither
+unbiasedness, budgets and fallbacks (spiky blocks and over-long codes included), bit
+accounting, and the codec's handling of bad input and specs. The Rice coder itself is
+tested in tests/kvjax/primitives/test_rice.py."""
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -17,6 +19,8 @@ from kvjax.codecs import hyperquant as hq
 from kvjax.primitives import rice
 from kvjax.primitives.lattices import LATTICES, lattice, unzigzag, zigzag
 from kvjax.spec import parse_codec
+from tests import fuzz
+from tests.kvjax.codecs.compiled import encode_decode
 
 NAMES = list(LATTICES)
 D = 64
@@ -104,96 +108,6 @@ def test_stripping_saves_the_pinned_bits(name, saved):
     stripped = rate(symbols, lat.symbol_class) if name != "d4" else rate(
         symbols, (0, 0, 0, 1))
     assert rate(raw, raw_classes) - stripped == pytest.approx(saved, abs=0.03)
-
-
-# -- the Rice coder -----------------------------------------------------------------------
-
-
-def _reference_encode(u, k, num_words):
-    """Textbook bit-serial writer of the layout: per sub-stream remainders, then unary."""
-    bits = []
-    offsets = []
-    for j in range(u.shape[0]):
-        offsets.append(len(bits))
-        for s, kk in zip(u[j].tolist(), k[j].tolist(), strict=True):
-            bits += [(s >> (kk - 1 - b)) & 1 for b in range(kk)]
-        for s, kk in zip(u[j].tolist(), k[j].tolist(), strict=True):
-            bits += [0] * (s >> kk) + [1]
-    total = len(bits)
-    bits = (bits + [0] * (32 * num_words))[: 32 * num_words]
-    words = [sum(bits[32 * w + b] << b for b in range(32)) for w in range(num_words)]
-    return np.array(words, np.uint64).astype(np.uint32), offsets, total
-
-
-def _reference_decode(words, offsets, k):
-    bits = [(int(w) >> b) & 1 for w in words for b in range(32)]
-    out = np.zeros(k.shape, np.uint64)
-    for j, pos in enumerate(offsets):
-        rems = []
-        for kk in k[j]:
-            r = 0
-            for _ in range(kk):
-                r, pos = 2 * r + bits[pos], pos + 1
-            rems.append(r)
-        for i, kk in enumerate(k[j]):
-            q = 0
-            while bits[pos] == 0:
-                q, pos = q + 1, pos + 1
-            pos += 1
-            out[j, i] = (q << int(kk)) | rems[i]
-    return out
-
-
-def _streams(kind, rng):
-    if kind == "geometric":
-        u = rng.geometric(0.15, size=(3, 64)) - 1
-        k = rng.integers(0, 5, size=(3, 64))
-    elif kind == "zeros_k0":
-        u, k = np.zeros((2, 64)), np.zeros((2, 64))
-    elif kind == "huge_k15":
-        u, k = rng.integers(2**20, 2**22, size=(2, 8)), np.full((2, 8), 15)
-    elif kind == "huge_k0":
-        u, k = np.array([[700, 0, 1, 300]]), np.zeros((1, 4))
-    else:  # mixed parameters per class, as d4/a2 streams have
-        u = rng.geometric(0.05, size=(2, 40)) - 1
-        k = np.tile([3, 3, 3, 2], (2, 10))
-    return u.astype(np.uint32), k.astype(np.int32)
-
-
-@pytest.mark.parametrize("kind", ["geometric", "zeros_k0", "huge_k15", "huge_k0", "classes"])
-def test_rice_matches_serial_reference_and_round_trips(kind):
-    u, k = _streams(kind, np.random.default_rng(6))
-    need = int(np.asarray(rice.code_lengths(u, k)).sum())
-    num_words = need // 32 + 2
-    words, offsets, total = rice.encode(u, k, num_words)
-    ref_words, ref_offsets, ref_total = _reference_encode(u, k, num_words)
-    assert int(total) == ref_total == need
-    np.testing.assert_array_equal(np.asarray(offsets), ref_offsets)
-    np.testing.assert_array_equal(np.asarray(words), ref_words)
-    np.testing.assert_array_equal(np.asarray(rice.decode(words, offsets, k)), u)
-    np.testing.assert_array_equal(_reference_decode(np.asarray(words), ref_offsets, k), u)
-    assert int(rice.used_bits(words)) == need
-
-
-def test_rice_batches_and_reports_overflow():
-    rng = np.random.default_rng(7)
-    u = (rng.geometric(0.2, size=(4, 5, 2, 32)) - 1).astype(np.uint32)
-    k = np.full(u.shape, 2, np.int32)
-    words, offsets, total = rice.encode(u, k, 40)
-    assert words.shape == (4, 5, 40) and offsets.shape == (4, 5, 2) and total.shape == (4, 5)
-    np.testing.assert_array_equal(np.asarray(rice.decode(words, offsets, k)), u)
-    np.testing.assert_array_equal(np.asarray(total),
-                                  np.asarray(rice.code_lengths(u, k)).sum((-2, -1)))
-    small, _, total = rice.encode(u, k, 2)  # far too small: the tail is dropped, reported
-    assert (np.asarray(total) > 64).all() and small.shape[-1] == 2
-
-
-def test_best_parameter_is_the_exhaustive_argmin():
-    rng = np.random.default_rng(8)
-    u = (rng.geometric(rng.uniform(0.02, 0.9, (50, 1)), size=(50, 200)) - 1).astype(np.uint32)
-    costs = np.array([[int(((s >> kk) + 1 + kk).sum()) for kk in range(16)] for s in u])
-    best = np.asarray(rice.best_parameter(u))
-    np.testing.assert_array_equal(costs[np.arange(50), best], costs.min(1))
 
 
 # -- calibration --------------------------------------------------------------------------
@@ -315,20 +229,105 @@ def test_overflowing_blocks_fall_back_to_a_coarser_scale_and_never_truncate():
         assert got == pytest.approx(snr - 10 * math.log10(2) * level, abs=0.3)
 
 
-def test_sign_fallback_when_no_scale_fits(monkeypatch):
+@pytest.mark.parametrize(("words", "scale_bits"), [(2 * D // 32, 0), (2 * D // 32 + 1, 8)])
+def test_sign_fallback_when_no_scale_fits(monkeypatch, words, scale_bits):
+    """A budget of about 1 bit per element (no scale fits): every block stores signs, with
+    each token's mean |Y| where the budget leaves room, else the Gaussian's."""
     codec = parse_codec("hyperquant:z,2bps,t2")
     plan = codec.plan(D)
-    tight = hq._Plan(alpha=plan.alpha, snr_db=plan.snr_db, words=2 * D // 32,
-                     n_sub=plan.n_sub, substream=plan.substream, tile=plan.tile)
-    monkeypatch.setattr(hq, "_plan", lambda c, d: tight)
+    tight = dataclasses.replace(plan, words=words)
+    assert hq._plan(codec, D).sign_scale_bits == 8  # the real budget has room
+    monkeypatch.setattr(hq, "_plan", lambda c, d: dataclasses.replace(
+        tight, sign_scale_bits=min(8, 32 * (words - 2 * D // 32) // 2)))
+    assert codec.plan(D).sign_scale_bits == scale_bits
     params = codec.init(jax.random.key(11), D)
     x = jax.random.normal(jax.random.key(12), (64, D))
-    codes = jax.jit(codec.encode)(params, x)
+    x = x.at[:2].set(3.0 * jnp.eye(D)[:2])  # one-hot tokens: flat once rotated
+    # a fresh trace: the compiled helpers would reuse a program of the real budget
+    codes, x_hat = jax.jit(lambda p, v: (lambda c: (c, codec.decode(p, c)))(
+        codec.encode(p, v)))(params, x)
     assert (np.asarray(codec.fallback_levels(codes)) == hq.SIGN_LEVEL).all()
-    x_hat = jax.jit(codec.decode)(params, codes)
     # one bit per rotated coordinate: the direction survives (cosine ~ sqrt(2 / pi))
     cos = jnp.sum(x * x_hat, -1) / (jnp.linalg.norm(x, axis=-1) * jnp.linalg.norm(x_hat, axis=-1))
-    assert 0.7 < float(jnp.mean(cos)) < 0.9
+    assert 0.7 < float(jnp.mean(cos[2:])) < 0.9
+    assert float(jnp.min(cos[:2])) > 0.999
+    rel = np.asarray(jnp.sum((x - x_hat) ** 2, -1) / jnp.sum(x**2, -1))
+    assert rel[2:].mean() == pytest.approx(1 - 2 / math.pi, abs=0.03)
+    # a fixed scale shrinks a flat vector by sqrt(2 / pi); a stored one keeps it
+    assert rel[:2].max() < (1e-4 if scale_bits else (1 - math.sqrt(2 / math.pi)) ** 2 + 1e-3)
+
+
+#: spiky blocks, ``[3, 64, D]``: one-hot tokens, one large coordinate over small noise,
+#: and an outlier channel 20..50 times the others in every token
+SPIKY = ("one-hot", "spike", "channel")
+
+
+def _spiky(seed: int) -> np.ndarray:
+    rng = fuzz.rng("hyperquant-spiky", seed)
+    x = np.zeros((3, 64, D), np.float32)
+    tokens = np.arange(64)
+    signs = rng.choice([-1.0, 1.0], 64)
+    x[0, tokens, rng.integers(0, D, 64)] = signs * rng.uniform(0.5, 3.0, 64)
+    x[1] = 0.02 * rng.standard_normal((64, D))
+    x[1, tokens, rng.integers(0, D, 64)] += signs * 5.0
+    x[2] = rng.standard_normal((64, D))
+    x[2, :, rng.integers(0, D)] *= rng.uniform(20.0, 50.0)
+    return x
+
+
+@pytest.mark.parametrize("spec", ["hyperquant:d4,2bps", "hyperquant:e8,1.5bps",
+                                  "hyperquant:z,1.5bps"])
+def test_spiky_blocks_keep_their_spike_at_low_rates(spec):
+    """A spike, rotated, is a flat vector: a coarser scale may round all of it to zero,
+    so a block that does not fit takes the fallback that reconstructs it best (the signs
+    with their scale keep it). No token is lost, and every fallback is counted."""
+    codec = parse_codec(spec)
+    params = codec.init(jax.random.key(17), D)
+    for seed in range(fuzz.example_count(1)):
+        x = _spiky(seed)
+        codes, x_hat = encode_decode(codec, params, jnp.asarray(x))
+        x_hat = np.asarray(x_hat)
+        levels = np.asarray(codec.fallback_levels(codes))  # [3, 8]
+        assert codec.fallback_blocks(codes) == int((levels > 0).sum()) > 0
+        fell_back = np.repeat(levels > 0, 8, axis=-1)  # per token
+        for i, name in enumerate(SPIKY):
+            rel = float(((x[i] - x_hat[i]) ** 2).sum() / (x[i] ** 2).sum())
+            tokens = ((x[i] - x_hat[i]) ** 2).sum(-1) / (x[i] ** 2).sum(-1)
+            case = (spec, name, seed)
+            assert (np.abs(x_hat[i]).sum(-1) > 0).all() and tokens.max() < 1, case
+            if name == "channel":
+                # blocks that fit keep the calibrated scale's numerics, which a nearly
+                # flat vector at 1.5 bps does not suit; those that fell back do well
+                assert rel < 0.6 and tokens[fell_back[i]].max(initial=0) < 0.6, case
+            else:
+                assert rel < 0.05 and tokens.max() < 0.05, case
+        if spec != "hyperquant:e8,1.5bps":
+            # every coarser scale rounds these to zero: what falls back takes the signs
+            assert set(levels[:2][levels[:2] > 0].tolist()) == {hq.SIGN_LEVEL}, levels
+
+
+def test_a_code_too_long_to_count_falls_back(monkeypatch):
+    """A symbol whose codeword needs more than 2^31 bits (a wrapped length once made
+    such a block "fit" and stored a broken stream): that block falls back to the signs;
+    every other block's codes are those of the plain encode."""
+    codec = parse_codec("hyperquant:e8,1.5bps")
+    params = codec.init(jax.random.key(17), D)
+    x = jnp.asarray(_spiky(0))
+    plain, _ = encode_decode(codec, params, x)
+    real = hq.quantize_symbols
+
+    def one_huge_symbol(lat, y, dither):
+        codes, symbols = real(lat, y, dither)
+        return codes, symbols.at[..., 2, 0, 0, 0].set(2**31 + 1)  # block 0 of the channel
+
+    monkeypatch.setattr(hq, "quantize_symbols", one_huge_symbol)
+    codes = jax.jit(lambda p, v: codec.encode(p, v))(params, x)
+    levels = np.asarray(codec.fallback_levels(codes))
+    assert levels[2, 0] == hq.SIGN_LEVEL
+    for name in codes:
+        a, b = np.asarray(codes[name]), np.asarray(plain[name])
+        np.testing.assert_array_equal(a[:2], b[:2])
+        np.testing.assert_array_equal(a[2, 1:], b[2, 1:])
 
 
 def test_budget_follows_the_margin():

@@ -222,6 +222,21 @@ def test_parameters_of_another_head_dim_are_an_error(spec):
         codec.encode(params, jnp.asarray(np.asarray(gaussian((8, 32), 9))[:, :16]))
 
 
+@pytest.mark.parametrize("spec", ["octopus:b2", "octopus:d3,n0", "octopus:b3,qjl"])
+def test_octopus_head_dims_below_its_triplet_law_are_a_codec_error(spec):
+    """The triplet norm's law needs D >= 5: head dims 2 and 4 are rejected with that
+    rule (not by the codebook builder), by every entry point that takes a head dim."""
+    codec = parse_codec(spec)
+    for d in (2, 4):
+        for call in (codec.check_head_dim, codec.bits_per_element,
+                     lambda d: codec.init(jax.random.key(0), d)):
+            with pytest.raises(CodecError) as err:
+                call(d)
+            assert str(err.value) == (f"{spec}: head_dim must be a power of two >= 8 (the "
+                                      f"law of a triplet's norm needs D >= 5), got {d}")
+    codec.check_head_dim(8)
+
+
 def test_polar_transform_inverts_and_too_many_levels_is_an_error():
     y = gaussian((5, 32), 10)
     for levels in (1, 3, 5):
