@@ -547,7 +547,7 @@ class Codec:
             x = jnp.clip(x, -self.limits.element, self.limits.element)
         if math.isfinite(self.limits.norm):
             scaled, power = _power_scaled(x)
-            scaled_norm = jnp.sqrt(jnp.sum(scaled * scaled, axis=-1, keepdims=True))
+            scaled_norm = jnp.sqrt(_tree_sum(scaled * scaled))
             # a norm beyond float32 (several elements near its largest value) is inf,
             # still beyond the limit; the direction comes from the scaled copy, finite
             over = scaled_norm / power > self.limits.norm
@@ -640,12 +640,28 @@ def _power_scaled(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x * power, power
 
 
+def _tree_sum(x: jax.Array) -> jax.Array:
+    """The sum over the last axis (kept as a size-1 axis) as a fixed tree of pairwise adds.
+
+    XLA vectorizes a reduction according to the whole array's shape, which moves the last
+    bit of a row's sum with the rows around it; elementwise adds of fixed halves give the
+    same bits for a vector whatever batch it comes in, so saturating it does too."""
+    if x.shape[-1] == 0:
+        return jnp.zeros((*x.shape[:-1], 1), x.dtype)
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        pairs = x[..., :half] + x[..., half : 2 * half]
+        x = jnp.concatenate([pairs, x[..., 2 * half :]], axis=-1) if x.shape[-1] % 2 else pairs
+    return x
+
+
 def safe_norm(x: jax.Array) -> jax.Array:
     """``|x|_2`` over the last axis (kept as a size-1 axis) in float32, without the
     overflow of squaring elements beyond ~1.8e19 (or the underflow of tiny ones): computed
-    on ``x`` rescaled by a power of two. Norms beyond float32's range are ``inf``."""
+    on ``x`` rescaled by a power of two. Norms beyond float32's range are ``inf``. The
+    bits of a vector's norm do not depend on the batch it comes in."""
     scaled, power = _power_scaled(x.astype(jnp.float32))
-    return jnp.sqrt(jnp.sum(scaled * scaled, axis=-1, keepdims=True)) / power
+    return jnp.sqrt(_tree_sum(scaled * scaled)) / power
 
 
 def sanitize(x: jax.Array) -> jax.Array:

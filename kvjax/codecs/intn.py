@@ -1,8 +1,9 @@
 """Naive token-wise asymmetric N-bit integer quantization: ``int:N`` (N in 2..8).
 
 Every vector (one token of one head) gets its own range: ``zero = min``,
-``scale = (max - min) / (2**N - 1)``, both stored as fp16, and each element becomes
-``q = round((x - zero) / scale)`` clipped to ``[0, 2**N - 1]``, bit-packed with
+``scale = (max - min) / (2**N - 1)``, both stored as fp16 (below fp16's smallest normal
+on its subnormal grid, the scale rounded up there: :func:`fp16_scale`), and each element
+becomes ``q = round((x - zero) / scale)`` clipped to ``[0, 2**N - 1]``, bit-packed with
 :func:`kvjax.primitives.packing.pack_bits`. This is the "naive int" baseline of the HQMQ paper and
 the building block that KIVI reuses along other axes (:mod:`kvjax.codecs.kivi`).
 
