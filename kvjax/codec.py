@@ -555,10 +555,15 @@ class Codec:
         if math.isfinite(self.limits.element):
             x = jnp.clip(x, -self.limits.element, self.limits.element)
         if math.isfinite(self.limits.norm):
-            norm = safe_norm(x)
-            # one ulp below the limit, so the norm recomputed from the result stays in range
+            scaled, power = _power_scaled(x)
+            scaled_norm = jnp.sqrt(_tree_sum(scaled * scaled))
+            # a norm beyond float32 (several elements near its largest value) is inf,
+            # still beyond the limit; the direction comes from the scaled copy, finite
+            over = scaled_norm / power > self.limits.norm
+            # a hair below the limit, so the norm recomputed from the result stays in range
             target = np.float32(self.limits.norm) * np.float32(1 - 2.0**-20)
-            x = jnp.where(norm > self.limits.norm, x * (target / jnp.maximum(norm, 1.0)), x)
+            shrink = target / jnp.where(scaled_norm > 0, scaled_norm, 1.0)
+            x = jnp.where(over, scaled * shrink, x)
         return x
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
@@ -625,13 +630,47 @@ class Codec:
                 "norm this codec's storage can represent")
 
 
+#: vectors whose largest element lies outside ``[2^-60, 2^60]`` are rescaled by a power of
+#: two before squaring (squares of float32 overflow beyond ~1.8e19 and underflow below
+#: ~1e-19); the bounds leave room for sums over any head dim
+_SQUARE_SAFE, _RESCALE = 2.0**60, 2.0**100
+
+
+def _power_scaled(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x * p, p)`` over the last axis of float32 ``x``, ``p`` a power of two (1 for most
+    vectors) that brings the largest element into ``[2^-60, 2^60]``.
+
+    A power of two scales exactly, and it is a normal float32 both ways: dividing by the
+    largest element instead, as a compiler may do through its reciprocal, flushes that
+    reciprocal to zero for elements near float32's largest (a subnormal)."""
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True, initial=0.0)
+    power = jnp.where(amax > _SQUARE_SAFE, np.float32(1 / _RESCALE),
+                      jnp.where(amax < 1 / _SQUARE_SAFE, np.float32(_RESCALE), np.float32(1)))
+    return x * power, power
+
+
+def _tree_sum(x: jax.Array) -> jax.Array:
+    """The sum over the last axis (kept as a size-1 axis) as a fixed tree of pairwise adds.
+
+    XLA vectorizes a reduction according to the whole array's shape, which moves the last
+    bit of a row's sum with the rows around it; elementwise adds of fixed halves give the
+    same bits for a vector whatever batch it comes in, so saturating it does too."""
+    if x.shape[-1] == 0:
+        return jnp.zeros((*x.shape[:-1], 1), x.dtype)
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        pairs = x[..., :half] + x[..., half : 2 * half]
+        x = jnp.concatenate([pairs, x[..., 2 * half :]], axis=-1) if x.shape[-1] % 2 else pairs
+    return x
+
+
 def safe_norm(x: jax.Array) -> jax.Array:
     """``|x|_2`` over the last axis (kept as a size-1 axis) in float32, without the
-    overflow of squaring elements beyond ~1.8e19: computed on ``x / max|x_i|``."""
-    x = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True, initial=0.0)
-    unit = x / jnp.where(amax > 0, amax, 1.0)
-    return amax * jnp.sqrt(jnp.sum(unit * unit, axis=-1, keepdims=True))
+    overflow of squaring elements beyond ~1.8e19 (or the underflow of tiny ones): computed
+    on ``x`` rescaled by a power of two. Norms beyond float32's range are ``inf``. The
+    bits of a vector's norm do not depend on the batch it comes in."""
+    scaled, power = _power_scaled(x.astype(jnp.float32))
+    return jnp.sqrt(_tree_sum(scaled * scaled)) / power
 
 
 def sanitize(x: jax.Array) -> jax.Array:

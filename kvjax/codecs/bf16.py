@@ -18,11 +18,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import Codec, Codes, DenseFormat, Example, Params, register
-from kvjax.codecs.intn import saturate
+from kvjax.codec import Codec, Codes, DenseFormat, Example, Limits, Params, register
 
-#: float32 values beyond this round to bf16 infinity; under jit (where +-Inf input has
-#: become the largest float32) clipping keeps the stored vectors finite
+#: float32 values beyond this round to bf16 infinity
 BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 
 
@@ -33,16 +31,13 @@ class _IdentityCodec(Codec):
     lossy: ClassVar[bool] = False
     storage: ClassVar[Any] = jnp.float32
 
-    def _store(self, x: jax.Array) -> jax.Array:
-        return x.astype(self.storage)
-
     @property
     def _bits(self):
         return jnp.dtype(f"uint{8 * jnp.dtype(self.storage).itemsize}")
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         del params
-        return {"x": jax.lax.bitcast_convert_type(self._store(x), self._bits)}
+        return {"x": jax.lax.bitcast_convert_type(x.astype(self.storage), self._bits)}
 
     def values(self, codes: Codes) -> jax.Array:
         """The stored vectors in the storage dtype (a bitcast of the codes, no copy)."""
@@ -72,9 +67,7 @@ class Bf16Codec(_IdentityCodec):
     name: ClassVar[str] = "bf16"
     examples: ClassVar[tuple[Example, ...]] = (Example("bf16", rel_mse=4e-6),)
     storage: ClassVar[Any] = jnp.bfloat16
-
-    def _store(self, x: jax.Array) -> jax.Array:
-        return saturate(x, BF16_MAX, self.spec).astype(jnp.bfloat16)
+    limits: ClassVar[Limits] = Limits(element=BF16_MAX)
 
 
 @register

@@ -24,13 +24,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import Codec, Codes, Example, Params, register, round_to_dtype
-from kvjax.codecs.intn import FP16_MAX, exact_bits, saturate
+from kvjax.codec import (
+    FP16_MAX,
+    FP16_TINY,
+    Codec,
+    Codes,
+    Example,
+    Limits,
+    Params,
+    register,
+    round_to_dtype,
+)
+from kvjax.codecs.intn import exact_bits
 
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
-#: smallest normal fp16: a floor that keeps the stored scale positive (all-zero vectors
-#: decode to exactly 0) and its fp16 rounding relative, not absolute
-SCALE_FLOOR = float(jnp.finfo(jnp.float16).smallest_normal)
 
 
 @register
@@ -39,17 +46,20 @@ class Fp8Codec(Codec):
     """Per-vector scaled float8 e4m3fn (no options)."""
 
     name: ClassVar[str] = "fp8"
+    #: the fp16 scale tops out at FP16_MAX, which bounds the representable amax
+    limits: ClassVar[Limits] = Limits(element=E4M3_MAX * FP16_MAX)
     examples: ClassVar[tuple[Example, ...]] = (Example("fp8", rel_mse=1e-3),)
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         del params
-        # the fp16 scale tops out at FP16_MAX, which bounds the representable amax
-        x = saturate(x, E4M3_MAX * FP16_MAX, self.spec)
         amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
         # an explicit reciprocal: XLA would substitute one for a constant divisor under
         # jit only, and the stored scale should not depend on the calling context
         scale = amax * np.float32(1.0 / E4M3_MAX)
-        scale = round_to_dtype(jnp.clip(scale, SCALE_FLOOR, FP16_MAX), jnp.float16)
+        # floored at the smallest normal fp16: the scale stays positive (all-zero vectors
+        # decode to exactly 0) and its rounding relative; below the floor the payload's
+        # own subnormals carry the vector, to within 2**-10 * FP16_TINY = FP16_STEP
+        scale = round_to_dtype(jnp.maximum(scale, FP16_TINY), jnp.float16)
         # fp16 rounding may have lowered the scale a hair, pushing amax past 448
         y = jnp.clip(x / scale, -E4M3_MAX, E4M3_MAX)
         payload = jax.lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8)

@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import Codec, Codes, Example, Option, Params, register, round_to_dtype
-from kvjax.codecs.intn import FP16_MAX, FP16_TINY, exact_bits, head_dim_marker
+from kvjax.codec import FP16_MAX, Codec, Codes, Example, Limits, Option, Params, register
+from kvjax.codecs.intn import exact_bits, fp16_scale, head_dim_marker
 from kvjax.primitives.packing import (
     fields_bits,
     from_units,
@@ -86,6 +86,8 @@ class HqmqCodec(Codec):
     """
 
     name: ClassVar[str] = "hqmq"
+    #: the fp16 scale is the largest chunk radius, which the vector's norm bounds
+    limits: ClassVar[Limits] = Limits(norm=FP16_MAX)
     options: ClassVar[tuple[Option, ...]] = (
         Option.flag("secondary", "s", "secondary codebook size", "S", lo=MIN_SECONDARY,
                     hi=MAX_SECONDARY, always=True),
@@ -120,17 +122,14 @@ class HqmqCodec(Codec):
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         head_dim = x.shape[-1]
-        # a chunk's radius is at most twice its largest element: keep scales fp16-finite
-        x = jnp.clip(x, -FP16_MAX / 2, FP16_MAX / 2)
         chunks = to_chunks(x)
         radius = jnp.linalg.norm(chunks, axis=-1)
         direction = chunks / jnp.maximum(radius, 1e-30)[..., None]
         index = self.nearest_codeword(params["secondary"], direction)
 
         levels = 2**self.radius_bits - 1
-        scale = jnp.max(radius, axis=-1, keepdims=True)
-        scale = jnp.where(scale > 0, jnp.maximum(scale, FP16_TINY), 0.0)
-        scale = round_to_dtype(scale, jnp.float16)
+        # a subnormal scale rounds up, so that the largest radius keeps its top level
+        scale = fp16_scale(jnp.max(radius, axis=-1, keepdims=True))
         positive = scale > 0
         q = jnp.round(radius / jnp.where(positive, scale, 1.0) * levels)
         q = jnp.where(positive, jnp.clip(q, 0, levels), 0).astype(jnp.uint32)

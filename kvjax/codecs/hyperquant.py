@@ -85,8 +85,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import EXACT, Codec, CodecError, Codes, Example, Option, Params, register
-from kvjax.codecs.intn import FP16_MAX, exact_bits
+from kvjax.codec import (
+    EXACT,
+    FP16_MAX,
+    Codec,
+    CodecError,
+    Codes,
+    Example,
+    Limits,
+    Option,
+    Params,
+    register,
+)
+from kvjax.codecs.intn import exact_bits
 from kvjax.codecs.rotated import stored_norm
 from kvjax.primitives import rice
 from kvjax.primitives.codebooks import codebook_dir
@@ -348,6 +359,8 @@ class HyperQuantCodec(Codec):
     """HyperQuant at a target Rice rate (see the module docstring)."""
 
     name: ClassVar[str] = "hyperquant"
+    #: the norm is stored in fp16
+    limits: ClassVar[Limits] = Limits(norm=FP16_MAX)
     options: ClassVar[tuple[Option, ...]] = (
         Option.choice("lattice", LATTICES, "lattice", "LATTICE"),
         Option.suffix("rate", "bps", "rate", "RATE", type=float, lo=MIN_RATE, hi=MAX_RATE),
@@ -472,7 +485,6 @@ class HyperQuantCodec(Codec):
             raise CodecError(f"{self.spec}: vectors of head_dim {head_dim} given to "
                              f"parameters made for head_dim {params['rht_signs'].shape[-1]}")
         plan = self.plan(head_dim)
-        x = jnp.clip(x, -FP16_MAX, FP16_MAX)
         exact_norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
         norm = stored_norm(x)
         unit = x / jnp.where(exact_norm > 0, exact_norm, 1.0)

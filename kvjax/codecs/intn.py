@@ -1,8 +1,9 @@
 """Naive token-wise asymmetric N-bit integer quantization: ``int:N`` (N in 2..8).
 
 Every vector (one token of one head) gets its own range: ``zero = min``,
-``scale = (max - min) / (2**N - 1)``, both stored as fp16, and each element becomes
-``q = round((x - zero) / scale)`` clipped to ``[0, 2**N - 1]``, bit-packed with
+``scale = (max - min) / (2**N - 1)``, both stored as fp16 (below fp16's smallest normal
+on its subnormal grid, the scale rounded up there: :func:`fp16_scale`), and each element
+becomes ``q = round((x - zero) / scale)`` clipped to ``[0, 2**N - 1]``, bit-packed with
 :func:`kvjax.primitives.packing.pack_bits`. This is the "naive int" baseline of the HQMQ paper and
 the building block that KIVI reuses along other axes (:mod:`kvjax.codecs.kivi`).
 
@@ -27,11 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.codec import (
+    FP16_MAX,
+    FP16_STEP,
+    FP16_TINY,
     Codec,
-    CodecError,
     Codes,
     Example,
     IntFormat,
+    Limits,
     Option,
     Params,
     packed_words,
@@ -41,27 +45,9 @@ from kvjax.codec import (
 from kvjax.primitives.packing import pack_bits, unpack_bits
 
 MIN_BITS, MAX_BITS = 2, 8
-#: largest finite fp16: the scale and zero are fp16, so no vector may reach beyond it
-FP16_MAX = float(jnp.finfo(jnp.float16).max)
-FP16_TINY = float(jnp.finfo(jnp.float16).smallest_normal)
 
 
-# -- helpers shared by the scalar codecs (int, kivi, fp8, bf16) ------------------------
-
-
-def saturate(x: jax.Array, limit: float, spec: str) -> jax.Array:
-    """Clip ``x`` to ``[-limit, limit]``; outside ``jit``, raise if anything exceeds it.
-
-    The metadata (fp16 scales, bf16 storage) cannot represent larger magnitudes, so an
-    eager caller gets a :class:`CodecError` instead of a silent wrong answer, while
-    under ``jit`` (values unknown) clipping keeps the codes finite.
-    """
-    if not isinstance(x, jax.core.Tracer) and x.size and bool(jnp.max(jnp.abs(x)) > limit):
-        raise CodecError(
-            f"{spec}: input magnitude {float(jnp.max(jnp.abs(x))):.4g} exceeds {limit:.6g}, "
-            "the largest value this codec's storage can represent"
-        )
-    return jnp.clip(x, -limit, limit)
+# -- helpers shared by the scalar codecs (int, kivi, hqmq) --------------------------------
 
 
 def head_dim_marker(x: jax.Array) -> jax.Array:
@@ -75,21 +61,33 @@ def head_dim_marker(x: jax.Array) -> jax.Array:
     return jnp.zeros((*x.shape[:-1], 0, x.shape[-1]), jnp.uint8)
 
 
+def fp16_scale(scale: jax.Array) -> jax.Array:
+    """A non-negative grid step as the fp16 value that is stored (returned as float32).
+
+    In fp16's normal range it is rounded to nearest. Below :data:`~kvjax.codec.FP16_TINY`
+    it is rounded *up* to the next multiple of :data:`~kvjax.codec.FP16_STEP`: there the
+    grid is absolute, and rounding a scale of 1.4 steps down to 1 would make the top
+    codes clip 30% of the range, while rounding up only widens the steps by at most
+    ``FP16_STEP``. So a tiny range keeps codes that span it, and its error stays on the
+    order of ``FP16_STEP`` instead of the whole vector (a floor at ``FP16_TINY``, the
+    smallest normal, would round every code of a vector near 1e-6 to the zero point).
+    """
+    up = jnp.ceil(scale * np.float32(1.0 / FP16_STEP)) * np.float32(FP16_STEP)
+    return jnp.where(scale < FP16_TINY, up, round_to_dtype(scale, jnp.float16))
+
+
 def asymmetric_params(lo: jax.Array, hi: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
     """fp16 ``(scale, zero)`` of an asymmetric ``bits``-bit grid spanning ``[lo, hi]``.
 
-    Inputs must lie within fp16 range (see :func:`saturate`), so ``hi - lo`` over the
-    level count stays finite in fp16 for ``bits >= 2``. A constant range gives scale 0,
-    which :func:`quantize` guards.
+    Inputs lie within fp16 range (the codecs' :attr:`~kvjax.codec.Codec.limits`), so
+    ``hi - lo`` over the level count stays finite in fp16 for ``bits >= 2``. A constant
+    range gives scale 0, which :func:`quantize` guards. Scale and zero below fp16's
+    smallest normal are stored on its subnormal grid (:func:`fp16_scale`).
     """
     # a compiler that sees a constant divisor may multiply by its rounded reciprocal
     # instead (XLA does under jit), changing the last bit; multiplying explicitly gives
     # the same scale eagerly, under jit and in a numpy reference
-    scale = (hi - lo) * np.float32(1.0 / (2**bits - 1))
-    # a subnormal scale would flush to zero in round_to_dtype: floor it at the smallest
-    # normal fp16 (ranges that small quantize finer than needed, never coarser)
-    scale = jnp.where(scale > 0, jnp.maximum(scale, FP16_TINY), 0.0)
-    scale = round_to_dtype(scale, jnp.float16)
+    scale = fp16_scale((hi - lo) * np.float32(1.0 / (2**bits - 1)))
     zero = round_to_dtype(lo, jnp.float16)
     return scale.astype(jnp.float16), zero.astype(jnp.float16)
 
@@ -144,10 +142,12 @@ BITS_OPTION = Option.value("bits", "bit width", "N", lo=MIN_BITS, hi=MAX_BITS)
 class IntCodec(Codec):
     """Token-wise asymmetric ``bits``-bit quantization with fp16 scale and zero per vector.
 
-    Constant vectors get scale 0 and decode to their fp16-rounded value.
+    Constant vectors get scale 0 and decode to their fp16-rounded value. The fp16 zero
+    point (the smallest element) bounds every element by ``FP16_MAX``.
     """
 
     name: ClassVar[str] = "int"
+    limits: ClassVar[Limits] = Limits(element=FP16_MAX)
     options: ClassVar[tuple[Option, ...]] = (BITS_OPTION,)
     examples: ClassVar[tuple[Example, ...]] = (
         Example("int:4", rel_mse=0.012), Example("int:3", rel_mse=0.055, head_dim=80),
@@ -157,7 +157,6 @@ class IntCodec(Codec):
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         del params
-        x = saturate(x, FP16_MAX, self.spec)
         lo = jnp.min(x, axis=-1, keepdims=True)
         hi = jnp.max(x, axis=-1, keepdims=True)
         scale, zero = asymmetric_params(lo, hi, self.bits)

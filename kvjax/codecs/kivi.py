@@ -52,15 +52,23 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import Codec, Codes, Example, Option, Params, packed_words, register
+from kvjax.codec import (
+    FP16_MAX,
+    Codec,
+    Codes,
+    Example,
+    Limits,
+    Option,
+    Params,
+    packed_words,
+    register,
+)
 from kvjax.codecs.intn import (
     BITS_OPTION,
-    FP16_MAX,
     asymmetric_params,
     dequantize,
     exact_bits,
     quantize,
-    saturate,
     token_codes,
 )
 from kvjax.primitives.packing import pack_bits, unpack_bits
@@ -79,6 +87,8 @@ class KiviCodec(Codec):
     """
 
     name: ClassVar[str] = "kivi"
+    #: fp16 zero points (a group's smallest element) bound every element
+    limits: ClassVar[Limits] = Limits(element=FP16_MAX)
     options: ClassVar[tuple[Option, ...]] = (
         BITS_OPTION,
         Option.flag("group", "g", "group size", "G", lo=MIN_GROUP, hi=MAX_GROUP, always=True),
@@ -110,7 +120,6 @@ class KiviCodec(Codec):
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         del params
-        x = saturate(x, FP16_MAX, self.spec)
         if self.per_token:
             return self._encode_tokens(x)
         return self._encode_channels(x)

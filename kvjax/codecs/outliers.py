@@ -41,8 +41,8 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import Codec, CodecError, Codes, Example, Option, Params
-from kvjax.codecs.intn import FP16_MAX, exact_bits
+from kvjax.codec import FP16_MAX, Codec, CodecError, Codes, Example, Limits, Option, Params
+from kvjax.codecs.intn import exact_bits
 from kvjax.primitives.packing import num_words, pack_bits, unpack_bits
 from kvjax.primitives.quaternion import num_chunks, to_chunks
 
@@ -104,6 +104,14 @@ class MedOutlierCodec(Codec):
         return self.block
 
     @property
+    def limits(self) -> Limits:  # type: ignore[override]
+        """The base codec's, with elements bounded by ``FP16_MAX`` (the outlier chunks
+        are stored in fp16). Zeroing outlier chunks only shortens a vector, so what the
+        base codec encodes stays within its own limits."""
+        base = self.base.limits
+        return Limits(element=min(base.element, FP16_MAX), norm=base.norm)
+
+    @property
     def spec(self) -> str:
         """``BASE,medC`` (``BASE:medC`` for a base without options), then ``mbN`` and
         ``mpP`` where not the defaults."""
@@ -131,7 +139,6 @@ class MedOutlierCodec(Codec):
         head_dim, tokens = x.shape[-1], x.shape[-2]
         lead, nb, n = x.shape[:-2], tokens // self.block, self.block
         c4 = num_chunks(head_dim)
-        x = jnp.clip(x, -FP16_MAX, FP16_MAX)
         chunks = to_chunks(x).reshape(*lead, nb, n * c4, 4)
         norm = jnp.linalg.norm(chunks, axis=-1)  # [..., NB, n * c4]
         threshold = self.multiplier * jnp.median(norm, axis=-1, keepdims=True)

@@ -38,15 +38,17 @@ import jax.numpy as jnp
 
 from kvjax.codec import (
     EXACT,
+    FP16_MAX,
     Codec,
     CodecError,
     Codes,
+    Limits,
     Option,
     Params,
     packed_words,
     round_to_dtype,
 )
-from kvjax.codecs.intn import FP16_MAX, FP16_TINY, exact_bits
+from kvjax.codecs.intn import exact_bits
 from kvjax.codecs.kivi import KiviCodec
 from kvjax.primitives.packing import pack_bits, unpack_bits
 from kvjax.primitives.rotations import (
@@ -70,12 +72,14 @@ def check_power_of_two(codec: Codec, head_dim: int) -> None:
 
 
 def stored_norm(x: jax.Array) -> jax.Array:
-    """``|x|`` over the last axis as the fp16 value that is stored (returned as float32):
-    clipped to the fp16 range and kept at or above its smallest normal unless zero."""
-    norm = jnp.linalg.norm(jnp.clip(x, -FP16_MAX, FP16_MAX), axis=-1, keepdims=True)
-    norm = jnp.minimum(norm, FP16_MAX)
-    norm = jnp.where(norm > 0, jnp.maximum(norm, FP16_TINY), 0.0)
-    return round_to_dtype(norm, jnp.float16)
+    """``|x|`` over the last axis as the fp16 value that is stored (returned as float32).
+
+    ``x`` is within the codec's limits (a norm of at most ``FP16_MAX``, so no square
+    overflows float32). A norm below fp16's smallest normal is kept on its subnormal
+    grid: absolute precision ``FP16_STEP / 2`` rather than a floor that would inflate a
+    vector near 1e-6 several times over.
+    """
+    return round_to_dtype(jnp.linalg.norm(x, axis=-1, keepdims=True), jnp.float16)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +88,13 @@ class RotatedCodec(Codec):
     :meth:`encode_unit` / :meth:`decode_unit` and count its bits in :meth:`unit_bits`."""
 
     qjl: bool = False
+
+    @property
+    def limits(self) -> Limits:  # type: ignore[override]
+        """The fp16 norm bounds ``|x|`` by ``FP16_MAX``; with QJL by half that: the fp16
+        residual norm ``|x - x_hat|`` can exceed ``|x|`` (about ``1.28 |x|`` at 1 bit
+        per coordinate, for a vector that rotates onto one axis)."""
+        return Limits(norm=FP16_MAX / 2 if self.qjl else FP16_MAX)
 
     @property
     def scores_reconstruct(self) -> bool:  # type: ignore[override]
@@ -131,18 +142,14 @@ class RotatedCodec(Codec):
         if params["signs"].shape[-1] != x.shape[-1]:
             raise CodecError(f"{self.spec}: vectors of head_dim {x.shape[-1]} given to "
                              f"parameters made for head_dim {params['signs'].shape[-1]}")
-        # the stored norm is that of the vector clipped to the fp16 range; the direction
-        # must be too, or beyond it (+-Inf under jit) the unit vector is not one and
-        # stored radii (PolarQuant below full depth) overflow
-        x = jnp.clip(x, -FP16_MAX, FP16_MAX)
         norm = stored_norm(x)
         y = randomized_hadamard(x / jnp.where(norm > 0, norm, 1.0), params["signs"])
         codes = self.encode_unit(y)
         codes["norm"] = norm.astype(jnp.float16)
         if self.qjl:
             residual = x - self.decode_quantized(params, codes)
-            rnorm = jnp.linalg.norm(residual, axis=-1, keepdims=True)
-            rnorm = round_to_dtype(jnp.minimum(rnorm, FP16_MAX), jnp.float16)
+            rnorm = round_to_dtype(jnp.linalg.norm(residual, axis=-1, keepdims=True),
+                                   jnp.float16)
             projected = jnp.einsum("...d,ed->...e", residual, params["sketch"],
                                    precision=EXACT)
             codes["qjl"] = pack_bits((projected >= 0).astype(jnp.uint32), 1)

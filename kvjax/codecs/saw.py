@@ -31,11 +31,13 @@ import jax.numpy as jnp
 
 from kvjax.codec import (
     EXACT,
+    FP16_MAX,
     Codec,
     CodecError,
     Codes,
     Example,
     IntFormat,
+    Limits,
     Option,
     Params,
     register,
@@ -55,6 +57,10 @@ class SawCodec(Codec):
     """
 
     name: ClassVar[str] = "saw"
+    #: ``int:N``'s fp16 zero point bounds the elements of the *rotated* vector; no
+    #: element of ``R x`` exceeds ``|R x| = |x|``, so bounding the norm guarantees it
+    #: whatever the rotation (an element bound on ``x`` would need ``sqrt(H)`` of margin)
+    limits: ClassVar[Limits] = Limits(norm=FP16_MAX)
     options: ClassVar[tuple[Option, ...]] = (
         Option.flag("block", "h", "rotation block", "H", choices=BLOCKS, always=True),
         Option.flag("bits", "b", "bit width", "N", lo=MIN_BITS, hi=MAX_BITS, always=True),
@@ -103,9 +109,6 @@ class SawCodec(Codec):
         return block_hadamard(y.astype(jnp.float32), self.block) * params["signs"]
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
-        # int:N checks magnitudes against fp16's range on the rotated vector, which
-        # is what gets stored; rotation preserves the norm, so no entry grows by more
-        # than sqrt(block)
         return self._int._encode(None, self.rotate(params, x))
 
     def decode_rotated(self, params: Params, codes: Codes, dtype: Any = jnp.float32):

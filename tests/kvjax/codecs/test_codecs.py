@@ -45,7 +45,7 @@ ZERO_ROWS = [0, 9, 31, 200]
 BAD_AT = (5, 7)  # (token, channel) of the non-finite or too large element
 SLICES = [
     "gauss0", "gauss1", "outliers", *[f"const{i}" for i in range(len(CONSTANTS))],
-    "zero_rows", "clean", "nan", "nan_as_zero", "inf", "-inf", "huge",
+    "zero_rows", "clean", "tiny", "tinier", "nan", "nan_as_zero", "inf", "-inf", "huge",
 ]
 FINITE = [name for name in SLICES if name not in ("nan", "inf", "-inf", "huge")]
 def gaussian(seed, shape):
@@ -75,6 +75,9 @@ def make_batch(d):
     }
     for i, c in enumerate(CONSTANTS):
         slices[f"const{i}"] = np.full((TOKENS, d), c)
+    # metadata in fp16's subnormal range: scales and zeros on its absolute grid
+    slices["tiny"] = 1e-6 * clean
+    slices["tinier"] = 2e-8 * clean
     slices["zero_rows"] = clean.copy()
     slices["zero_rows"][ZERO_ROWS] = 0.0
     for name, bad in [("nan", np.nan), ("nan_as_zero", 0.0), ("inf", np.inf),
@@ -109,11 +112,20 @@ def assert_codes_equal(a, b):
 
 
 FP16_TINY = np.float32(np.finfo(np.float16).smallest_normal)
+FP16_STEP = np.float32(np.finfo(np.float16).smallest_subnormal)
 
 
 def to_fp16(x):
-    """Round to fp16, subnormals included, as stored scales and zeros are."""
+    """Round to fp16, subnormals included, as stored zeros are."""
     return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+def scale_to_fp16(scale):
+    """The documented rule of stored scales: fp16 to nearest in the normal range, rounded
+    up to a multiple of the smallest subnormal below it (so the top code never clips)."""
+    scale = np.asarray(scale, np.float32)
+    up = np.ceil(scale / FP16_STEP) * FP16_STEP
+    return np.where(scale < FP16_TINY, up, to_fp16(scale)).astype(np.float32)
 
 
 def element_grid(codec, codes, shape):
@@ -165,9 +177,7 @@ def test_integer_codecs_match_numpy_reference(spec, d):
     codes = {k: v[idx] for k, v in codes.items()}
     levels = 2**codec.bits - 1
     lo, hi = element_ranges(codec, x)
-    scale = (hi - lo) * np.float32(1 / levels)
-    scale = np.where(scale > 0, np.maximum(scale, FP16_TINY), 0)  # documented floor
-    scale = to_fp16(scale)
+    scale = scale_to_fp16((hi - lo) * np.float32(1 / levels))
     zero = to_fp16(lo)
     stored_scale, stored_zero = element_grid(codec, codes, x.shape)
     np.testing.assert_array_equal(stored_scale, scale)
@@ -189,10 +199,23 @@ def test_integer_codecs_error_within_half_step(spec, d):
     levels = 2**codec.bits - 1
     # interior elements round to the nearest grid point (half a step); the extremes may
     # also be off by the fp16 rounding of the zero and of the scale times the levels
-    # (a zero in fp16's subnormal range is stored on the subnormal grid)
-    slack = 2.0**-10 * (np.abs(zero) + levels * scale) + FP16_TINY
+    # (a zero in fp16's subnormal range is stored on the subnormal grid, within half a
+    # step of it; a subnormal scale is rounded up, which no code pays for beyond scale/2)
+    slack = 2.0**-10 * (np.abs(zero) + levels * scale) + FP16_STEP
     excess = np.abs(x - x_hat) - (scale / 2 + slack)
     assert np.all(excess <= 0), float(np.max(excess))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_tiny_vectors_keep_their_error_up_to_fp16_subnormal_steps(spec):
+    # the same vectors at 1e-6 and 2e-8: metadata below fp16's smallest normal costs an
+    # absolute error of about FP16_STEP per element, never the whole vector
+    x, results = batch(64)
+    x_hat = results[spec][1]
+    err = {name: np.linalg.norm(x_hat[at(name)] - x[at(name)]) for name in SLICES}
+    floor = FP16_STEP * np.sqrt(x[0].size)
+    for name, factor in (("tiny", 1e-6), ("tinier", 2e-8)):
+        assert err[name] <= 1.25 * factor * err["clean"] + floor, name
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
