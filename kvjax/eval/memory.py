@@ -191,7 +191,9 @@ def bytes_per_token(
     """
     config, dims, _ = _checked(config, num_layers, num_kv_heads, head_dim, 1)
     tokens = _whole_blocks(config, dims[0])
-    start = max(1, config.sink_tokens + config.residual_window)
+    # past sinks, window and a whole block, where the raw buffer has reached its full
+    # size (a cache shorter than that sizes it by its capacity)
+    start = config.sink_tokens + config.residual_window + tokens
     dtype = jnp.dtype(jnp.bfloat16)
     _, k0, v0 = _sizes(config, *dims, start, 1, dtype)
     _, k1, v1 = _sizes(config, *dims, start + tokens, 1, dtype)

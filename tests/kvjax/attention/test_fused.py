@@ -56,6 +56,7 @@ def test_saw_offers_rotated_int_codes(spec):
     # full float32: a GPU would run a default-precision matmul in TF32
     rotated = jnp.matmul(x, r.T, precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(rotated, codec.rotate(params, x), atol=1e-5)
+    r = np.asarray(r, np.float64)
     np.testing.assert_allclose(r @ r.T, np.eye(64), atol=1e-5)
     codes = codec.encode(params, x)
     k_codes, scale, zero = fmt.arrays(codes)

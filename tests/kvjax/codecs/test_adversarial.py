@@ -8,8 +8,8 @@ A batch holds :data:`ROWS` rows of whole codec blocks, each row one kind of vect
 scales, a spike over a faint background, one-hot, random signs, constant, all zero,
 NaN/Inf among Gaussians), drawn at unit scale and multiplied by a power of two:
 log-uniform from 1e-8 to 1e30 (float16 inputs: from 1e-3 to its largest value), or just
-inside or just outside the codec's limits. The first batch also pins the two vectors of the issue
-that this suite guards (:data:`PINNED`). Inputs come in the case's dtype (float32,
+inside or just outside the codec's limits. The first batch also pins two vectors that
+once went wrong (:data:`PINNED`). Inputs come in the case's dtype (float32,
 bfloat16 or float16, by turns). What each row must give:
 
 * outside ``jit``, ``encode`` raises a one-line :class:`CodecError` that starts with the
@@ -128,9 +128,10 @@ def excess(codec: Codec, x: np.ndarray) -> np.ndarray:
     return np.maximum(ratio, np.linalg.norm(x, axis=-1) / limits.norm)
 
 
-#: the first batch of every case starts with the issue's cases: one coordinate near 1e30
-#: over a unit background (PolarQuant below full depth decoded it to NaN), and a vector
-#: of elements near 30000, within fp16, whose norm is not (norm codecs shrank it silently)
+#: the first batch of every case starts with two vectors that once went wrong: one
+#: coordinate near 1e30 over a unit background (PolarQuant below full depth decoded it
+#: to NaN), and a vector of elements near 30000, within fp16, whose norm is not (norm
+#: codecs shrank it silently)
 PINNED = ((("spike", -100), 100), (("signs", 0), 14))
 
 
