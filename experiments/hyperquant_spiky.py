@@ -13,9 +13,11 @@ of the Gaussian batch (the hot path of a decode step encodes one block per head)
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +59,15 @@ def encode_ms(codec, params, x, repeats: int = 30) -> float:
     return 1e3 * statistics.median(samples)
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--spec", action="append", help=f"codec spec, repeatable (default: {SPECS})")
+    args = p.parse_args(argv)
     data = batches()
     kinds = list(data)
     print("| spec | " + " | ".join(kinds) + " | encode ms |")
     print("|---" * (len(kinds) + 2) + "|")
-    for spec in SPECS:
+    for spec in args.spec or SPECS:
         codec = parse_codec(spec)
         params = codec.init(jax.random.key(0), HEAD_DIM)
         cells = []
