@@ -752,6 +752,54 @@ class IntFormat(KernelFormat):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupIntFormat(KernelFormat):
+    """Token-wise integer codes with a scale and zero per group of ``group`` channels:
+    dim ``d`` of a stored vector is ``zero[d // group] + scale[d // group] * c[d]`` (the
+    value variant of KIVI).
+
+    Codes pytree: ``"codes"`` uint32 ``[..., T, W]`` (planar :func:`kvjax.primitives.
+    packing.pack_bits` words of ``bits``-bit codes), ``"scale"`` and ``"zero"`` ``[..., T,
+    ceil(D / group)]``.
+    """
+
+    bits: int
+    group: int
+
+    def arrays(self, codes: Codes) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(codes [..., T, W], scale [..., T, n], zero [..., T, n])``."""
+        return codes["codes"], codes["scale"], codes["zero"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CodebookFormat(KernelFormat):
+    """Rotated scalar-codebook codes (TurboQuant): a stored vector is ``|x| R^T y`` with
+    ``R`` the randomized Walsh-Hadamard rotation of ``params["signs"]`` and every
+    coordinate of ``y`` read from a symmetric codebook by a ``bits``-bit sign-magnitude
+    code (top bit the sign, the rest the rank of the magnitude).
+
+    Codes pytree: ``"codes"`` uint32 ``[..., T, W]`` (planar words, or for 3 bits
+    :func:`kvjax.primitives.packing.pack_split`), ``"norm"`` float16 ``[..., T, 1]``; with
+    ``qjl`` also ``"qjl"`` uint32 ``[..., T, D / 32]`` (1-bit planar signs of ``G r``) and
+    ``"residual_norm"`` float16 ``[..., T, 1]``, and ``params["sketch"]`` is ``G``: the
+    score of a query ``q`` adds ``sqrt(pi / 2) / D * |r| * <G q, sign(G r)>``.
+    ``magnitudes(head_dim, bits)`` gives the codebook's ``2^(bits-1)`` magnitudes,
+    ascending.
+    """
+
+    bits: int
+    qjl: bool
+    magnitudes: Callable[[int, int], tuple[float, ...]]
+
+    def arrays(self, codes: Codes) -> tuple[jax.Array, ...]:
+        """``(codes [..., T, W], norm [..., T])`` and with QJL ``(qjl [..., T, D / 32],
+        residual_norm [..., T])`` after them."""
+        out = (codes["codes"], codes["norm"][..., 0])
+        if self.qjl:
+            out += (codes["qjl"], codes["residual_norm"][..., 0])
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DenseFormat(KernelFormat):
     """Vectors stored as they are, in ``dtype``; ``values(codes) -> [..., T, D]`` gives
     them back without a copy."""

@@ -57,6 +57,7 @@ from kvjax.codec import (
     Codec,
     Codes,
     Example,
+    GroupIntFormat,
     Limits,
     Option,
     Params,
@@ -161,6 +162,10 @@ class KiviCodec(Codec):
         x = dequantize(q, codes["scale"][..., None, :], codes["zero"][..., None, :])
         *lead, blocks, group, _ = x.shape
         return x.reshape(*lead, blocks * group, d).astype(dtype)
+
+    def kernel_formats(self) -> tuple[GroupIntFormat, ...]:
+        """The value variant's codes with their per-group scales and zeros."""
+        return (GroupIntFormat(bits=self.bits, group=self.group),) if self.per_token else ()
 
     def bits_per_element(self, head_dim: int) -> float:
         """Packed codes (word padding included) plus the fp16 scale/zero pairs."""

@@ -21,6 +21,15 @@ Codes of ``x[..., T, D]``::
     codes     uint32[..., T, W]    W = ceil(D * B / 32), the D indices bit-packed
     norm      float16[..., T, 1]
 
+The codebook is symmetric (``c[2^B - 1 - i] = -c[i]``), so an index is stored in
+sign-magnitude form: the top bit the sign, the low ``B - 1`` bits the rank of ``|c|``
+among the ``2^(B-1)`` magnitudes. A kernel then looks a code up in a table of the
+magnitudes alone, small enough for registers (:class:`~kvjax.codec.CodebookFormat`). The
+words are planar (:func:`~kvjax.primitives.packing.pack_bits`) for B in 1, 2, 4, 8 and,
+for B = 3 at D a multiple of 32, split: the magnitudes' 2 bits planar and the signs on
+words of their own (:func:`~kvjax.primitives.packing.pack_split`); other widths are
+bit-dense. Every layout holds exactly ``D * B`` bits (plus the last word's padding).
+
 Bits per element: ``32 W / D + 16 / D``. Values (``value_codec``) are stored by the
 group-wise INT of the OCTOPUS paper's LLM recipe: ``kivi:max(B, 2),g32,token``.
 
@@ -35,12 +44,27 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 
-from kvjax.codec import CodecError, Codes, Example, Option, packed_words, register
+from kvjax.codec import (
+    CodebookFormat,
+    CodecError,
+    Codes,
+    Example,
+    Option,
+    packed_words,
+    register,
+)
 from kvjax.codecs.rotated import QJL_OPTION, RotatedCodec
 from kvjax.primitives import lloyd
 from kvjax.primitives.codebooks import lloyd_codebook
-from kvjax.primitives.packing import pack_bits, unpack_bits
+from kvjax.primitives.packing import (
+    is_split_planar,
+    pack_bits,
+    pack_split,
+    unpack_bits,
+    unpack_split,
+)
 
 MIN_BITS, MAX_BITS = 1, 8
 
@@ -48,6 +72,36 @@ MIN_BITS, MAX_BITS = 1, 8
 def rotated_coordinate_codebook(head_dim: int, bits: int) -> lloyd.LloydMaxQuantizer:
     """The Lloyd-Max codebook of one coordinate of a uniform point on S^{head_dim - 1}."""
     return lloyd_codebook(lloyd.sphere_coordinate(head_dim), bits)
+
+
+def to_sign_magnitude(index: jax.Array, bits: int) -> jax.Array:
+    """Sorted codebook indices as sign-magnitude codes (see the module docstring):
+    index ``half + m`` -> ``m``, index ``half - 1 - m`` -> ``half | m``."""
+    half = 1 << (bits - 1)
+    i = index.astype(jnp.uint32)
+    return jnp.where(i >= half, i - half, (2 * half - 1) - i).astype(jnp.uint32)
+
+
+def from_sign_magnitude(code: jax.Array, bits: int) -> jax.Array:
+    """Inverse of :func:`to_sign_magnitude`: sorted codebook indices."""
+    half = 1 << (bits - 1)
+    c = code.astype(jnp.uint32)
+    return jnp.where(c >= half, (2 * half - 1) - c, c + half).astype(jnp.uint32)
+
+
+def pack_indices(code: jax.Array, bits: int) -> jax.Array:
+    """Sign-magnitude codes ``[..., D]`` in their stored words: split for 3 bits where it
+    applies, else :func:`~kvjax.primitives.packing.pack_bits`."""
+    if is_split_planar(code.shape[-1], bits):
+        return pack_split(code)
+    return pack_bits(code, bits)
+
+
+def unpack_indices(words: jax.Array, bits: int, head_dim: int) -> jax.Array:
+    """Inverse of :func:`pack_indices`."""
+    if is_split_planar(head_dim, bits):
+        return unpack_split(words, head_dim)
+    return unpack_bits(words, bits, head_dim)
 
 
 @register
@@ -87,14 +141,28 @@ class TurboQuantCodec(RotatedCodec):
 
     def encode_unit(self, y: jax.Array) -> Codes:
         """``codes``: the ``D`` Lloyd-Max indices bit-packed into uint32 words."""
-        codebook = rotated_coordinate_codebook(y.shape[-1], self.mse_bits)
-        return {"codes": pack_bits(lloyd.quantize(y, codebook), self.mse_bits)}
+        bits = self.mse_bits
+        index = lloyd.quantize(y, rotated_coordinate_codebook(y.shape[-1], bits))
+        return {"codes": pack_indices(to_sign_magnitude(index, bits), bits)}
 
     def decode_unit(self, codes: Codes, head_dim: int) -> jax.Array:
         """The codebook's centroids of the indices."""
-        codebook = rotated_coordinate_codebook(head_dim, self.mse_bits)
-        return lloyd.dequantize(unpack_bits(codes["codes"], self.mse_bits, head_dim), codebook)
+        bits = self.mse_bits
+        code = unpack_indices(codes["codes"], bits, head_dim)
+        return lloyd.dequantize(from_sign_magnitude(code, bits),
+                                rotated_coordinate_codebook(head_dim, bits))
 
     def unit_bits(self, head_dim: int) -> int:
         """The packed words' bits."""
         return 32 * packed_words(head_dim, self.mse_bits)
+
+    def kernel_formats(self) -> tuple[CodebookFormat, ...]:
+        """The rotated codebook codes, read by the codebook decode kernel."""
+        return (CodebookFormat(bits=self.mse_bits, qjl=self.qjl, magnitudes=magnitudes),)
+
+
+def magnitudes(head_dim: int, bits: int) -> tuple[float, ...]:
+    """The ``2^(B-1)`` magnitudes of the codebook, ascending: what a sign-magnitude code
+    looks up."""
+    centroids = rotated_coordinate_codebook(head_dim, bits).centroids
+    return tuple(float(c) for c in centroids[len(centroids) // 2:])

@@ -345,3 +345,45 @@ def radix_indices(codes: Sequence[jax.Array], num_indices: int, alphabet: int) -
     if low:
         return (hi << jnp.uint32(low)) | codes.pop(0).astype(jnp.uint32)
     return hi
+
+
+# -- sign-magnitude codes with the sign bit on planes of its own ---------------------------
+
+
+def is_split_planar(num_codes: int, bits: int) -> bool:
+    """Whether :func:`pack_split` serves this size: 3-bit codes whose low 2 bits pack
+    planar (``num_codes`` a multiple of 32, so the top bits fill whole words too)."""
+    return bits == 3 and num_codes % _WORD == 0
+
+
+def pack_split(codes: jax.Array) -> jax.Array:
+    """3-bit codes ``[..., n]`` as ``uint32[..., 3n / 32]`` that a kernel reads without
+    crossing a word: the low 2 bits planar-packed (:func:`pack_bits`, ``n / 16`` words),
+    then the top bits, ``n / 32`` words in which byte ``u`` holds, at bit ``j``, the top bit
+    of the code in 2-bit slot ``j`` of 16-bit unit ``u`` of the low words. Exactly the
+    dense layout's ``3 n`` bits, in another order."""
+    n = codes.shape[-1]
+    if not is_split_planar(n, 3):
+        raise ValueError(f"the split layout packs 3-bit codes in multiples of {_WORD}, got {n}")
+    c = codes.astype(jnp.uint32)
+    low = pack_bits(c & jnp.uint32(3), 2)
+    words = n // 16
+    # planar 2-bit: code s * words + w sits in word w, slot s; unit u = 2 w + k holds
+    # slots 8 k .. 8 k + 7, so its top byte gathers slots 8 k + j at bit j
+    top = ((c >> jnp.uint32(2)) & jnp.uint32(1)).reshape(*c.shape[:-1], 2, 8, words)
+    byte = jnp.sum(top << jnp.arange(8, dtype=jnp.uint32)[:, None], axis=-2, dtype=jnp.uint32)
+    units = jnp.swapaxes(byte, -1, -2).reshape(*c.shape[:-1], n // 8)  # u = 2 w + k
+    return jnp.concatenate([low, from_units(units.astype(jnp.uint8), n)], axis=-1)
+
+
+def unpack_split(words: jax.Array, num_codes: int) -> jax.Array:
+    """Inverse of :func:`pack_split`: ``uint32[..., 3n / 32] -> uint32[..., n]``."""
+    n = num_codes
+    if not is_split_planar(n, 3) or words.shape[-1] != 3 * n // _WORD:
+        raise ValueError(f"{words.shape[-1]} words do not hold {n} split 3-bit codes")
+    w = words.astype(jnp.uint32)
+    low = unpack_bits(w[..., : n // 16], 2, n)
+    units = to_units(w[..., n // 16:], n).astype(jnp.uint32)  # [..., n / 8], u = 2 w + k
+    units = jnp.swapaxes(units.reshape(*w.shape[:-1], n // 16, 2), -1, -2)  # [k, w]
+    top = (units[..., None, :] >> jnp.arange(8, dtype=jnp.uint32)[:, None]) & jnp.uint32(1)
+    return low | (top.reshape(*w.shape[:-1], n) << jnp.uint32(2))
