@@ -15,13 +15,8 @@ import sys
 import jax
 
 from kvjax.eval.memory import model_shape
-from pallas_kernels.int_decode.api import (
-    NUM_WARPS,
-    default_blocking,
-    default_splits,
-    int_decode,
-    random_inputs,
-)
+from pallas_kernels.flash import NUM_WARPS, default_blocking, default_splits
+from pallas_kernels.int_decode.api import int_decode, random_inputs
 from pallas_kernels.int_decode.kernel import Research
 
 

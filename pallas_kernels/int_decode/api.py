@@ -16,34 +16,25 @@ slots, ``W`` uint32 words per token (``D * bits / 32``), ``D`` head dim, ``L`` l
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.primitives.packing import is_planar
 from kvjax.primitives.rotations import block_hadamard, random_signs
-from pallas_kernels.int_decode.kernel import (
+from pallas_kernels.flash import (
     MIN_DOT,
-    Research,
-    codes_partial,
-    operand_width,
+    NUM_WARPS,
+    default_blocking,
+    default_splits,
     pad_query_rows,
 )
+from pallas_kernels.int_decode.kernel import Research, codes_partial
 from pallas_kernels.partial import empty_partial, merge_partials, unrotate_output
+from pallas_kernels.units import operand_width
 
 #: bit widths whose planar packing puts whole dims in each bit slot of a 32-bit word
 KERNEL_BITS = (2, 4, 8)
-#: multiprocessors of an H200, and the warps of this kernel one holds at once (its
-#: ~120 registers per thread allow 16, measured with Nsight Compute)
-SMS = 132
-WARPS_PER_SM = 16
-#: warps per program: 2 measured fastest (docs/kernels.md)
-NUM_WARPS = 2
-#: wave occupancy good enough to stop adding splits at
-GOOD_WAVES = 0.9
-#: at most this many waves when looking for a split count that fills them
-MAX_WAVES = 4
 
 
 def unsupported(bits: int, head_dim: int) -> str | None:
@@ -53,30 +44,6 @@ def unsupported(bits: int, head_dim: int) -> str | None:
     if head_dim < MIN_DOT or head_dim & (head_dim - 1) or not is_planar(head_dim, bits):
         return f"head_dim {head_dim} is not a power of two >= {MIN_DOT}"
     return None
-
-
-def default_blocking(block_s: int | None, num_stages: int | None) -> tuple[int, int]:
-    """Tokens per block and pipeline stages: 128 and 3, measured best on the H200 at
-    one row and 128k tokens as at 32 rows and 32k tokens (docs/kernels.md)."""
-    return block_s or 128, num_stages or 3
-
-
-def default_splits(batch: int, heads: int, slots: int, block_s: int,
-                   num_warps: int = NUM_WARPS) -> int:
-    """Splits of the cache length so the ``batch * heads * splits`` programs fill whole
-    waves of the GPU: a last, partial wave runs at the speed of a full one (with 768
-    programs, 1.45 waves, Nsight Compute estimated half the time lost to the tail). The
-    fewest splits whose waves are at least ``GOOD_WAVES`` full, else the fullest."""
-    rows = batch * heads
-    wave = SMS * WARPS_PER_SM // num_warps
-    most = max(1, min(math.ceil(slots / block_s), MAX_WAVES * wave // rows))
-
-    def fill(splits: int) -> float:
-        programs = rows * splits
-        return programs / (math.ceil(programs / wave) * wave)
-
-    good = [s for s in range(1, most + 1) if fill(s) >= GOOD_WAVES]
-    return good[0] if good else max(range(1, most + 1), key=fill)
 
 
 def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,

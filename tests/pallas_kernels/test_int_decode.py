@@ -22,7 +22,8 @@ import pytest
 from kvjax.codecs import IntCodec, SawCodec
 from kvjax.primitives.packing import unpack_bits
 from pallas_kernels.int_decode import api, reference
-from pallas_kernels.int_decode.kernel import Research, unit_permutation, unit_view
+from pallas_kernels.int_decode.kernel import Research
+from pallas_kernels.units import unit_permutation, unit_view
 from tests.pallas_kernels.suite import KernelSuite
 
 
@@ -216,24 +217,3 @@ def test_random_inputs_fit_the_entry():
     r = np.asarray(arrays["q_rotation"][0])
     np.testing.assert_allclose(r @ r.T, np.eye(64), atol=1e-5)   # orthogonal
     assert arrays["lengths"].tolist() == [20, 20]
-
-
-def test_default_blocking():
-    assert api.default_blocking(None, None) == (128, 3)
-    assert api.default_blocking(32, 4) == (32, 4)
-
-
-def test_default_splits():
-    # waves of 1056 programs of 2 warps
-    assert api.default_splits(1, 8, 1 << 17, 128) == 119     # 952 programs: 0.90 of a wave
-    assert api.default_splits(32, 8, 1 << 15, 128) == 4      # 1024
-    assert api.default_splits(32, 8, 1 << 15, 128, num_warps=4) == 2    # 512 of 528
-    assert api.default_splits(200, 8, 1 << 15, 128) == 1
-    assert api.default_splits(1, 8, 100, 64) == 2            # no more splits than blocks
-    for warps in (2, 4):
-        wave = api.SMS * api.WARPS_PER_SM // warps
-        for batch in range(1, 80):
-            for heads in (3, 8):
-                programs = batch * heads * api.default_splits(batch, heads, 1 << 20, 64, warps)
-                waves = -(-programs // wave)
-                assert programs / (waves * wave) >= 0.75, (batch, heads)

@@ -1,0 +1,202 @@
+"""What every decode kernel of :mod:`pallas_kernels` shares: the flash-decoding loop over
+one slice of the cache, the matmul helpers, and the grid's blocking.
+
+A kernel's grid is ``(B, K, splits)``: one program per (row, kv head, slice of the cache)
+holds *all* query rows of its kv head (GQA: every code byte is read once), walks its
+slice in blocks of ``block_s`` tokens with an online softmax (:func:`split_softmax`) and
+writes a partial ``(o, m, l)`` (:mod:`pallas_kernels.partial`). What differs between
+kernels is only how a block's codes become logits and how the probabilities meet its
+values: the two callbacks of :func:`split_softmax`. No value is ever sliced, gathered or
+concatenated inside a kernel (the Triton lowering supports none of these): operands are
+loaded in the slices they are used in.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.partial import NEG
+
+#: the smallest matrix-instruction tile edge of the Triton lowering
+MIN_DOT = 16
+#: matmul operand type: codes (< 2**8) are exact in it, and its 10-bit mantissa keeps
+#: the rounded query and probabilities within ~5e-4 relative (bfloat16: ~4e-3) at the
+#: same tensor-core speed; accumulation is float32
+OPERAND = jnp.float16
+#: multiprocessors of an H200, and the warps of a decode kernel one holds at once (the
+#: INT kernel's ~120 registers per thread allow 16, measured with Nsight Compute)
+SMS = 132
+WARPS_PER_SM = 16
+#: warps per program: 2 measured fastest (docs/kernels.md)
+NUM_WARPS = 2
+#: wave occupancy good enough to stop adding splits at
+GOOD_WAVES = 0.9
+#: at most this many waves when looking for a split count that fills them
+MAX_WAVES = 4
+
+
+def default_blocking(block_s: int | None, num_stages: int | None) -> tuple[int, int]:
+    """Tokens per block and pipeline stages: 128 and 3, measured best on the H200 at
+    one row and 128k tokens as at 32 rows and 32k tokens (docs/kernels.md)."""
+    return block_s or 128, num_stages or 3
+
+
+def default_splits(batch: int, heads: int, slots: int, block_s: int,
+                   num_warps: int = NUM_WARPS) -> int:
+    """Splits of the cache length so the ``batch * heads * splits`` programs fill whole
+    waves of the GPU: a last, partial wave runs at the speed of a full one (with 768
+    programs, 1.45 waves, Nsight Compute estimated half the time lost to the tail). The
+    fewest splits whose waves are at least ``GOOD_WAVES`` full, else the fullest."""
+    rows = batch * heads
+    wave = SMS * WARPS_PER_SM // num_warps
+    most = max(1, min(math.ceil(slots / block_s), MAX_WAVES * wave // rows))
+
+    def fill(splits: int) -> float:
+        programs = rows * splits
+        return programs / (math.ceil(programs / wave) * wave)
+
+    good = [s for s in range(1, most + 1) if fill(s) >= GOOD_WAVES]
+    return good[0] if good else max(range(1, most + 1), key=fill)
+
+
+def pad_query_rows(q: jax.Array, width: int) -> jax.Array:
+    """``q [B, K, G, D]`` zero-padded to the power-of-two row count the kernel needs:
+    at least 16 when its matmul operands are ``width >= 16`` columns wide (the smallest
+    matrix-instruction tile), else just the next power of two (broadcast path)."""
+    group = q.shape[2]
+    rows = max(MIN_DOT, group) if width >= MIN_DOT else group
+    rows = 1 << (rows - 1).bit_length()
+    return jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+
+def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a [M, K] @ b[N, K]^T`` in float32 from float16 operands."""
+    if min(a.shape[0], a.shape[1], b.shape[0]) >= MIN_DOT:
+        return plgpu.dot(a, b, trans_b=True)
+    return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :],
+                   axis=-1)
+
+
+def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a [M, K] @ b[K, N]`` in float32 from float16 operands."""
+    if min(a.shape[0], a.shape[1], b.shape[1]) >= MIN_DOT:
+        return plgpu.dot(a, b)
+    return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :],
+                   axis=1)
+
+
+#: ``load(ref, columns=None)``: a block's tokens of a ``[L, S]`` or ``[L, S, C]`` ref
+#: (optionally a ``pl.ds`` of its columns), masked rows read as 0
+Load = Callable[..., jax.Array]
+
+
+def _loader(layer, tile, ok) -> Load:
+    def load(ref, columns=None):
+        if len(ref.shape) == 2:
+            index, mask = (layer, tile), ok
+        else:
+            index = (layer, tile, slice(None) if columns is None else columns)
+            mask = None if ok is None else ok[:, None]
+        if ok is None:
+            return ref[index]
+        return plgpu.load(ref.at[index], mask=mask, other=0)
+
+    return load
+
+
+def split_softmax(
+    n_ref,
+    layer_ref,
+    *,
+    rows: int,
+    slots: int,
+    block_s: int,
+    split_len: int,
+    scores: Callable[[Load], jax.Array],
+    accumulate: Callable[[Any, jax.Array, jax.Array, Load], Any],
+    init: Any,
+) -> tuple[Any, jax.Array, jax.Array]:
+    """The online softmax of one program over its slice of the coded tokens.
+
+    ``n_ref[0]`` counts the row's coded tokens, ``layer_ref[0]`` is the layer of the
+    stacked refs to read, ``pl.program_id(2)`` the slice (``split_len`` tokens, a multiple
+    of ``block_s``; ``slots`` the refs' token axis). Per block, ``scores(load)`` gives
+    the logits ``[rows, block_s]`` (sm_scale applied) and ``accumulate(acc, p,
+    correction, load)`` the accumulator after the block, from the un-normalized
+    probabilities ``p [rows, block_s]`` and the factor ``correction [rows]`` that rescales
+    the old accumulator to the new maximum. Returns ``(acc, m, l)``; a slice with no
+    token returns ``(init, NEG, 0)``. Whole blocks run without masks, the partial last
+    block with them.
+    """
+    n = n_ref[0]
+    layer = layer_ref[0]
+    start = pl.program_id(2) * split_len
+    stop = jnp.minimum(start + split_len, n)
+    full = jnp.maximum(stop - start, 0) // block_s
+
+    def body(i, carry, masked):
+        acc, m_prev, l_prev = carry
+        t0 = start + i * block_s
+        ok = (t0 + jnp.arange(block_s)) < stop if masked else None
+        load = _loader(layer, pl.ds(t0, block_s), ok)
+        s = scores(load)
+        if masked:
+            s = jnp.where(ok[None, :], s, NEG)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.exp(s - m_next[:, None])
+        if masked:
+            p = jnp.where(ok[None, :], p, 0.0)
+        l_next = l_prev * correction + jnp.sum(p, axis=1)
+        return accumulate(acc, p, correction, load), m_next, l_next
+
+    carry = (init, jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    # a cache shorter than one block has no whole block (and no unmasked tile shape)
+    if slots >= block_s:
+        carry = jax.lax.fori_loop(0, full, functools.partial(body, masked=False), carry)
+    else:
+        full = jnp.zeros_like(full)
+    tail = full + (start + full * block_s < stop).astype(full.dtype)
+    return jax.lax.fori_loop(full, tail, functools.partial(body, masked=True), carry)
+
+
+def split_len(slots: int, splits: int, block_s: int) -> int:
+    """Tokens per slice: ``slots / splits`` rounded up to whole blocks."""
+    return pl.cdiv(pl.cdiv(slots, splits), block_s) * block_s
+
+
+def partial_specs(batch: int, heads: int, splits: int, rows: int, head_dim: int):
+    """``(out_shape, out_specs)`` of a kernel's per-split partials ``o [B, K, splits, R,
+    D]``, ``m, l [B, K, splits, R]`` (float32)."""
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, heads, splits, rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, splits, rows), jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, j: (b, h, j, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+    ]
+    return out_shape, out_specs
+
+
+def stacked_spec(layers: int, slots: int, *trailing: int) -> pl.BlockSpec:
+    """The block of one (row, kv head) of a ``[L, B, K, S, *trailing]`` stack: every
+    layer and token of it (the kernel indexes the layer and the tokens itself)."""
+    zeros = (0,) * len(trailing)
+    return pl.BlockSpec((layers, None, None, slots, *trailing),
+                        lambda b, h, j: (0, b, h, 0, *zeros))
+
+
+def scalar_specs() -> list[pl.BlockSpec]:
+    """The specs of the per-row token count ``[B]`` and the layer index ``[1]``."""
+    return [pl.BlockSpec((1,), lambda b, h, j: (b,)), pl.BlockSpec((1,), lambda b, h, j: (0,))]

@@ -1,0 +1,230 @@
+"""Packed code words as float16 matmul operands: the unit views, the column order they
+give, and the bit tricks that turn a bit plane of a tile into float16 values.
+
+Codes reach a kernel as ``uint32`` words, viewed (by XLA, before the kernel: a bitcast)
+as 16-bit or 8-bit units (:func:`unit_view`). Bit plane ``j`` of a ``[block_s, units]``
+tile, the ``bits``-wide field at bit ``j * bits`` of every unit, is one matmul operand of
+``units`` columns: no value is interleaved or gathered, and :func:`unit_permutation`
+says which dim each column holds, so the query's columns are permuted to match outside
+the loop. A plane becomes float16 by bit operations only (int-to-float conversions run
+at a quarter of the integer rate):
+
+* :func:`int_plane`: integer codes ``c``; ``(unit >> j * bits) & mask | 0x6400`` is the
+  bit pattern of the float16 ``1024 + c``, and one exact float16 subtraction leaves ``c``.
+* :func:`codebook_plane`: sign-magnitude codes of a symmetric codebook; the magnitude
+  ranks select the float16 bytes of the codebook's magnitudes from registers with
+  ``prmt`` (a byte permute), and the sign bit is moved onto float16's.
+* :func:`sign_plane`: one bit per dim, as ``+-base``.
+
+Each has a jnp form (interpret mode, and the ``asm=False`` research path) and an inline
+PTX form that handles two (or four) units per 32-bit register.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.flash import OPERAND
+
+#: code units the packed words are read in, and their width in bits
+LAYOUTS = {"halves": 16, "bytes": 8}
+#: float16 bit pattern of 1024.0: OR-ing a code c < 1024 into its mantissa gives 1024 + c
+F16_1024 = 0x6400
+#: ``lop3`` truth table of ``a ^ (b & c)``
+XOR_AND = 0x78
+
+
+def unit_bits(layout: str) -> int:
+    """Bits of one unit of ``layout``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
+    return LAYOUTS[layout]
+
+
+def operand_width(head_dim: int, bits: int, layout: str = "halves") -> int:
+    """Columns of one matmul operand: code units per token (``D * bits / unit``)."""
+    return head_dim * bits // unit_bits(layout)
+
+
+def unit_view(codes: jax.Array, layout: str = "halves") -> jax.Array:
+    """``uint32[..., W]`` packed words as their little-endian 16- or 8-bit units."""
+    unit = unit_bits(layout)
+    dtype = jnp.uint16 if unit == 16 else jnp.uint8
+    b = jax.lax.bitcast_convert_type(codes, dtype)
+    return b.reshape(*codes.shape[:-1], (32 // unit) * codes.shape[-1])
+
+
+def unit_permutation(head_dim: int, bits: int, layout: str = "halves") -> np.ndarray:
+    """Which dim each kernel column holds when planar words are read in units.
+
+    Word ``w`` slot ``i`` holds dim ``i * W + w`` (:mod:`kvjax.primitives.packing`); unit
+    ``k`` of the word holds slots ``k * c .. k * c + c - 1`` (``c = unit / bits`` codes per
+    unit). Column ``j * nu + u`` (bit plane ``j`` of unit ``u = (32 / unit) w + k``, ``nu``
+    units per token) is therefore dim ``(k * c + j) * W + w``.
+    """
+    unit = unit_bits(layout)
+    words = head_dim * bits // 32
+    per_unit, per_word = unit // bits, 32 // unit
+    u = np.arange(per_word * words)
+    w, k = u // per_word, u % per_word
+    return np.concatenate([(k * per_unit + j) * words + w for j in range(per_unit)])
+
+
+def f16_bits(value: float) -> int:
+    """The float16 bit pattern of ``value`` (rounded to nearest)."""
+    return int(np.float16(value).view(np.uint16))
+
+
+def int_plane(tile: jax.Array, j: int, bits: int, asm: bool) -> jax.Array:
+    """Bit plane ``j`` of a tile of code units as float16 codes.
+
+    ``asm``: 16-bit units two at a time in one 32-bit register, so a shift, one ``lop3``
+    and one ``sub.f16x2`` make two codes (the same arithmetic as the jnp path, which
+    Triton would run one 16-bit unit per instruction). Compiled only (interpret mode has
+    no PTX).
+    """
+    mask = (1 << bits) - 1
+    if asm and tile.dtype == jnp.uint16:
+        code = (
+            "{ .reg .b32 t, b; "
+            f"shr.b32 t, $1, {j * bits}; "
+            f"lop3.b32 t, t, {mask | mask << 16:#010x}, {F16_1024 * 0x10001:#010x}, 0xea; "
+            f"mov.b32 b, {F16_1024 * 0x10001:#010x}; "
+            "sub.rn.f16x2 $0, t, b; }"
+        )
+        [out] = plgpu.elementwise_inline_asm(
+            code, args=[tile], constraints="=r,r", pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
+        return out
+    shifted = tile >> jnp.asarray(j * bits, tile.dtype) if j else tile
+    if tile.dtype == jnp.uint16:
+        biased = (shifted & jnp.asarray(mask, tile.dtype)) | jnp.asarray(F16_1024, tile.dtype)
+        return jax.lax.bitcast_convert_type(biased, OPERAND) - jnp.asarray(1024, OPERAND)
+    return (shifted & jnp.asarray(mask, tile.dtype)).astype(OPERAND)
+
+
+def _table_registers(magnitudes: tuple[float, ...]) -> list[int]:
+    """The float16 bytes of the magnitudes as ``prmt`` sources: low bytes then high
+    bytes, four to a register; four magnitudes or fewer share one register pair."""
+    halves = [f16_bits(m) for m in magnitudes]
+    size = 4 if len(halves) <= 4 else 8
+    halves += [0] * (size - len(halves))
+    lo = [h & 0xFF for h in halves]
+    hi = [h >> 8 for h in halves]
+
+    def words(b):
+        return [sum(v << (8 * i) for i, v in enumerate(b[k:k + 4])) for k in range(0, len(b), 4)]
+
+    return words(lo) + words(hi)
+
+
+def _lookup_ptx(source: str, offset: int, magnitudes: tuple[float, ...], out: str) -> str:
+    """PTX that reads the magnitude ranks at bit ``offset`` of both 16-bit halves of
+    register ``source`` and writes their two float16 magnitudes to ``out`` (no sign)."""
+    count = len(magnitudes)
+    mask = count - 1
+    byte = offset // 8
+    # the two ranks' bytes to bytes 0 and 1 (8 bits apart, as prmt's selectors are)
+    gather = byte | (2 + byte) << 4
+    regs = _table_registers(magnitudes)
+    lines = [f"prmt.b32 x, {source}, {source}, {gather:#06x};"]
+    if offset % 8:
+        lines.append(f"shr.b32 x, x, {offset % 8};")
+    lines.append(f"and.b32 x, x, {mask * 0x0101:#06x};")
+    if count <= 4:
+        # one register pair: low bytes at 0..3, high bytes at 4..7
+        lines += ["mad.lo.u32 x, x, 0x11, 0x4040;",
+                  f"mov.b32 a0, {regs[0]:#010x};", f"mov.b32 a1, {regs[1]:#010x};",
+                  f"prmt.b32 {out}, a0, a1, x;"]
+    else:
+        lines += ["mul.lo.u32 x, x, 0x11;",
+                  f"mov.b32 a0, {regs[0]:#010x};", f"mov.b32 a1, {regs[1]:#010x};",
+                  f"mov.b32 h0, {regs[2]:#010x};", f"mov.b32 h1, {regs[3]:#010x};",
+                  "prmt.b32 a0, a0, a1, x;", "prmt.b32 h0, h0, h1, x;",
+                  f"prmt.b32 {out}, a0, h0, 0x7250;"]
+    return " ".join(lines)
+
+
+def _shift_to_sign(reg: str, bit: int, out: str) -> str:
+    """PTX moving bit ``bit`` (and ``bit + 16``) of ``reg`` to bits 15 and 31 of ``out``."""
+    if bit <= 15:
+        return f"shl.b32 {out}, {reg}, {15 - bit};"
+    return f"shr.b32 {out}, {reg}, {bit - 15};"
+
+
+def _select(values: tuple[float, ...], index: jax.Array) -> jax.Array:
+    """``values[index]`` by a chain of selects (gathers do not lower to Triton)."""
+    out = jnp.full(index.shape, values[0], jnp.float32)
+    for i, v in enumerate(values[1:], start=1):
+        out = jnp.where(index == i, v, out)
+    return out
+
+
+def codebook_plane(tile: jax.Array, j: int, bits: int, magnitudes: tuple[float, ...],
+                   asm: bool, signs: jax.Array | None = None) -> jax.Array:
+    """Bit plane ``j`` of a tile of 16-bit units of sign-magnitude codes, as float16
+    codebook values ``(-1)^s magnitudes[m]``.
+
+    Without ``signs`` the plane is ``bits`` wide, the top bit the sign. With ``signs``
+    (a tile of bytes of the same shape: 3-bit codes in the split layout of
+    :func:`kvjax.primitives.packing.pack_split`) the plane is the ``bits - 1`` magnitude
+    bits and the sign is bit ``j`` of the unit's byte. At most 8 magnitudes (4 bits).
+    """
+    mag_bits = bits - 1
+    width = bits if signs is None else bits - 1
+    offset = j * width
+    if len(magnitudes) != 1 << mag_bits or mag_bits > 3:
+        raise ValueError(f"{len(magnitudes)} magnitudes for {bits}-bit codes")
+    if asm:
+        if signs is None:
+            code = ("{ .reg .b32 x, a0, a1, h0, h1, t; "
+                    + _lookup_ptx("$1", offset, magnitudes, "x")
+                    + " " + _shift_to_sign("$1", offset + bits - 1, "t")
+                    + f" lop3.b32 $0, x, t, 0x80008000, {XOR_AND:#x}; }}")
+            [out] = plgpu.elementwise_inline_asm(
+                code, args=[tile], constraints="=r,r", pack=2,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
+            return out
+        # four units per call: halves in $2, $3, their sign bytes in $4
+        parts = []
+        for pair, (source, spread) in enumerate((("$2", 0x1100), ("$3", 0x3322))):
+            parts.append(
+                _lookup_ptx(source, offset, magnitudes, "x")
+                + f" prmt.b32 t, $4, $4, {spread:#06x}; shl.b32 t, t, {7 - j};"
+                + f" lop3.b32 ${pair}, x, t, 0x80008000, {XOR_AND:#x};")
+        code = "{ .reg .b32 x, a0, a1, h0, h1, t; " + " ".join(parts) + " }"
+        [out] = plgpu.elementwise_inline_asm(
+            code, args=[tile, signs], constraints="=r,=r,r,r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
+        return out
+    field = (tile >> jnp.asarray(offset, tile.dtype)) & jnp.asarray((1 << width) - 1, tile.dtype)
+    if signs is None:
+        rank = field & jnp.asarray((1 << mag_bits) - 1, tile.dtype)
+        negative = (field >> jnp.asarray(mag_bits, tile.dtype)) != 0
+    else:
+        rank = field
+        negative = ((signs >> jnp.asarray(j, signs.dtype)) & jnp.asarray(1, signs.dtype)) != 0
+    value = _select(magnitudes, rank)
+    return jnp.where(negative, -value, value).astype(OPERAND)
+
+
+def sign_plane(tile: jax.Array, j: int, base: float, asm: bool) -> jax.Array:
+    """Bit ``j`` of every byte of a tile of bytes as float16 ``base`` (bit clear) or
+    ``-base`` (bit set)."""
+    if asm:
+        pattern = f16_bits(base) * 0x10001
+        code = ("{ .reg .b32 t, v; "
+                f"mov.b32 v, {pattern:#010x}; "
+                f"prmt.b32 t, $2, $2, 0x1100; shl.b32 t, t, {7 - j}; "
+                f"lop3.b32 $0, v, t, 0x80008000, {XOR_AND:#x}; "
+                f"prmt.b32 t, $2, $2, 0x3322; shl.b32 t, t, {7 - j}; "
+                f"lop3.b32 $1, v, t, 0x80008000, {XOR_AND:#x}; }}")
+        [out] = plgpu.elementwise_inline_asm(
+            code, args=[tile], constraints="=r,=r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
+        return out
+    bit = (tile >> jnp.asarray(j, tile.dtype)) & jnp.asarray(1, tile.dtype)
+    return jnp.where(bit != 0, -base, base).astype(OPERAND)
