@@ -40,9 +40,22 @@ def dense_partial(
     """
     f32 = jnp.float32
     s = jnp.einsum("bkgd,bknd->bkgn", q.astype(f32), keys.astype(f32), precision=EXACT)
-    s = s * sm_scale
+    return logits_partial(s * sm_scale, values, valid)
+
+
+def logits_partial(
+    s: jax.Array,       # [B, K, G, n] logits (sm_scale applied)
+    values: jax.Array,  # [B, K, n, D] raw values
+    valid: jax.Array,   # bool [B, n]: which of the n tokens are stored
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Partial softmax of given logits over raw ``values`` (exact float32, HIGHEST):
+    for scores that are not a plain ``q . k`` (an estimator's).
+
+    Returns ``o [B, K, G, D]``, ``m, l [B, K, G]``.
+    """
+    f32 = jnp.float32
     ok = valid[:, None, None, :]
-    s = jnp.where(ok, s, NEG)
+    s = jnp.where(ok, s.astype(f32), NEG)
     m = jnp.max(s, axis=-1) if s.shape[-1] else jnp.full(s.shape[:-1], NEG, f32)
     p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
     o = jnp.einsum("bkgn,bknd->bkgd", p, values.astype(f32), precision=EXACT)

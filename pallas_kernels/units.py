@@ -106,6 +106,45 @@ def int_plane(tile: jax.Array, j: int, bits: int, asm: bool) -> jax.Array:
     return (shifted & jnp.asarray(mask, tile.dtype)).astype(OPERAND)
 
 
+def group_int_plane(tile: jax.Array, j: int, bits: int, scale: tuple[jax.Array, jax.Array],
+                    zero: tuple[jax.Array, jax.Array], asm: bool) -> jax.Array:
+    """Bit plane ``j`` of a tile of 16-bit units of integer codes as float16 values
+    ``zero + scale * c``, where the even columns (low halves of the words) take
+    ``scale[0], zero[0]`` and the odd ones ``scale[1], zero[1]``: each ``[block_s, 1]``
+    float16, the per-token parameters of the channel group those columns belong to.
+
+    ``asm``: :func:`int_plane`'s three instructions, a ``prmt`` per parameter that takes
+    the low half's from the even group and the high half's from the odd one (none when
+    they are the same arrays), and one ``fma.f16x2``: the values come out dequantized,
+    so the matmul with the probabilities needs no per-group scaling.
+    """
+    mixed = scale[0] is not scale[1] or zero[0] is not zero[1]
+    if asm and tile.dtype == jnp.uint16:
+        mask = (1 << bits) - 1
+        params = [jnp.broadcast_to(a, tile.shape) for a in (*scale, *zero)]
+        if mixed:
+            select = ("prmt.b32 s, $2, $3, 0x7610; prmt.b32 z, $4, $5, 0x7610; ")
+        else:
+            select = "mov.b32 s, $2; mov.b32 z, $4; "
+        code = (
+            "{ .reg .b32 t, b, s, z; "
+            f"shr.b32 t, $1, {j * bits}; "
+            f"lop3.b32 t, t, {mask | mask << 16:#010x}, {F16_1024 * 0x10001:#010x}, 0xea; "
+            f"mov.b32 b, {F16_1024 * 0x10001:#010x}; "
+            "sub.rn.f16x2 t, t, b; " + select +
+            "fma.rn.f16x2 $0, t, s, z; }"
+        )
+        [out] = plgpu.elementwise_inline_asm(
+            code, args=[tile, *params], constraints="=r,r,r,r,r,r", pack=2,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
+        return out
+    codes = int_plane(tile, j, bits, asm=False).astype(jnp.float32)
+    even = jax.lax.broadcasted_iota(jnp.int32, (1, tile.shape[1]), 1) % 2 == 0
+    s = jnp.where(even, scale[0].astype(jnp.float32), scale[1].astype(jnp.float32))
+    z = jnp.where(even, zero[0].astype(jnp.float32), zero[1].astype(jnp.float32))
+    return (z + codes * s).astype(OPERAND)
+
+
 def _table_registers(magnitudes: tuple[float, ...]) -> list[int]:
     """The float16 bytes of the magnitudes as ``prmt`` sources: low bytes then high
     bytes, four to a register; four magnitudes or fewer share one register pair."""

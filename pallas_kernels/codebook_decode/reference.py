@@ -1,0 +1,81 @@
+"""Pure-jnp specification of the codebook decode-attention kernel.
+
+:func:`codebook_decode` has the signature of :func:`.api.codebook_decode` and returns the
+same partial softmax ``(o, m, l)`` over the coded tokens, exactly: keys are decoded in the
+rotated space (``|k| y``, ``y`` the codebook values of the sign-magnitude codes), the query
+rotated, QJL's term formed from ``G q`` and the sign bits, values dequantized per channel
+group, every product float32 at HIGHEST precision. The kernel rounds its matmul operands
+to float16 and accumulates in float32; its tests state the tolerance that costs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.primitives.packing import unpack_bits, unpack_split
+from pallas_kernels.codebook_decode.api import check_arrays, query_sides
+from pallas_kernels.codebook_decode.kernel import QJL_CONSTANT
+from pallas_kernels.flash import NUM_WARPS
+from pallas_kernels.partial import EXACT, logits_partial
+
+
+def codebook_values(codes: jax.Array, bits: int, magnitudes: tuple[float, ...],
+                    head_dim: int) -> jax.Array:
+    """``[..., S, D]`` float32 codebook values of stored sign-magnitude key words."""
+    if bits == 3:
+        c = unpack_split(codes, head_dim)
+    else:
+        c = unpack_bits(codes, bits, head_dim)
+    half = 1 << (bits - 1)
+    table = jnp.asarray(magnitudes, jnp.float32)
+    value = table[(c & (half - 1)).astype(jnp.int32)] if bits > 1 else table[0] + 0 * c
+    return jnp.where(c >= half, -value, value)
+
+
+def group_values(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int, group: int,
+                 head_dim: int) -> jax.Array:
+    """``[..., S, D]`` float32 values ``zero_g + scale_g * c`` per channel group."""
+    c = unpack_bits(codes, bits, head_dim).astype(jnp.float32)
+    per_dim = jnp.arange(head_dim) // group
+    return (jnp.take(zero.astype(jnp.float32), per_dim, axis=-1)
+            + c * jnp.take(scale.astype(jnp.float32), per_dim, axis=-1))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("key_bits", "magnitudes", "value_bits", "value_group", "sm_scale",
+                     "block_s", "splits", "num_warps", "num_stages", "interpret"),
+)
+def codebook_decode(
+    q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer=None, k_signs=None,
+    k_qjl=None, k_residual_norm=None, qjl_sketch=None, *, key_bits, magnitudes, value_bits,
+    value_group, sm_scale, block_s=None, splits=None, num_warps=NUM_WARPS, num_stages=None,
+    interpret=None,
+):
+    """The specification of :func:`.api.codebook_decode`: same arguments, same checks,
+    the exact partial ``(o [B, K, G, D], m [B, K, G], l [B, K, G])`` in float32. The
+    blocking and interpret arguments only shape the kernel's schedule and are ignored."""
+    del block_s, splits, num_warps, num_stages, interpret
+    check_arrays(q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs, k_qjl,
+                 k_residual_norm, qjl_sketch, key_bits, magnitudes, value_bits, value_group)
+    head_dim = q.shape[-1]
+    arrays = [k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm]
+    if layer is not None:
+        arrays = [None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, False)
+                  for a in arrays]
+    k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm = arrays
+    q_rot, gq = query_sides(q, k_signs, qjl_sketch)
+    y = codebook_values(k_codes, key_bits, magnitudes, head_dim)
+    s = jnp.einsum("bkgd,bksd->bkgs", q_rot, y, precision=EXACT)
+    s = s * k_norm.astype(jnp.float32)[:, :, None, :]
+    if k_qjl is not None:
+        signs = 2.0 * unpack_bits(k_qjl, 1, head_dim).astype(jnp.float32) - 1.0
+        residual = jnp.einsum("bkgd,bksd->bkgs", gq, signs, precision=EXACT)
+        weight = QJL_CONSTANT / head_dim * k_residual_norm.astype(jnp.float32)
+        s = s + residual * weight[:, :, None, :]
+    values = group_values(v_codes, v_scale, v_zero, value_bits, value_group, head_dim)
+    valid = jnp.arange(k_codes.shape[2])[None, :] < lengths[:, None]
+    return logits_partial(s * sm_scale, values, valid)
