@@ -728,7 +728,7 @@ class IntFormat(KernelFormat):
     the ``bits``-bit codes of its ``D`` dims.
 
     Codes pytree: ``"codes"`` uint32 ``[..., T, W]`` (:func:`kvjax.primitives.packing.
-    pack_bits` words), ``"scale"`` and ``"zero"`` ``[..., T, 1]``. ``rotate``: None, or
+    pack_codes` words), ``"scale"`` and ``"zero"`` ``[..., T, 1]``. ``rotate``: None, or
     the orthogonal map ``(params, x) -> R x`` (on the last axis) that every vector went
     through before it was quantized; attention then takes ``q . k = (R q) . (R k)`` for
     keys and rotates a weighted sum of values back (``R^T``) once.
@@ -757,8 +757,8 @@ class GroupIntFormat(KernelFormat):
     dim ``d`` of a stored vector is ``zero[d // group] + scale[d // group] * c[d]`` (the
     value variant of KIVI).
 
-    Codes pytree: ``"codes"`` uint32 ``[..., T, W]`` (planar :func:`kvjax.primitives.
-    packing.pack_bits` words of ``bits``-bit codes), ``"scale"`` and ``"zero"`` ``[..., T,
+    Codes pytree: ``"codes"`` uint32 ``[..., T, W]`` (:func:`kvjax.primitives.packing.
+    pack_codes` words of ``bits``-bit codes), ``"scale"`` and ``"zero"`` ``[..., T,
     ceil(D / group)]``.
     """
 

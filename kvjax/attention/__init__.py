@@ -6,8 +6,10 @@ list itself (:func:`auto_names`). Registered (:mod:`.registry`): ``"reference"``
 float32 specification that serves everything (:mod:`.reference`); ``"xla"``, bfloat16
 operands over windows of the cache, and cuDNN for a bf16 cache's decode on a GPU
 (:mod:`.xla`); ``"int_decode"``, the fused Pallas kernel over ``int:N`` / SAW codes for
-one-token decodes (:mod:`pallas_kernels.int_decode`, through the adapter in
-:mod:`.fused`, which merges the raw sinks and window for every kernel).
+one-token decodes (:mod:`pallas_kernels.int_decode`); ``"codebook_decode"``, the fused
+kernel over TurboQuant keys (MSE and QJL) and group-wise INT values
+(:mod:`pallas_kernels.codebook_decode`); both through the adapter in :mod:`.fused`,
+which merges the raw sinks and window for every kernel.
 """
 
 from kvjax.attention import registry as _registry  # noqa: F401  (fills the registry)

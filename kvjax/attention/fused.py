@@ -8,8 +8,10 @@ kernel's partial with the raw sinks and the residual window (a few dozen tokens,
 attended in jnp), for every kernel alike (:func:`merged_decode`).
 
 A kernel over :class:`~kvjax.codec.IntFormat` codes registers with
-:func:`int_codes_kernel`; a kernel over a new format adds its own small adapter here
-(how its entry takes the arrays of that format) and reuses :func:`merged_decode`.
+:func:`int_codes_kernel`, one over :class:`~kvjax.codec.CodebookFormat` keys and
+:class:`~kvjax.codec.GroupIntFormat` values with :func:`codebook_kernel`; a kernel over a
+new format adds its own small adapter here (how its entry takes the arrays of that
+format) and reuses :func:`merged_decode` and :func:`decode_reason`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 
 from kvjax.attention.dispatch import Call, Impl
 from kvjax.cache import Segment
-from kvjax.codec import Codec, IntFormat
+from kvjax.codec import CodebookFormat, Codec, GroupIntFormat, IntFormat, KernelFormat
 from pallas_kernels.partial import dense_partial, merge_partials, normalize
 
 #: a kernel's array-level entry, e.g. :func:`pallas_kernels.int_decode.api.int_decode`
@@ -54,12 +56,27 @@ def merged_decode(q: jax.Array, layer: Segment, lengths: jax.Array, scale: float
     return normalize(*merge_partials(parts)).reshape(batch, num_heads, head_dim)
 
 
+def kernel_format(codec: Codec, kind: type[KernelFormat]) -> KernelFormat | None:
+    """The format of class ``kind`` that ``codec`` offers, or None."""
+    return next((f for f in codec.kernel_formats() if isinstance(f, kind)), None)
+
+
+def decode_reason(call: Call) -> str | None:
+    """Why a one-token decode kernel cannot serve ``call`` whatever its codecs (None:
+    it may)."""
+    if call.num_tokens != 1:
+        return f"it decodes one query token per row, got {call.num_tokens}"
+    if call.sliding_window is not None:
+        return "it has no sliding window"
+    return None
+
+
 # -- kernels over IntFormat codes --------------------------------------------------------
 
 
 def int_format(codec: Codec) -> IntFormat | None:
     """The :class:`~kvjax.codec.IntFormat` ``codec`` offers, or None."""
-    return next((f for f in codec.kernel_formats() if isinstance(f, IntFormat)), None)
+    return kernel_format(codec, IntFormat)
 
 
 def _rotations(fmt: IntFormat, params, head_dim: int) -> jax.Array | None:
@@ -93,10 +110,9 @@ def int_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry:
 def int_codes_supports(call: Call, unsupported: Callable[[int, int], str | None]) -> str | None:
     """Why a kernel over IntFormat codes cannot serve ``call`` (None: it can);
     ``unsupported(bits, head_dim)`` is the kernel's own rule."""
-    if call.num_tokens != 1:
-        return f"it decodes one query token per row, got {call.num_tokens}"
-    if call.sliding_window is not None:
-        return "it has no sliding window"
+    reason = decode_reason(call)
+    if reason is not None:
+        return reason
     formats = []
     for role, codec in (("K", call.layer.k.codec), ("V", call.layer.v.codec)):
         fmt = int_format(codec)
@@ -123,4 +139,64 @@ def int_codes_kernel(name: str, entry: Entry,
         return out[:, None]
 
     return Impl(name=name, supports=lambda call: int_codes_supports(call, unsupported),
+                run=run, fused=True)
+
+
+# -- kernels over CodebookFormat keys and GroupIntFormat values ----------------------------
+
+
+def codebook_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
+                    scale: float | None = None, **options) -> jax.Array:
+    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
+    offers :class:`~kvjax.codec.CodebookFormat` codes and V
+    :class:`~kvjax.codec.GroupIntFormat` codes, with ``entry`` (a kernel's array-level
+    entry, or its reference) over the coded region. ``options`` go to ``entry``."""
+    k_store, v_store = layer.k, layer.v
+    k_fmt = kernel_format(k_store.codec, CodebookFormat)
+    v_fmt = kernel_format(v_store.codec, GroupIntFormat)
+    head_dim = q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+
+    def coded(qg, n_comp):
+        codes, norm, *qjl = k_fmt.arrays(k_store.codes)
+        sketch = k_store.params["sketch"] if k_fmt.qjl else None
+        k_qjl, residual_norm = qjl if k_fmt.qjl else (None, None)
+        return entry(qg, codes, norm, *v_fmt.arrays(v_store.codes), n_comp, k_store.layer,
+                     k_store.params["signs"], k_qjl, residual_norm, sketch,
+                     key_bits=k_fmt.bits, magnitudes=k_fmt.magnitudes(head_dim, k_fmt.bits),
+                     value_bits=v_fmt.bits, value_group=v_fmt.group, sm_scale=scale, **options)
+
+    return merged_decode(q, layer, lengths, scale, coded)
+
+
+def codebook_supports(call: Call, unsupported: Callable[[int, int, int, int], str | None]
+                      ) -> str | None:
+    """Why a kernel over codebook keys and group-wise INT values cannot serve ``call``
+    (None: it can); ``unsupported(key_bits, value_bits, value_group, head_dim)`` is the
+    kernel's own rule."""
+    reason = decode_reason(call)
+    if reason is not None:
+        return reason
+    k_codec, v_codec = call.layer.k.codec, call.layer.v.codec
+    k_fmt = kernel_format(k_codec, CodebookFormat)
+    v_fmt = kernel_format(v_codec, GroupIntFormat)
+    if k_fmt is None:
+        return f"K '{k_codec.spec}' offers no codebook kernel format"
+    if v_fmt is None:
+        return f"V '{v_codec.spec}' offers no group-wise INT kernel format"
+    return unsupported(k_fmt.bits, v_fmt.bits, v_fmt.group, call.head_dim)
+
+
+def codebook_kernel(name: str, entry: Entry,
+                    unsupported: Callable[[int, int, int, int], str | None]) -> Impl:
+    """The registry entry of a fused decode kernel over codebook keys and group-wise INT
+    values: ``entry`` takes the arrays of :func:`pallas_kernels.codebook_decode.api.
+    codebook_decode`'s signature."""
+
+    def run(call: Call) -> jax.Array:
+        out = codebook_decode(call.q[:, 0], call.layer, call.lengths, entry=entry,
+                              scale=call.scale)
+        return out[:, None]
+
+    return Impl(name=name, supports=lambda call: codebook_supports(call, unsupported),
                 run=run, fused=True)

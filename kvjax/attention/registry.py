@@ -3,17 +3,21 @@ kernels first (registration order), then ``"xla"``, then ``"reference"`` on a GP
 
 A new kernel: a folder in :mod:`pallas_kernels` with its array-level entry, and one
 line here (for a kernel over :class:`~kvjax.codec.IntFormat` codes,
-:func:`~kvjax.attention.fused.int_codes_kernel`).
+:func:`~kvjax.attention.fused.int_codes_kernel`; over codebook keys,
+:func:`~kvjax.attention.fused.codebook_kernel`).
 """
 
 from __future__ import annotations
 
 import kvjax.attention.reference as reference
 import kvjax.attention.xla as xla
+import pallas_kernels.codebook_decode.api as codebook_decode
 import pallas_kernels.int_decode.api as int_decode
 from kvjax.attention.dispatch import Impl, register
-from kvjax.attention.fused import int_codes_kernel
+from kvjax.attention.fused import codebook_kernel, int_codes_kernel
 
 register(Impl(name="reference", supports=reference.supports, run=reference.run))
 register(Impl(name="xla", supports=xla.supports, run=xla.run))
 register(int_codes_kernel("int_decode", int_decode.int_decode, int_decode.unsupported))
+register(codebook_kernel("codebook_decode", codebook_decode.codebook_decode,
+                         codebook_decode.unsupported))

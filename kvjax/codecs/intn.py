@@ -4,7 +4,8 @@ Every vector (one token of one head) gets its own range: ``zero = min``,
 ``scale = (max - min) / (2**N - 1)``, both stored as fp16 (below fp16's smallest normal
 on its subnormal grid, the scale rounded up there: :func:`fp16_scale`), and each element
 becomes ``q = round((x - zero) / scale)`` clipped to ``[0, 2**N - 1]``, bit-packed with
-:func:`kvjax.primitives.packing.pack_bits`. This is the "naive int" baseline of the HQMQ paper and
+:func:`kvjax.primitives.packing.pack_codes` (planar for N in 2, 4, 8, split for N = 3 at
+D a multiple of 32, else dense). This is the "naive int" baseline of the HQMQ paper and
 the building block that KIVI reuses along other axes (:mod:`kvjax.codecs.kivi`).
 
 Codes of ``x[..., T, D]``::
@@ -42,7 +43,7 @@ from kvjax.codec import (
     register,
     round_to_dtype,
 )
-from kvjax.primitives.packing import pack_bits, unpack_bits
+from kvjax.primitives.packing import pack_codes, unpack_codes
 
 MIN_BITS, MAX_BITS = 2, 8
 
@@ -113,7 +114,7 @@ def dequantize(q: jax.Array, scale: jax.Array, zero: jax.Array) -> jax.Array:
 def token_codes(q: jax.Array, scale: jax.Array, zero: jax.Array, bits: int) -> Codes:
     """The stored arrays of per-token codes ``q[..., T, D]`` with their fp16 metadata."""
     return {
-        "codes": pack_bits(q, bits),
+        "codes": pack_codes(q, bits),
         "scale": scale,
         "zero": zero,
         "head_dim": head_dim_marker(q),
@@ -165,7 +166,7 @@ class IntCodec(Codec):
     def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
         """``zero + q * scale`` per vector, cast to ``dtype``."""
         del params
-        q = unpack_bits(codes["codes"], self.bits, codes["head_dim"].shape[-1])
+        q = unpack_codes(codes["codes"], self.bits, codes["head_dim"].shape[-1])
         return dequantize(q, codes["scale"], codes["zero"]).astype(dtype)
 
     def bits_per_element(self, head_dim: int) -> float:

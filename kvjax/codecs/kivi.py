@@ -72,7 +72,7 @@ from kvjax.codecs.intn import (
     quantize,
     token_codes,
 )
-from kvjax.primitives.packing import pack_bits, unpack_bits
+from kvjax.primitives.packing import pack_codes, unpack_codes
 
 MIN_GROUP, MAX_GROUP = 1, 4096
 DEFAULT_GROUP = 32
@@ -132,7 +132,7 @@ class KiviCodec(Codec):
             jnp.min(blocks, axis=-2), jnp.max(blocks, axis=-2), self.bits
         )
         q = quantize(blocks, scale[..., None, :], zero[..., None, :], self.bits)
-        return {"codes": pack_bits(q, self.bits), "scale": scale, "zero": zero}
+        return {"codes": pack_codes(q, self.bits), "scale": scale, "zero": zero}
 
     def _encode_tokens(self, x: jax.Array) -> Codes:
         *lead, t, d = x.shape
@@ -153,12 +153,12 @@ class KiviCodec(Codec):
         if self.per_token:
             d = codes["head_dim"].shape[-1]
             size, _ = self._channel_group(d)
-            q = unpack_bits(codes["codes"], self.bits, d)
+            q = unpack_codes(codes["codes"], self.bits, d)
             scale = jnp.repeat(codes["scale"], size, axis=-1)[..., :d]
             zero = jnp.repeat(codes["zero"], size, axis=-1)[..., :d]
             return dequantize(q, scale, zero).astype(dtype)
         d = codes["scale"].shape[-1]
-        q = unpack_bits(codes["codes"], self.bits, d)
+        q = unpack_codes(codes["codes"], self.bits, d)
         x = dequantize(q, codes["scale"][..., None, :], codes["zero"][..., None, :])
         *lead, blocks, group, _ = x.shape
         return x.reshape(*lead, blocks * group, d).astype(dtype)

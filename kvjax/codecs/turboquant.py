@@ -25,10 +25,10 @@ The codebook is symmetric (``c[2^B - 1 - i] = -c[i]``), so an index is stored in
 sign-magnitude form: the top bit the sign, the low ``B - 1`` bits the rank of ``|c|``
 among the ``2^(B-1)`` magnitudes. A kernel then looks a code up in a table of the
 magnitudes alone, small enough for registers (:class:`~kvjax.codec.CodebookFormat`). The
-words are planar (:func:`~kvjax.primitives.packing.pack_bits`) for B in 1, 2, 4, 8 and,
-for B = 3 at D a multiple of 32, split: the magnitudes' 2 bits planar and the signs on
-words of their own (:func:`~kvjax.primitives.packing.pack_split`); other widths are
-bit-dense. Every layout holds exactly ``D * B`` bits (plus the last word's padding).
+words are those of :func:`~kvjax.primitives.packing.pack_codes`: planar for B in 1, 2,
+4, 8 and, for B = 3 at D a multiple of 32, split (the magnitudes' 2 bits planar, the signs
+on words of their own); other widths are bit-dense. Every layout holds exactly ``D * B``
+bits (plus the last word's padding).
 
 Bits per element: ``32 W / D + 16 / D``. Values (``value_codec``) are stored by the
 group-wise INT of the OCTOPUS paper's LLM recipe: ``kivi:max(B, 2),g32,token``.
@@ -58,13 +58,7 @@ from kvjax.codec import (
 from kvjax.codecs.rotated import QJL_OPTION, RotatedCodec
 from kvjax.primitives import lloyd
 from kvjax.primitives.codebooks import lloyd_codebook
-from kvjax.primitives.packing import (
-    is_split_planar,
-    pack_bits,
-    pack_split,
-    unpack_bits,
-    unpack_split,
-)
+from kvjax.primitives.packing import pack_codes, unpack_codes
 
 MIN_BITS, MAX_BITS = 1, 8
 
@@ -87,21 +81,6 @@ def from_sign_magnitude(code: jax.Array, bits: int) -> jax.Array:
     half = 1 << (bits - 1)
     c = code.astype(jnp.uint32)
     return jnp.where(c >= half, (2 * half - 1) - c, c + half).astype(jnp.uint32)
-
-
-def pack_indices(code: jax.Array, bits: int) -> jax.Array:
-    """Sign-magnitude codes ``[..., D]`` in their stored words: split for 3 bits where it
-    applies, else :func:`~kvjax.primitives.packing.pack_bits`."""
-    if is_split_planar(code.shape[-1], bits):
-        return pack_split(code)
-    return pack_bits(code, bits)
-
-
-def unpack_indices(words: jax.Array, bits: int, head_dim: int) -> jax.Array:
-    """Inverse of :func:`pack_indices`."""
-    if is_split_planar(head_dim, bits):
-        return unpack_split(words, head_dim)
-    return unpack_bits(words, bits, head_dim)
 
 
 @register
@@ -143,12 +122,12 @@ class TurboQuantCodec(RotatedCodec):
         """``codes``: the ``D`` Lloyd-Max indices bit-packed into uint32 words."""
         bits = self.mse_bits
         index = lloyd.quantize(y, rotated_coordinate_codebook(y.shape[-1], bits))
-        return {"codes": pack_indices(to_sign_magnitude(index, bits), bits)}
+        return {"codes": pack_codes(to_sign_magnitude(index, bits), bits)}
 
     def decode_unit(self, codes: Codes, head_dim: int) -> jax.Array:
         """The codebook's centroids of the indices."""
         bits = self.mse_bits
-        code = unpack_indices(codes["codes"], bits, head_dim)
+        code = unpack_codes(codes["codes"], bits, head_dim)
         return lloyd.dequantize(from_sign_magnitude(code, bits),
                                 rotated_coordinate_codebook(head_dim, bits))
 

@@ -387,3 +387,20 @@ def unpack_split(words: jax.Array, num_codes: int) -> jax.Array:
     units = jnp.swapaxes(units.reshape(*w.shape[:-1], n // 16, 2), -1, -2)  # [k, w]
     top = (units[..., None, :] >> jnp.arange(8, dtype=jnp.uint32)[:, None]) & jnp.uint32(1)
     return low | (top.reshape(*w.shape[:-1], n) << jnp.uint32(2))
+
+
+def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
+    """A vector's ``bits``-bit codes ``[..., n]`` in the layout kernels read best: split
+    (:func:`pack_split`) for 3 bits where it applies, else :func:`pack_bits` (planar
+    where it applies, else dense). Every choice holds ``n * bits`` bits in
+    ``ceil(n * bits / 32)`` words."""
+    if is_split_planar(codes.shape[-1], bits):
+        return pack_split(codes)
+    return pack_bits(codes, bits)
+
+
+def unpack_codes(words: jax.Array, bits: int, num_codes: int) -> jax.Array:
+    """Inverse of :func:`pack_codes`."""
+    if is_split_planar(num_codes, bits):
+        return unpack_split(words, num_codes)
+    return unpack_bits(words, bits, num_codes)

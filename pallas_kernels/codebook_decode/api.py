@@ -24,15 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.primitives.rotations import random_signs, randomized_hadamard
-from pallas_kernels.codebook_decode.kernel import codes_partial, key_layout, parity_groups
+from pallas_kernels.codebook_decode.kernel import code_layout, codes_partial, parity_groups
 from pallas_kernels.flash import NUM_WARPS, default_blocking, default_splits, pad_query_rows
 from pallas_kernels.partial import EXACT, empty_partial, merge_partials
 from pallas_kernels.units import unit_permutation
 
 #: key code widths the kernel reads: at most 8 magnitudes fit its register lookup
 KEY_BITS = (1, 2, 3, 4)
-#: value code widths whose planar packing puts whole dims in each bit slot of a word
-VALUE_BITS = (2, 4, 8)
+#: value code widths packed planar (2, 4, 8) or split (3)
+VALUE_BITS = (2, 3, 4, 8)
 #: the smallest head dim: 1-bit planes and split 3-bit codes fill whole words
 MIN_HEAD_DIM = 32
 
@@ -43,7 +43,8 @@ def unsupported(key_bits: int, value_bits: int, value_group: int, head_dim: int)
         return (f"{key_bits}-bit key codes: the register lookup holds at most 8 magnitudes "
                 f"(key bits {KEY_BITS})")
     if value_bits not in VALUE_BITS:
-        return f"{value_bits}-bit value codes are not planar-packed (value bits {VALUE_BITS})"
+        return (f"{value_bits}-bit value codes are neither planar nor split "
+                f"(value bits {VALUE_BITS})")
     if head_dim < MIN_HEAD_DIM or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two >= {MIN_HEAD_DIM}"
     if value_group < 1 or value_group & (value_group - 1) or value_group > head_dim:
@@ -164,8 +165,8 @@ def codebook_decode(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     q_rot, gq = query_sides(q, k_signs, qjl_sketch)
-    _, planes, key_perm = key_layout(head_dim, key_bits)
-    width = max(head_dim // planes, head_dim * value_bits // 16)
+    _, planes, key_perm = code_layout(head_dim, key_bits)
+    width = max(head_dim // planes, head_dim // code_layout(head_dim, value_bits)[1])
     q_rot = pad_query_rows(q_rot, width)[..., key_perm]
     if gq is not None:
         gq = pad_query_rows(gq, width)[..., unit_permutation(head_dim, 1, "bytes")]
@@ -174,7 +175,7 @@ def codebook_decode(
         lengths, layer, key_bits=key_bits, magnitudes=magnitudes, value_bits=value_bits,
         value_group=value_group, sm_scale=sm_scale, block_s=block_s, splits=splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    o = o[..., np.argsort(unit_permutation(head_dim, value_bits, "halves"))]
+    o = o[..., np.argsort(code_layout(head_dim, value_bits)[2])]
     return merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
 
 

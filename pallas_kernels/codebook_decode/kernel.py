@@ -50,17 +50,18 @@ from pallas_kernels.units import (
     group_int_plane,
     sign_plane,
     unit_permutation,
+    unit_view,
 )
 
 #: the QJL estimator's constant: <q, r> ~ sqrt(pi / 2) / D |r| <G q, sign(G r)>
 QJL_CONSTANT = math.sqrt(math.pi / 2)
 
 
-def key_layout(head_dim: int, bits: int) -> tuple[str, int, np.ndarray]:
-    """``(view, planes, permutation)`` of ``bits``-bit key codes: the unit view the
-    kernel reads them in ("halves" or "bytes"), its bit planes, and the dim of each
+def code_layout(head_dim: int, bits: int) -> tuple[str, int, np.ndarray]:
+    """``(view, planes, permutation)`` of ``bits``-bit codes: the unit view the kernel
+    reads them in ("halves", "bytes" or "split"), its bit planes, and the dim of each
     kernel column. 3-bit codes are split (:func:`kvjax.primitives.packing.pack_split`):
-    planes of their 2-bit magnitudes, the signs beside them."""
+    planes of their low 2 bits in halves, the top bits beside them in bytes."""
     if bits == 1:
         return "bytes", 8, unit_permutation(head_dim, 1, "bytes")
     if bits == 3:
@@ -70,8 +71,7 @@ def key_layout(head_dim: int, bits: int) -> tuple[str, int, np.ndarray]:
 
 def value_groups(head_dim: int, bits: int, group: int) -> np.ndarray:
     """``[planes, width]``: the channel group of each column of each value plane."""
-    perm = unit_permutation(head_dim, bits, "halves")
-    planes = 16 // bits
+    _, planes, perm = code_layout(head_dim, bits)
     return (perm // group).reshape(planes, -1)
 
 
@@ -97,9 +97,9 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, key_bits, magnitudes, qjl, value_bit
     if qjl:
         qjl_ref, rnorm_ref = refs[:2]
         refs = refs[2:]
-    vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
+    vh_ref, vb_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
     rows, head_dim = q_ref.shape
-    layout, k_planes, _ = key_layout(head_dim, key_bits)
+    layout, k_planes, _ = code_layout(head_dim, key_bits)
     k_width = head_dim // k_planes
     v_planes = len(parity_groups)
     v_width = head_dim // v_planes
@@ -111,13 +111,17 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, key_bits, magnitudes, qjl, value_bit
         gq_slots = [gq_ref[:, pl.ds(j * sign_width, sign_width)].astype(OPERAND)
                     for j in range(8)]
 
+    def split(load, halves_ref, bytes_ref):
+        # the low 2-bit words as halves, the top-bit words after them as bytes
+        return (load(halves_ref, pl.ds(0, head_dim // 8)),
+                load(bytes_ref, pl.ds(head_dim // 4, head_dim // 8)))
+
     def key_plane(load, j):
         if layout == "halves":
             return codebook_plane(load(kh_ref), j, key_bits, magnitudes, asm)
         if layout == "bytes":
             return sign_plane(load(kb_ref), j, magnitudes[0], asm)
-        low = load(kh_ref, pl.ds(0, head_dim // 8))
-        signs = load(kb_ref, pl.ds(head_dim // 4, head_dim // 8))
+        low, signs = split(load, kh_ref, kb_ref)
         return codebook_plane(low, j, key_bits, magnitudes, asm, signs=signs)
 
     def scores(load):
@@ -132,7 +136,7 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, key_bits, magnitudes, qjl, value_bit
         return s * sm_scale
 
     def accumulate(acc, p, correction, load):
-        vc = load(vc_ref)
+        vc, top = split(load, vh_ref, vb_ref) if value_bits == 3 else (load(vh_ref), None)
         p = p.astype(OPERAND)
         params = {}
 
@@ -145,7 +149,7 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, key_bits, magnitudes, qjl, value_bit
         out = []
         for j, (even, odd) in enumerate(parity_groups):
             plane = group_int_plane(vc, j, value_bits, (param("scale", even), param("scale", odd)),
-                                    (param("zero", even), param("zero", odd)), asm)
+                                    (param("zero", even), param("zero", odd)), asm, top=top)
             out.append(acc[j] * correction[:, None] + dot_nn(p, plane))
         return tuple(out)
 
@@ -214,12 +218,8 @@ def codes_partial(
         split_len=split_len(slots, splits, block_s), sm_scale=sm_scale,
         asm=asm and not interpret)
     per_head = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, j: (b, h, 0, 0))
-    halves = jax.lax.bitcast_convert_type(k_codes, jnp.uint16)
-    halves = halves.reshape(*k_codes.shape[:-1], 2 * k_codes.shape[-1])
-    bytes_ = jax.lax.bitcast_convert_type(k_codes, jnp.uint8)
-    bytes_ = bytes_.reshape(*k_codes.shape[:-1], 4 * k_codes.shape[-1])
-    v_halves = jax.lax.bitcast_convert_type(v_codes, jnp.uint16)
-    v_halves = v_halves.reshape(*v_codes.shape[:-1], 2 * v_codes.shape[-1])
+    halves, bytes_ = unit_view(k_codes, "halves"), unit_view(k_codes, "bytes")
+    v_halves, v_bytes = unit_view(v_codes, "halves"), unit_view(v_codes, "bytes")
     groups = v_scale.shape[-1]
     args = [n_comp.astype(jnp.int32), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
             q.astype(jnp.float32)]
@@ -232,13 +232,13 @@ def codes_partial(
                  stacked_spec(layers, slots, bytes_.shape[-1]), stacked_spec(layers, slots)]
     if qjl:
         k_qjl, k_residual_norm = rest
-        qjl_bytes = jax.lax.bitcast_convert_type(k_qjl, jnp.uint8)
-        qjl_bytes = qjl_bytes.reshape(*k_qjl.shape[:-1], 4 * k_qjl.shape[-1])
+        qjl_bytes = unit_view(k_qjl, "bytes")
         args += [qjl_bytes, k_residual_norm]
         in_specs += [stacked_spec(layers, slots, qjl_bytes.shape[-1]),
                      stacked_spec(layers, slots)]
-    args += [v_halves, v_scale, v_zero]
+    args += [v_halves, v_bytes, v_scale, v_zero]
     in_specs += [stacked_spec(layers, slots, v_halves.shape[-1]),
+                 stacked_spec(layers, slots, v_bytes.shape[-1]),
                  stacked_spec(layers, slots, groups), stacked_spec(layers, slots, groups)]
     out_shape, out_specs = partial_specs(batch, heads, splits, rows, head_dim)
     return pl.pallas_call(

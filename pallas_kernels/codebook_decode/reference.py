@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.primitives.packing import unpack_bits, unpack_split
+from kvjax.primitives.packing import unpack_bits, unpack_codes
 from pallas_kernels.codebook_decode.api import check_arrays, query_sides
 from pallas_kernels.codebook_decode.kernel import QJL_CONSTANT
 from pallas_kernels.flash import NUM_WARPS
@@ -25,10 +25,7 @@ from pallas_kernels.partial import EXACT, logits_partial
 def codebook_values(codes: jax.Array, bits: int, magnitudes: tuple[float, ...],
                     head_dim: int) -> jax.Array:
     """``[..., S, D]`` float32 codebook values of stored sign-magnitude key words."""
-    if bits == 3:
-        c = unpack_split(codes, head_dim)
-    else:
-        c = unpack_bits(codes, bits, head_dim)
+    c = unpack_codes(codes, bits, head_dim)
     half = 1 << (bits - 1)
     table = jnp.asarray(magnitudes, jnp.float32)
     value = table[(c & (half - 1)).astype(jnp.int32)] if bits > 1 else table[0] + 0 * c
@@ -38,7 +35,7 @@ def codebook_values(codes: jax.Array, bits: int, magnitudes: tuple[float, ...],
 def group_values(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int, group: int,
                  head_dim: int) -> jax.Array:
     """``[..., S, D]`` float32 values ``zero_g + scale_g * c`` per channel group."""
-    c = unpack_bits(codes, bits, head_dim).astype(jnp.float32)
+    c = unpack_codes(codes, bits, head_dim).astype(jnp.float32)
     per_dim = jnp.arange(head_dim) // group
     return (jnp.take(zero.astype(jnp.float32), per_dim, axis=-1)
             + c * jnp.take(scale.astype(jnp.float32), per_dim, axis=-1))

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.primitives.packing import unpack_bits
+from kvjax.primitives.packing import unpack_codes
 from pallas_kernels.int_decode.api import NUM_WARPS, check_arrays
 from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.partial import EXACT, dense_partial, unrotate_output
@@ -24,7 +24,7 @@ def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
                head_dim: int) -> jax.Array:
     """Tokens ``zero + scale * code`` in float32 from ``uint32[..., S, W]`` words and
     ``[..., S]`` scales and zeros: ``[..., S, D]``."""
-    c = unpack_bits(codes, bits, head_dim).astype(jnp.float32)
+    c = unpack_codes(codes, bits, head_dim).astype(jnp.float32)
     return zero[..., None].astype(jnp.float32) + c * scale[..., None].astype(jnp.float32)
 
 
