@@ -1,8 +1,9 @@
-"""Decode-attention latency: the fused INT-N kernel vs cuDNN / XLA bf16 and
+"""Decode-attention latency: the fused kernels vs cuDNN / XLA bf16 and
 dequantize-then-attend, in one run, with the same query and cache length for all.
 
     python experiments/bench_decode.py                 # the full table (GPU)
     python experiments/bench_decode.py --quick         # two shapes, fewer repeats
+    python experiments/bench_decode.py --codec turboquant:b3 --codec turboquant:b4,qjl
 
 Each path attends one query token per row (N query heads, K kv heads, head dim D: the
 attention shape of a model of :func:`kvjax.eval.memory.model_shape`) to all S cached
@@ -14,13 +15,18 @@ over the packed codes with the library's default blocking and split count (``saw
 with SAW's query rotation, which the entry applies with the column permutation in one
 XLA product) and normalize its partial; ``saw-in-kernel`` and ``--variant`` are
 benchmark-only kernel variants (:class:`~pallas_kernels.int_decode.kernel.Research`).
+Each ``--codec`` (a cache spec whose K offers codebook codes: TurboQuant, MSE or QJL;
+default :data:`CODECS`) adds its fused path, :func:`pallas_kernels.codebook_decode.api.
+codebook_decode` over that codec's arrays (K and V), and ``<spec> dequant``, the same
+arrays decoded to bf16 (keys in the rotated space, the query rotated) and attended by
+cuDNN.
 
 Timing: every path is compiled and run once before timing (compile time reported
 apart); a timed sample is one jitted call that runs the path ``--inner`` times in a
 ``lax.fori_loop`` whose query depends on the previous output (so nothing is hoisted),
 divided by ``--inner``; the table shows the median of ``--repeats`` samples. ``GB/s`` is
-the bytes the path must read (the cache) over its time; ``floor`` is the int4 cache's
-bytes at ``--peak-gbs``.
+the bytes the path must read (the cache) over its time; ``floor ms`` is those bytes at
+``--peak-gbs`` and ``vs floor`` the path's time over it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.codec import CodebookFormat, GroupIntFormat
 from kvjax.eval.memory import model_shape
+from kvjax.spec import parse_cache
+from pallas_kernels.codebook_decode import api as codebook
+from pallas_kernels.codebook_decode.reference import codebook_values, group_values
 from pallas_kernels.flash import NUM_WARPS, default_blocking, default_splits
 from pallas_kernels.int_decode.api import int_decode, random_inputs
 from pallas_kernels.int_decode.kernel import Research
@@ -48,6 +58,8 @@ FULL_GRID = [(1, 4096), (8, 4096), (32, 4096), (1, 32768), (8, 32768), (32, 3276
              (1, 131072)]
 QUICK_GRID = [(32, 32768), (1, 131072)]
 BITS = 4
+#: the codecs of the fused codebook kernel timed by default
+CODECS = ("turboquant:b4", "turboquant:b3", "turboquant:b4,qjl", "turboquant:b3,qjl")
 
 
 def nbytes(*arrays) -> int:
@@ -84,8 +96,60 @@ def parse_variant(text: str) -> dict:
             "splits": int(splits[0]) if splits else None}
 
 
+def codebook_formats(spec: str) -> tuple[CodebookFormat, GroupIntFormat]:
+    """The kernel formats of a cache spec's K and V, or a ValueError saying why not."""
+    config = parse_cache(spec)
+    k = next((f for f in config.k.kernel_formats() if isinstance(f, CodebookFormat)), None)
+    v = next((f for f in config.v.kernel_formats() if isinstance(f, GroupIntFormat)), None)
+    if k is None or v is None:
+        raise ValueError(f"'{spec}' is not read by the codebook kernel (K '{config.k.spec}',"
+                         f" V '{config.v.spec}')")
+    return k, v
+
+
+def bench_codebook(spec, q, batch, heads, group, slots, head_dim, inner, repeats, options):
+    """``{path: (compile s, s per call, bytes)}`` of a codebook codec's fused and
+    dequantize-then-cuDNN paths."""
+    k_fmt, v_fmt = codebook_formats(spec)
+    arrays = codebook.random_inputs(
+        jax.random.key(1), batch=batch, heads=heads, group=group, slots=slots,
+        head_dim=head_dim, key_bits=k_fmt.bits, value_bits=v_fmt.bits,
+        value_group=v_fmt.group, qjl=k_fmt.qjl)
+    arrays.pop("q")
+    static = {"key_bits": k_fmt.bits, "magnitudes": k_fmt.magnitudes(head_dim, k_fmt.bits),
+              "value_bits": v_fmt.bits, "value_group": v_fmt.group,
+              "sm_scale": head_dim**-0.5}
+    stored = ("k_codes", "k_norm", "v_codes", "v_scale", "v_zero", "k_qjl",
+              "k_residual_norm")
+    read = nbytes(*(arrays[k] for k in stored if k in arrays))
+    num_heads = heads * group
+
+    def fused(q, arrays):
+        qg = q.reshape(batch, heads, group, head_dim)
+        out = normalize(*codebook.codebook_decode(qg, **arrays, **static, **options))
+        return out.reshape(batch, num_heads, head_dim)
+
+    def dequant(q, arrays):
+        qg = q.reshape(batch, heads, group, head_dim)
+        q_rot, _ = codebook.query_sides(qg, arrays["k_signs"], None)
+        keys = codebook_values(arrays["k_codes"], k_fmt.bits, static["magnitudes"], head_dim)
+        keys = keys * arrays["k_norm"].astype(jnp.float32)[..., None]
+        values = group_values(arrays["v_codes"], arrays["v_scale"], arrays["v_zero"],
+                              v_fmt.bits, v_fmt.group, head_dim)
+        # [B, K, S, D] -> [B, S, K, D] bf16, the layout cuDNN takes (QJL's term left out:
+        # cuDNN has no place for it, so this path is a lower bound for the QJL specs)
+        k, v = (jnp.swapaxes(a.astype(jnp.bfloat16), 1, 2) for a in (keys, values))
+        out = jax.nn.dot_product_attention(
+            q_rot.reshape(batch, 1, num_heads, head_dim).astype(jnp.bfloat16), k, v,
+            implementation="cudnn")
+        return out[:, 0]
+
+    return {spec: (*timed(fused, (q, arrays), inner, repeats), read),
+            f"{spec} dequant": (*timed(dequant, (q, arrays), inner, repeats), read)}
+
+
 def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stages, peak,
-                variants=()):
+                variants=(), codecs=CODECS):
     shape = model_shape(name)
     num_heads, heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
     group = num_heads // heads
@@ -148,24 +212,32 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
                                     (q, *codes, lengths), inner, repeats), code_bytes)
         except Exception as err:  # report, keep benchmarking the other variants
             print(f"  {path} failed: {str(err).splitlines()[0][:160]}", file=sys.stderr)
+    options = {"block_s": block_s, "num_warps": num_warps, "num_stages": num_stages}
+    for spec in codecs:
+        try:
+            results.update(bench_codebook(spec, q, batch, heads, group, slots, head_dim,
+                                          inner, repeats, options))
+        except Exception as err:  # report, keep benchmarking the other codecs
+            print(f"  {spec} failed: {str(err).splitlines()[0][:160]}", file=sys.stderr)
     return {"shape": name, "batch": batch, "slots": slots, "splits": splits,
-            "block_s": block_s, "floor_ms": 1e3 * code_bytes / (peak * 1e9),
+            "block_s": block_s,
             "paths": {k: {"compile_s": c, "ms": 1e3 * t, "bytes": b,
-                          "gbs": b / t / 1e9 if t == t else float("nan")}
+                          "gbs": b / t / 1e9 if t == t else float("nan"),
+                          "floor_ms": 1e3 * b / (peak * 1e9)}
                       for k, (c, t, b) in results.items()}}
 
 
 def table(rows):
     """A markdown table, one line per (shape, B, S, path)."""
-    head = ("| shape | B | S | splits | path | ms | GB/s | vs cuDNN bf16 | floor ms |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+    head = ("| shape | B | S | splits | path | ms | GB/s | vs cuDNN bf16 | floor ms "
+            "| vs floor |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         base = r["paths"]["cudnn"]["ms"]
         for path, p in r["paths"].items():
             lines.append(f"| {r['shape']} | {r['batch']} | {r['slots']} | {r['splits']} | "
                          f"{path} | {p['ms']:.3f} | {p['gbs']:.0f} | {base / p['ms']:.2f}x | "
-                         f"{r['floor_ms']:.3f} |")
+                         f"{p['floor_ms']:.3f} | {p['ms'] / p['floor_ms']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -187,6 +259,8 @@ def main(argv=None) -> int:
                    metavar="LAYOUT:BLOCK_S:WARPS:STAGES[:SPLITS]",
                    help="extra kernel configurations to time, e.g. bytes:128:8:3 or "
                         "halves-jnp:64:4:2:66 (-jnp: unpack without inline PTX)")
+    p.add_argument("--codec", action="append", metavar="SPEC",
+                   help=f"cache specs for the codebook kernel (default: {', '.join(CODECS)})")
     args = p.parse_args(argv)
     shapes = args.shape or list(SHAPES)
     try:
@@ -194,7 +268,10 @@ def main(argv=None) -> int:
             model_shape(name)
         for variant in args.variant:
             parse_variant(variant)
-    except (ValueError, TypeError) as err:
+        codecs = tuple(args.codec or CODECS)
+        for spec in codecs:
+            codebook_formats(spec)
+    except (ValueError, TypeError) as err:  # CodecError is a ValueError
         print(f"bench_decode: {err}", file=sys.stderr)
         return 2
     if jax.default_backend() != "gpu":
@@ -206,7 +283,7 @@ def main(argv=None) -> int:
         for batch, slots in grid:
             rows.append(bench_shape(shape, batch, slots, args.inner, args.repeats,
                                     args.block_s, args.num_warps, args.num_stages,
-                                    args.peak_gbs, args.variant))
+                                    args.peak_gbs, args.variant, codecs))
             print(table(rows[-1:]), file=sys.stderr)
     print(table(rows))
     if args.json:

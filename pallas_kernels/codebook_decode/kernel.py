@@ -141,9 +141,11 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, key_bits, magnitudes, qjl, value_bit
         params = {}
 
         def param(role, g):
-            # one group's column of a [block_s, groups] ref, loaded as [block_s, 1]
+            # one group's column of a [block_s, groups] ref, loaded as [block_s, 1] and
+            # broadcast to a plane once for every plane of the group
             if (role, g) not in params:
-                params[role, g] = load(vs_ref if role == "scale" else vz_ref, pl.ds(g, 1))
+                column = load(vs_ref if role == "scale" else vz_ref, pl.ds(g, 1))
+                params[role, g] = jnp.broadcast_to(column, (column.shape[0], v_width))
             return params[role, g]
 
         out = []

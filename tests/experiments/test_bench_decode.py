@@ -10,6 +10,9 @@ def test_bad_arguments_exit_with_status_2(capsys):
     assert "known models: " in capsys.readouterr().err
     assert bench_decode.main(["--variant", "words:64:4:2"]) == 2
     assert "layout must be one of" in capsys.readouterr().err
+    assert bench_decode.main(["--codec", "int:4"]) == 2
+    assert "is not read by the codebook kernel" in capsys.readouterr().err
+    assert bench_decode.main(["--codec", "turboquant:b9"]) == 2
     assert profile_decode.main(["--shape", "nope"]) == 2
     assert profile_decode.main(["--layout", "words"]) == 2
 
@@ -20,12 +23,12 @@ def test_variants_and_the_table():
         "num_stages": 2, "splits": 66}
     assert bench_decode.parse_variant("bytes:128:8:3")["splits"] is None
     row = {"shape": "llama-3-8b", "batch": 32, "slots": 32768, "splits": 4, "block_s": 128,
-           "floor_ms": 0.269,
-           "paths": {"cudnn": {"ms": 1.048, "gbs": 4100.0},
-                     "fused": {"ms": 0.5, "gbs": 2280.0}}}
+           "paths": {"cudnn": {"ms": 1.048, "gbs": 4100.0, "floor_ms": 1.013},
+                     "fused": {"ms": 0.5, "gbs": 2280.0, "floor_ms": 0.269}}}
     lines = bench_decode.table([row]).splitlines()
     assert lines[0].startswith("| shape | B | S | splits | path | ms | GB/s | vs cuDNN bf16")
-    assert lines[3] == "| llama-3-8b | 32 | 32768 | 4 | fused | 0.500 | 2280 | 2.10x | 0.269 |"
+    assert lines[3] == ("| llama-3-8b | 32 | 32768 | 4 | fused | 0.500 | 2280 | 2.10x | 0.269 "
+                        "| 1.86x |")
 
 
 def test_profile_runs_the_entry(capsys):

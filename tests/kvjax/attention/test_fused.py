@@ -13,7 +13,7 @@ import pytest
 from kvjax import cache as kc
 from kvjax.attention import REGISTRY, Call, NoImplementationError, attend, fused
 from kvjax.codec import DenseFormat, IntFormat
-from kvjax.spec import parse_codec
+from kvjax.spec import parse_cache, parse_codec
 from pallas_kernels.int_decode import api, reference
 from tests.kvjax.attention.helpers import build_layer
 
@@ -166,3 +166,22 @@ def test_model_decode_step_through_the_kernel():
     scale = np.max(np.abs(logits["reference"]))
     np.testing.assert_allclose(logits["int_decode"], logits["reference"], atol=1e-2 * scale)
     assert not np.array_equal(logits["int_decode"], logits["reference"])  # really the kernel
+
+
+@pytest.mark.parametrize("spec,reason", [
+    ("int:4", "K 'int:4' offers no codebook kernel format"),
+    ("k=turboquant:b4 v=int:4", "V 'int:4' offers no group-wise INT kernel format"),
+    ("turboquant:b5", "5-bit key codes"),
+    ("turboquant:b4", None),
+    ("turboquant:b3,qjl", None),
+])
+def test_when_the_codebook_kernel_applies(spec, reason):
+    config = parse_cache(spec)
+    cache = kc.init_cache(jax.random.key(0), config, num_layers=1, batch=1, num_kv_heads=1,
+                          head_dim=128, max_len=64)
+    step = kc.make_step(cache, 1)
+    view = kc.append(cache.layer(0), jnp.ones((1, 1, 1, 128)), jnp.ones((1, 1, 1, 128)), step)
+    call = Call(q=jnp.ones((1, 1, 4, 128)), layer=view, step=step,
+                lengths=step.start + step.valid, scale=1.0, sliding_window=None)
+    got = REGISTRY["codebook_decode"].supports(call)
+    assert got == reason if reason is None else reason in got
