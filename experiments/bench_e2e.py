@@ -10,7 +10,8 @@ generates ``--new-tokens`` greedy tokens after a random prompt of ``--context``
 tokens, prefilled ``--prefill-chunk`` tokens at a time; reported are decode tokens/s
 (all rows, compilation excluded), milliseconds per decode step, prefill seconds and the
 cache's bytes. The models' attention is their cache config's, ``"auto"``: on a GPU the
-decode steps of ``int:N`` and SAW caches run the fused kernel (``"int_decode"``), those of
+decode steps of ``int:N`` and SAW caches run the fused INT kernel (``"int_decode"``),
+those of TurboQuant caches the codebook kernel (``"codebook_decode"``), those of
 a ``bf16`` cache cuDNN, and prefill chunks walk the cache in windows with bfloat16
 operands (``"xla"``; see :func:`kvjax.attention.auto_names`).
 

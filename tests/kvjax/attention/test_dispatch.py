@@ -24,18 +24,20 @@ INTERPRET = jax.default_backend() != "gpu"
 
 
 def test_registry_and_auto():
-    assert registered()[:3] == ("reference", "xla", "int_decode")
-    assert auto_names("gpu") == ("int_decode", "xla", "reference")
+    assert registered()[:4] == ("reference", "xla", "int_decode", "codebook_decode")
+    fused = ("int_decode", "codebook_decode")
+    assert auto_names("gpu") == (*fused, "xla", "reference")
     assert auto_names("cpu") == ("reference",)
-    assert resolve("auto", "gpu") == ("int_decode", "xla", "reference")
-    assert resolve(["xla", "auto"], "gpu") == ("xla", "int_decode", "reference")
+    assert resolve("auto", "gpu") == (*fused, "xla", "reference")
+    assert resolve(["xla", "auto"], "gpu") == ("xla", *fused, "reference")
     assert resolve("int_decode,reference", "cpu") == ("int_decode", "reference")
     assert resolve(("reference", "auto"), "cpu") == ("reference",)
 
 
 def test_unknown_and_empty_names():
     for bad in ("magic", ["reference", "pallas"], "int_decode,,xla"):
-        with pytest.raises(ValueError, match="valid: auto, reference, xla, int_decode"):
+        with pytest.raises(ValueError,
+                           match="valid: auto, reference, xla, int_decode, codebook_decode"):
             check_names(bad)
     with pytest.raises(ValueError, match="no attention implementation given"):
         check_names(())
