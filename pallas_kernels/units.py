@@ -106,53 +106,43 @@ def int_plane(tile: jax.Array, j: int, bits: int, asm: bool) -> jax.Array:
     return (shifted & jnp.asarray(mask, tile.dtype)).astype(OPERAND)
 
 
-def group_int_plane(tile: jax.Array, j: int, bits: int, scale: tuple[jax.Array, jax.Array],
-                    zero: tuple[jax.Array, jax.Array], asm: bool,
-                    top: jax.Array | None = None) -> jax.Array:
+def group_int_plane(tile: jax.Array, j: int, bits: int, scale: jax.Array, zero: jax.Array,
+                    asm: bool, top: jax.Array | None = None) -> jax.Array:
     """Bit plane ``j`` of a tile of 16-bit units of integer codes as float16 values
-    ``zero + scale * c``, where the even columns (low halves of the words) take
-    ``scale[0], zero[0]`` and the odd ones ``scale[1], zero[1]``: each ``[block_s, 1]``
-    float16, the per-token parameters of the channel group those columns belong to.
-    With ``top`` (a tile of bytes of the same shape: 3-bit codes in the split layout of
+    ``zero + scale * c``, with ``scale`` and ``zero`` float16 tiles of the plane's shape
+    (each column's channel group's parameters). With ``top`` (a tile of bytes of the
+    same shape: 3-bit codes in the split layout of
     :func:`kvjax.primitives.packing.pack_split`) the plane is the low 2 bits and bit ``j``
     of the unit's byte is the code's top bit.
 
-    ``asm``: :func:`int_plane`'s three instructions (three more to merge a top bit), a
-    ``prmt`` per parameter that takes the low half's from the even group and the high
-    half's from the odd one (none when they are the same arrays), and one
-    ``fma.f16x2``: the values come out dequantized, so the matmul with the probabilities
-    needs no per-group scaling.
+    ``asm``: :func:`int_plane`'s three instructions (three more to merge a top bit) and
+    one ``fma.f16x2``: the values come out dequantized, so the matmul with the
+    probabilities needs no per-group scaling. Every lane is computed from the same lane
+    of every operand: which two elements Triton packs into a register depends on the
+    tile's layout, not on the columns.
     """
     width = bits if top is None else bits - 1
-    mixed = scale[0] is not scale[1] or zero[0] is not zero[1]
     if asm and tile.dtype == jnp.uint16:
         mask = (1 << width) - 1
-        params = [jnp.broadcast_to(a, tile.shape) for a in (*scale, *zero)]
         bias = F16_1024 * 0x10001
         per_call = 2 if top is None else 4
-        regs = per_call // 2  # 32-bit registers per parameter (and per output)
-        first = 2 * regs + (top is not None)  # operand number of the first parameter
+        regs = per_call // 2  # 32-bit registers per float16 operand (and per output)
+        first = 2 * regs + (top is not None)  # operand number of the scales
         parts = []
         for pair in range(regs):
-            source = f"${regs + pair}"
-            lines = [f"shr.b32 t, {source}, {j * width};",
+            lines = [f"shr.b32 t, ${regs + pair}, {j * width};",
                      f"lop3.b32 t, t, {mask | mask << 16:#010x}, {bias:#010x}, 0xea;"]
             if top is not None:
                 spread = (0x1100, 0x3322)[pair]
                 lines += [f"prmt.b32 u, ${2 * regs}, ${2 * regs}, {spread:#06x};",
                           f"shr.b32 u, u, {6 + j};",
                           "lop3.b32 t, t, u, 0x00040004, 0xf8;"]
-            lines += [f"mov.b32 b, {bias:#010x};", "sub.rn.f16x2 t, t, b;"]
-            se, so, ze, zo = (f"${first + k * regs + pair}" for k in range(4))
-            if mixed:
-                lines += [f"prmt.b32 s, {se}, {so}, 0x7610;", f"prmt.b32 z, {ze}, {zo}, 0x7610;"]
-            else:
-                lines += [f"mov.b32 s, {se};", f"mov.b32 z, {ze};"]
-            lines.append(f"fma.rn.f16x2 ${pair}, t, s, z;")
+            lines += [f"mov.b32 b, {bias:#010x};", "sub.rn.f16x2 t, t, b;",
+                      f"fma.rn.f16x2 ${pair}, t, ${first + pair}, ${first + regs + pair};"]
             parts.append(" ".join(lines))
-        code = "{ .reg .b32 t, u, b, s, z; " + " ".join(parts) + " }"
-        args = [tile] + ([top] if top is not None else []) + params
-        constraints = ",".join(["=r"] * regs + ["r"] * (regs + (top is not None) + 4 * regs))
+        code = "{ .reg .b32 t, u, b; " + " ".join(parts) + " }"
+        args = [tile] + ([top] if top is not None else []) + [scale, zero]
+        constraints = ",".join(["=r"] * regs + ["r"] * (regs + (top is not None) + 2 * regs))
         [out] = plgpu.elementwise_inline_asm(
             code, args=args, constraints=constraints, pack=per_call,
             result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
@@ -161,10 +151,7 @@ def group_int_plane(tile: jax.Array, j: int, bits: int, scale: tuple[jax.Array, 
     if top is not None:
         high = (top >> jnp.asarray(j, top.dtype)) & jnp.asarray(1, top.dtype)
         codes = codes + 4.0 * high.astype(jnp.float32)
-    even = jax.lax.broadcasted_iota(jnp.int32, (1, tile.shape[1]), 1) % 2 == 0
-    s = jnp.where(even, scale[0].astype(jnp.float32), scale[1].astype(jnp.float32))
-    z = jnp.where(even, zero[0].astype(jnp.float32), zero[1].astype(jnp.float32))
-    return (z + codes * s).astype(OPERAND)
+    return (zero.astype(jnp.float32) + codes * scale.astype(jnp.float32)).astype(OPERAND)
 
 
 def _table_registers(magnitudes: tuple[float, ...]) -> list[int]:

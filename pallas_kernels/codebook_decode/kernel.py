@@ -147,12 +147,14 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, key_bits, magnitudes, qjl, value_bit
             column = load(ref, pl.ds(g, 1))
             return jnp.broadcast_to(column, (column.shape[0], v_width))
 
+        even_columns = jax.lax.broadcasted_iota(jnp.int32, (1, v_width), 1) % 2 == 0
         out = []
         for j, (even, odd) in enumerate(parity_groups):
             pairs = []
             for ref in (vs_ref, vz_ref):
                 low = param(ref, even)
-                pairs.append((low, low if odd == even else param(ref, odd)))
+                pairs.append(low if odd == even else
+                             jnp.where(even_columns, low, param(ref, odd)))
             plane = group_int_plane(vc, j, value_bits, *pairs, asm, top=top)
             out.append(acc[j] * correction[:, None] + dot_nn(p, plane))
         return tuple(out)
