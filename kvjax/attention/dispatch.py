@@ -60,12 +60,15 @@ class Impl:
     supports: ``call -> None`` when it serves the call, else the reason it does not.
     run: ``call -> [B, T, N, D]`` attention output (any float dtype; cast to ``q``'s).
     fused: a fused kernel (``"auto"`` tries these first on a GPU).
+    auto: whether ``"auto"`` includes it; a fused kernel whose compiled form has not
+    passed its kernel suite on a GPU is reachable by name only.
     """
 
     name: str
     supports: Callable[[Call], str | None]
     run: Callable[[Call], jax.Array]
     fused: bool = False
+    auto: bool = True
 
 
 REGISTRY: dict[str, Impl] = {}
@@ -92,7 +95,8 @@ def auto_names(backend: str | None = None) -> tuple[str, ...]:
     float32 ``"reference"`` (the fused kernels would run in Pallas interpret mode)."""
     backend = backend or jax.default_backend()
     if backend == "gpu":
-        return (*(name for name, impl in REGISTRY.items() if impl.fused), "xla", "reference")
+        return (*(name for name, impl in REGISTRY.items() if impl.fused and impl.auto),
+                "xla", "reference")
     return ("reference",)
 
 

@@ -188,10 +188,11 @@ def codebook_supports(call: Call, unsupported: Callable[[int, int, int, int], st
 
 
 def codebook_kernel(name: str, entry: Entry,
-                    unsupported: Callable[[int, int, int, int], str | None]) -> Impl:
+                    unsupported: Callable[[int, int, int, int], str | None],
+                    auto: bool = True) -> Impl:
     """The registry entry of a fused decode kernel over codebook keys and group-wise INT
     values: ``entry`` takes the arrays of :func:`pallas_kernels.codebook_decode.api.
-    codebook_decode`'s signature."""
+    codebook_decode`'s signature; ``auto``: whether ``"auto"`` includes it."""
 
     def run(call: Call) -> jax.Array:
         out = codebook_decode(call.q[:, 0], call.layer, call.lengths, entry=entry,
@@ -199,4 +200,4 @@ def codebook_kernel(name: str, entry: Entry,
         return out[:, None]
 
     return Impl(name=name, supports=lambda call: codebook_supports(call, unsupported),
-                run=run, fused=True)
+                run=run, fused=True, auto=auto)

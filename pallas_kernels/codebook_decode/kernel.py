@@ -15,11 +15,11 @@ pass.
 
 Values are ``zero_g + scale_g * c`` per group ``g`` of channels. A plane of value codes
 holds the columns of one group in the low halves of its words and of one group in the
-high halves (:func:`parity_groups`), so it is dequantized in registers with one
-``fma.f16x2`` per two codes (:func:`~pallas_kernels.units.group_int_plane`) and meets
-the probabilities in one matmul. (Scaling the probabilities per group instead, one
-matmul per group and plane with the zeros summed apart, measured 1.7x slower at
-B = 32, S = 32k.)
+high halves (:func:`parity_groups`); each column's scale and zero are loaded beside it
+and the plane is dequantized in registers with one ``fma.f16x2`` per two codes
+(:func:`~pallas_kernels.units.group_int_plane`), so it meets the probabilities in one
+matmul. (Scaling the probabilities per group instead, one matmul per group and plane
+with the zeros summed apart, measured 1.5x slower at B = 32, S = 32k.)
 
 Operands of the dots are float16, accumulation float32; the reference is exact float32.
 """
