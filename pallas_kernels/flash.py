@@ -173,9 +173,30 @@ def split_len(slots: int, splits: int, block_s: int) -> int:
     return pl.cdiv(pl.cdiv(slots, splits), block_s) * block_s
 
 
-def partial_specs(batch: int, heads: int, splits: int, rows: int, head_dim: int):
-    """``(out_shape, out_specs)`` of a kernel's per-split partials ``o [B, K, splits, R,
-    D]``, ``m, l [B, K, splits, R]`` (float32)."""
+def stacked_spec(layers: int, slots: int, *trailing: int) -> pl.BlockSpec:
+    """The block of one (row, kv head) of a ``[L, B, K, S, *trailing]`` stack: every
+    layer and token of it (the kernel indexes the layer and the tokens itself)."""
+    zeros = (0,) * len(trailing)
+    return pl.BlockSpec((layers, None, None, slots, *trailing),
+                        lambda b, h, j: (0, b, h, 0, *zeros))
+
+
+def leading_inputs(n_comp: jax.Array, layer, q: jax.Array):
+    """``(args, in_specs)`` of every decode kernel's first three inputs: the per-row
+    token counts ``[B]``, the layer index ``[1]`` and the query rows ``[B, K, R, D]``
+    (float32; one ``[R, D]`` block per program)."""
+    rows, head_dim = q.shape[2:]
+    args = [n_comp.astype(jnp.int32), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
+            q.astype(jnp.float32)]
+    specs = [pl.BlockSpec((1,), lambda b, h, j: (b,)), pl.BlockSpec((1,), lambda b, h, j: (0,)),
+             pl.BlockSpec((None, None, rows, head_dim), lambda b, h, j: (b, h, 0, 0))]
+    return args, specs
+
+
+def decode_call(kernel, args, in_specs, *, batch: int, heads: int, splits: int, rows: int,
+                head_dim: int, num_warps: int, num_stages: int, interpret: bool, name: str):
+    """The ``pallas_call`` of a decode kernel on the grid ``(B, K, splits)``; returns its
+    per-split partials ``o [B, K, splits, R, D]``, ``m, l [B, K, splits, R]`` (float32)."""
     out_shape = [
         jax.ShapeDtypeStruct((batch, heads, splits, rows, head_dim), jnp.float32),
         jax.ShapeDtypeStruct((batch, heads, splits, rows), jnp.float32),
@@ -186,17 +207,13 @@ def partial_specs(batch: int, heads: int, splits: int, rows: int, head_dim: int)
         pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
         pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
     ]
-    return out_shape, out_specs
-
-
-def stacked_spec(layers: int, slots: int, *trailing: int) -> pl.BlockSpec:
-    """The block of one (row, kv head) of a ``[L, B, K, S, *trailing]`` stack: every
-    layer and token of it (the kernel indexes the layer and the tokens itself)."""
-    zeros = (0,) * len(trailing)
-    return pl.BlockSpec((layers, None, None, slots, *trailing),
-                        lambda b, h, j: (0, b, h, 0, *zeros))
-
-
-def scalar_specs() -> list[pl.BlockSpec]:
-    """The specs of the per-row token count ``[B]`` and the layer index ``[1]``."""
-    return [pl.BlockSpec((1,), lambda b, h, j: (b,)), pl.BlockSpec((1,), lambda b, h, j: (0,))]
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)

@@ -33,14 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.flash import (
     OPERAND,
+    decode_call,
     dot_nn,
     dot_nt,
-    partial_specs,
-    scalar_specs,
+    leading_inputs,
     split_len,
     split_softmax,
     stacked_spec,
@@ -223,16 +222,14 @@ def codes_partial(
         parity_groups=parity_groups(head_dim, value_bits, value_group), block_s=block_s,
         split_len=split_len(slots, splits, block_s), sm_scale=sm_scale,
         asm=asm and not interpret)
-    per_head = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, j: (b, h, 0, 0))
     halves, bytes_ = unit_view(k_codes, "halves"), unit_view(k_codes, "bytes")
     v_halves, v_bytes = unit_view(v_codes, "halves"), unit_view(v_codes, "bytes")
     groups = v_scale.shape[-1]
-    args = [n_comp.astype(jnp.int32), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
-            q.astype(jnp.float32)]
-    in_specs = [*scalar_specs(), per_head]
+    args, in_specs = leading_inputs(n_comp, layer, q)
     if qjl:
+        # G q: one [R, D] block per program, like the query
         args.append(gq.astype(jnp.float32))
-        in_specs.append(per_head)
+        in_specs.append(in_specs[2])
     args += [halves, bytes_, k_norm]
     in_specs += [stacked_spec(layers, slots, halves.shape[-1]),
                  stacked_spec(layers, slots, bytes_.shape[-1]), stacked_spec(layers, slots)]
@@ -246,14 +243,7 @@ def codes_partial(
     in_specs += [stacked_spec(layers, slots, v_halves.shape[-1]),
                  stacked_spec(layers, slots, v_bytes.shape[-1]),
                  stacked_spec(layers, slots, groups), stacked_spec(layers, slots, groups)]
-    out_shape, out_specs = partial_specs(batch, heads, splits, rows, head_dim)
-    return pl.pallas_call(
-        kernel,
-        grid=(batch, heads, splits),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="codebook_decode_attention",
-    )(*args)
+    return decode_call(kernel, args, in_specs, batch=batch, heads=heads, splits=splits,
+                       rows=rows, head_dim=head_dim, num_warps=num_warps,
+                       num_stages=num_stages, interpret=interpret,
+                       name="codebook_decode_attention")

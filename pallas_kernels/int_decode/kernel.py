@@ -41,14 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.flash import (
     OPERAND,
+    decode_call,
     dot_nn,
     dot_nt,
-    partial_specs,
-    scalar_specs,
+    leading_inputs,
     split_len,
     split_softmax,
     stacked_spec,
@@ -202,10 +201,7 @@ def codes_partial(
         split_len=split_len(slots_total, splits, block_s),
         sm_scale=sm_scale, rotated=rotated, asm=not interpret and research.asm,
     )
-    in_specs = [*scalar_specs(),
-                pl.BlockSpec((None, None, rows, head_dim), lambda b, h, j: (b, h, 0, 0))]
-    args = [n_comp.astype(jnp.int32), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
-            q.astype(jnp.float32)]
+    args, in_specs = leading_inputs(n_comp, layer, q)
     if rotated:
         in_specs.append(pl.BlockSpec((None, head_dim, head_dim), lambda b, h, j: (h, 0, 0)))
         args.append(rotation.astype(OPERAND))
@@ -213,16 +209,9 @@ def codes_partial(
     meta_spec = stacked_spec(layers, slots_total)
     in_specs += [code_spec, meta_spec, meta_spec, code_spec, meta_spec, meta_spec]
     args += [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero]
-    out_shape, out_specs = partial_specs(batch, heads, splits, rows, head_dim)
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(batch, heads, splits),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="int_decode_attention",
-    )(*args)
+    o, m, l = decode_call(kernel, args, in_specs, batch=batch, heads=heads, splits=splits,
+                          rows=rows, head_dim=head_dim, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret,
+                          name="int_decode_attention")
     o = o[..., np.argsort(perm)]
     return o, m, l

@@ -22,6 +22,7 @@ A kernel's test module subclasses :class:`KernelSuite` as ``Test<Kernel>`` and s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import ClassVar
 
@@ -39,6 +40,22 @@ NEEDLE_LENGTHS = (1999, 1234, 77)
 #: the needle's logit stands this far above the others' typical ones, and its value
 #: has this magnitude per dim
 NEEDLE_KEY, NEEDLE_VALUE = 4.0, 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The shape of one entry call: rows, kv heads, query rows per kv head, code slots,
+    head dim (a kernel's test case adds its codes and blocking)."""
+
+    batch: int
+    heads: int
+    group: int
+    slots: int
+    head_dim: int
+
+    @property
+    def shape_id(self) -> str:
+        return f"B{self.batch}K{self.heads}G{self.group}S{self.slots}D{self.head_dim}"
 
 
 def normalized(partial) -> np.ndarray:

@@ -24,18 +24,13 @@ from kvjax.spec import parse_cache
 from pallas_kernels.codebook_decode import api, reference
 from pallas_kernels.codebook_decode.kernel import code_layout, parity_groups
 from pallas_kernels.units import unit_view
-from tests.pallas_kernels.suite import KernelSuite
+from tests.pallas_kernels.suite import KernelSuite, Shape
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(Shape):
     """One call of the entry over a cache spec's codes."""
 
-    batch: int
-    heads: int
-    group: int
-    slots: int
-    head_dim: int
     spec: str
     lengths: tuple[int, ...]
     layers: int | None = None  # codes stacked over this many layers; layer 1 is read
@@ -45,7 +40,7 @@ class Case:
     @property
     def id(self) -> str:
         return "-".join(filter(None, [
-            f"B{self.batch}K{self.heads}G{self.group}S{self.slots}D{self.head_dim}",
+            self.shape_id,
             self.spec.replace(":", "").replace(",", ""), f"bs{self.block_s}",
             f"sp{self.splits}", "n" + ",".join(map(str, self.lengths)),
             f"L{self.layers}" * bool(self.layers)]))

@@ -24,18 +24,13 @@ from kvjax.primitives.packing import unpack_bits
 from pallas_kernels.int_decode import api, reference
 from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.units import unit_permutation, unit_view
-from tests.pallas_kernels.suite import KernelSuite
+from tests.pallas_kernels.suite import KernelSuite, Shape
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(Shape):
     """One call of the entry: shapes, codes and blocking."""
 
-    batch: int
-    heads: int
-    group: int
-    slots: int
-    head_dim: int
     bits: int
     lengths: tuple[int, ...]
     saw: int | None = None     # SAW rotation block of the keys (None: int:N keys)
@@ -50,8 +45,7 @@ class Case:
         extra = [f"saw{self.saw}" * bool(self.saw), "kv" * self.saw_values,
                  f"L{self.layers}" * bool(self.layers),
                  f"{self.research}" * bool(self.research)]
-        return "-".join([f"B{self.batch}K{self.heads}G{self.group}S{self.slots}"
-                         f"D{self.head_dim}b{self.bits}", f"bs{self.block_s}",
+        return "-".join([f"{self.shape_id}b{self.bits}", f"bs{self.block_s}",
                          f"sp{self.splits}", "n" + ",".join(map(str, self.lengths)),
                          *filter(None, extra)])
 
