@@ -143,9 +143,14 @@ def test_why_the_kernel_does_not_apply(spec_k, spec_v, head_dim, kw, reason):
         attend(q, view, step, sliding_window=kw.get("sliding_window"), impl="int_decode")
 
 
-def test_model_decode_step_through_the_kernel():
-    """A decode step of a tiny llama over an int:4 cache: kernel vs reference logits,
-    chosen by the cache config's attention list (the prefill falls back, as listed)."""
+@pytest.mark.parametrize("k,v,kernel", [
+    ("saw:h32", "int:4", "int_decode"),
+    ("turboquant:b3,qjl", "kivi:3,g32,token", "codebook_decode"),
+])
+def test_model_decode_step_through_the_kernel(k, v, kernel):
+    """A decode step of a tiny llama (two layers scanned over stacked codes): kernel vs
+    reference logits, chosen by the cache config's attention list (the prefill falls
+    back, as listed)."""
     from models import llama
     from models.config import ModelConfig
 
@@ -155,17 +160,16 @@ def test_model_decode_step_through_the_kernel():
     params = llama.init_params(jax.random.key(0), config)
     prompt = jax.random.randint(jax.random.key(1), (2, 21), 0, config.vocab_size)
     logits = {}
-    for impl in (("reference",), ("int_decode", "reference")):
-        cache_config = kc.CacheConfig(k="saw:h32", v="int:4", residual_window=4,
-                                      attention=impl)
+    for impl in (("reference",), (kernel, "reference")):
+        cache_config = kc.CacheConfig(k=k, v=v, residual_window=4, attention=impl)
         cache = llama.new_cache(config, cache_config, batch=2, max_len=32,
                                 dtype=jnp.float32)
         _, cache = llama.jit_forward(params, config, prompt, cache, jnp.array([21, 13]))
         step_logits, _ = llama.jit_forward(params, config, prompt[:, :1], cache, None)
         logits[impl[0]] = np.asarray(step_logits)
     scale = np.max(np.abs(logits["reference"]))
-    np.testing.assert_allclose(logits["int_decode"], logits["reference"], atol=1e-2 * scale)
-    assert not np.array_equal(logits["int_decode"], logits["reference"])  # really the kernel
+    np.testing.assert_allclose(logits[kernel], logits["reference"], atol=1e-2 * scale)
+    assert not np.array_equal(logits[kernel], logits["reference"])  # really the kernel
 
 
 @pytest.mark.parametrize("spec,reason", [
