@@ -19,7 +19,7 @@ high halves (:func:`parity_groups`); each column's scale and zero are loaded bes
 and the plane is dequantized in registers with one ``fma.f16x2`` per two codes
 (:func:`~pallas_kernels.units.group_int_plane`), so it meets the probabilities in one
 matmul. (Scaling the probabilities per group instead, one matmul per group and plane
-with the zeros summed apart, measured 1.5x slower at B = 32, S = 32k.)
+with the zeros summed apart, ran 1.086 ms against this form's 0.733 at B = 32, S = 32k.)
 
 Operands of the dots are float16, accumulation float32; the reference is exact float32.
 """
