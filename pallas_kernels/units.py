@@ -22,6 +22,8 @@ PTX form that handles two (or four) units per 32-bit register.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,32 +80,79 @@ def f16_bits(value: float) -> int:
     return int(np.float16(value).view(np.uint16))
 
 
+@dataclasses.dataclass(frozen=True)
+class Ptx:
+    """Inline PTX run elementwise over tiles: ``pack`` elements per call, packed into
+    32-bit registers (two 16-bit or four 8-bit elements to a register), outputs first
+    (``$0``...), then every argument's registers in order."""
+
+    code: str
+    constraints: str
+    pack: int
+
+
+def run_ptx(ptx: Ptx, args: list[jax.Array]) -> jax.Array:
+    """The float16 tile of ``args[0]``'s shape that ``ptx`` computes."""
+    [out] = plgpu.elementwise_inline_asm(
+        ptx.code, args=args, constraints=ptx.constraints, pack=ptx.pack,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, OPERAND)])
+    return out
+
+
+def int_ptx(j: int, bits: int) -> Ptx:
+    """:func:`int_plane` on two 16-bit units: a shift, one ``lop3`` and one
+    ``sub.f16x2`` make two codes."""
+    mask = (1 << bits) - 1
+    bias = F16_1024 * 0x10001
+    return Ptx("{ .reg .b32 t, b; "
+               f"shr.b32 t, $1, {j * bits}; "
+               f"lop3.b32 t, t, {mask | mask << 16:#010x}, {bias:#010x}, 0xea; "
+               f"mov.b32 b, {bias:#010x}; "
+               "sub.rn.f16x2 $0, t, b; }", "=r,r", 2)
+
+
 def int_plane(tile: jax.Array, j: int, bits: int, asm: bool) -> jax.Array:
     """Bit plane ``j`` of a tile of code units as float16 codes.
 
-    ``asm``: 16-bit units two at a time in one 32-bit register, so a shift, one ``lop3``
-    and one ``sub.f16x2`` make two codes (the same arithmetic as the jnp path, which
-    Triton would run one 16-bit unit per instruction). Compiled only (interpret mode has
-    no PTX).
+    ``asm``: 16-bit units two at a time in one 32-bit register (:func:`int_ptx`: the
+    same arithmetic as the jnp path, which Triton would run one 16-bit unit per
+    instruction). Compiled only (interpret mode has no PTX).
     """
-    mask = (1 << bits) - 1
     if asm and tile.dtype == jnp.uint16:
-        code = (
-            "{ .reg .b32 t, b; "
-            f"shr.b32 t, $1, {j * bits}; "
-            f"lop3.b32 t, t, {mask | mask << 16:#010x}, {F16_1024 * 0x10001:#010x}, 0xea; "
-            f"mov.b32 b, {F16_1024 * 0x10001:#010x}; "
-            "sub.rn.f16x2 $0, t, b; }"
-        )
-        [out] = plgpu.elementwise_inline_asm(
-            code, args=[tile], constraints="=r,r", pack=2,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
-        return out
+        return run_ptx(int_ptx(j, bits), [tile])
+    mask = (1 << bits) - 1
     shifted = tile >> jnp.asarray(j * bits, tile.dtype) if j else tile
     if tile.dtype == jnp.uint16:
         biased = (shifted & jnp.asarray(mask, tile.dtype)) | jnp.asarray(F16_1024, tile.dtype)
         return jax.lax.bitcast_convert_type(biased, OPERAND) - jnp.asarray(1024, OPERAND)
     return (shifted & jnp.asarray(mask, tile.dtype)).astype(OPERAND)
+
+
+def group_int_ptx(j: int, bits: int, split: bool) -> Ptx:
+    """:func:`group_int_plane`: per 32-bit register of two codes, :func:`int_ptx`'s
+    three instructions (three more to merge a split code's top bit) and one
+    ``fma.f16x2`` with the two lanes' scales and zeros. Operands: the units, the top
+    bytes (split), the scales, the zeros; four elements per call when split (the bytes
+    fill one register), else two."""
+    width = bits - 1 if split else bits
+    mask = (1 << width) - 1
+    bias = F16_1024 * 0x10001
+    regs = 2 if split else 1  # 32-bit registers per float16 operand (and per output)
+    first = 2 * regs + split  # operand number of the scales
+    parts = []
+    for pair in range(regs):
+        lines = [f"shr.b32 t, ${regs + pair}, {j * width};",
+                 f"lop3.b32 t, t, {mask | mask << 16:#010x}, {bias:#010x}, 0xea;"]
+        if split:
+            spread = (0x1100, 0x3322)[pair]
+            lines += [f"prmt.b32 u, ${2 * regs}, ${2 * regs}, {spread:#06x};",
+                      f"shr.b32 u, u, {6 + j};",
+                      "lop3.b32 t, t, u, 0x00040004, 0xf8;"]
+        lines += [f"mov.b32 b, {bias:#010x};", "sub.rn.f16x2 t, t, b;",
+                  f"fma.rn.f16x2 ${pair}, t, ${first + pair}, ${first + regs + pair};"]
+        parts.append(" ".join(lines))
+    constraints = ",".join(["=r"] * regs + ["r"] * (regs + split + 2 * regs))
+    return Ptx("{ .reg .b32 t, u, b; " + " ".join(parts) + " }", constraints, 2 * regs)
 
 
 def group_int_plane(tile: jax.Array, j: int, bits: int, scale: jax.Array, zero: jax.Array,
@@ -115,40 +164,17 @@ def group_int_plane(tile: jax.Array, j: int, bits: int, scale: jax.Array, zero: 
     :func:`kvjax.primitives.packing.pack_split`) the plane is the low 2 bits and bit ``j``
     of the unit's byte is the code's top bit.
 
-    ``asm``: :func:`int_plane`'s three instructions (three more to merge a top bit) and
-    one ``fma.f16x2``: the values come out dequantized, so the matmul with the
-    probabilities needs no per-group scaling. Every lane is computed from the same lane
-    of every operand: which two elements Triton packs into a register depends on the
-    tile's layout, not on the columns.
+    ``asm``: :func:`group_int_ptx`; the values come out dequantized, so the matmul with
+    the probabilities needs no per-group scaling. Every lane is computed from the same
+    lane of every operand: which two elements Triton packs into a register depends on
+    the tile's layout, not on the columns.
     """
-    width = bits if top is None else bits - 1
+    split = top is not None
     if asm and tile.dtype == jnp.uint16:
-        mask = (1 << width) - 1
-        bias = F16_1024 * 0x10001
-        per_call = 2 if top is None else 4
-        regs = per_call // 2  # 32-bit registers per float16 operand (and per output)
-        first = 2 * regs + (top is not None)  # operand number of the scales
-        parts = []
-        for pair in range(regs):
-            lines = [f"shr.b32 t, ${regs + pair}, {j * width};",
-                     f"lop3.b32 t, t, {mask | mask << 16:#010x}, {bias:#010x}, 0xea;"]
-            if top is not None:
-                spread = (0x1100, 0x3322)[pair]
-                lines += [f"prmt.b32 u, ${2 * regs}, ${2 * regs}, {spread:#06x};",
-                          f"shr.b32 u, u, {6 + j};",
-                          "lop3.b32 t, t, u, 0x00040004, 0xf8;"]
-            lines += [f"mov.b32 b, {bias:#010x};", "sub.rn.f16x2 t, t, b;",
-                      f"fma.rn.f16x2 ${pair}, t, ${first + pair}, ${first + regs + pair};"]
-            parts.append(" ".join(lines))
-        code = "{ .reg .b32 t, u, b; " + " ".join(parts) + " }"
-        args = [tile] + ([top] if top is not None else []) + [scale, zero]
-        constraints = ",".join(["=r"] * regs + ["r"] * (regs + (top is not None) + 2 * regs))
-        [out] = plgpu.elementwise_inline_asm(
-            code, args=args, constraints=constraints, pack=per_call,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
-        return out
-    codes = int_plane(tile, j, width, asm=False).astype(jnp.float32)
-    if top is not None:
+        return run_ptx(group_int_ptx(j, bits, split),
+                       [tile, *([top] if split else []), scale, zero])
+    codes = int_plane(tile, j, bits - split, asm=False).astype(jnp.float32)
+    if split:
         high = (top >> jnp.asarray(j, top.dtype)) & jnp.asarray(1, top.dtype)
         codes = codes + 4.0 * high.astype(jnp.float32)
     return (zero.astype(jnp.float32) + codes * scale.astype(jnp.float32)).astype(OPERAND)
@@ -211,6 +237,27 @@ def _select(values: tuple[float, ...], index: jax.Array) -> jax.Array:
     return out
 
 
+def codebook_ptx(j: int, bits: int, magnitudes: tuple[float, ...], split: bool) -> Ptx:
+    """:func:`codebook_plane`: per 32-bit register of two 16-bit units, the two codes'
+    magnitude ranks gathered into one ``prmt`` selector, their float16 magnitudes picked
+    from registers, and the sign bits moved onto float16's. Split (3-bit codes): four
+    units per call, their sign bytes in one more register."""
+    if not split:
+        offset = j * bits
+        return Ptx("{ .reg .b32 x, a0, a1, h0, h1, t; "
+                   + _lookup_ptx("$1", offset, magnitudes, "x")
+                   + " " + _shift_to_sign("$1", offset + bits - 1, "t")
+                   + f" lop3.b32 $0, x, t, 0x80008000, {XOR_AND:#x}; }}", "=r,r", 2)
+    parts = []
+    for pair, (source, spread) in enumerate((("$2", 0x1100), ("$3", 0x3322))):
+        parts.append(
+            _lookup_ptx(source, j * (bits - 1), magnitudes, "x")
+            + f" prmt.b32 t, $4, $4, {spread:#06x}; shl.b32 t, t, {7 - j};"
+            + f" lop3.b32 ${pair}, x, t, 0x80008000, {XOR_AND:#x};")
+    return Ptx("{ .reg .b32 x, a0, a1, h0, h1, t; " + " ".join(parts) + " }",
+               "=r,=r,r,r,r", 4)
+
+
 def codebook_plane(tile: jax.Array, j: int, bits: int, magnitudes: tuple[float, ...],
                    asm: bool, signs: jax.Array | None = None) -> jax.Array:
     """Bit plane ``j`` of a tile of 16-bit units of sign-magnitude codes, as float16
@@ -220,59 +267,44 @@ def codebook_plane(tile: jax.Array, j: int, bits: int, magnitudes: tuple[float, 
     (a tile of bytes of the same shape: 3-bit codes in the split layout of
     :func:`kvjax.primitives.packing.pack_split`) the plane is the ``bits - 1`` magnitude
     bits and the sign is bit ``j`` of the unit's byte. At most 8 magnitudes (4 bits).
+    ``asm``: :func:`codebook_ptx`.
     """
     mag_bits = bits - 1
-    width = bits if signs is None else bits - 1
-    offset = j * width
+    split = signs is not None
+    width = bits - split
     if len(magnitudes) != 1 << mag_bits or mag_bits > 3:
         raise ValueError(f"{len(magnitudes)} magnitudes for {bits}-bit codes")
     if asm:
-        if signs is None:
-            code = ("{ .reg .b32 x, a0, a1, h0, h1, t; "
-                    + _lookup_ptx("$1", offset, magnitudes, "x")
-                    + " " + _shift_to_sign("$1", offset + bits - 1, "t")
-                    + f" lop3.b32 $0, x, t, 0x80008000, {XOR_AND:#x}; }}")
-            [out] = plgpu.elementwise_inline_asm(
-                code, args=[tile], constraints="=r,r", pack=2,
-                result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
-            return out
-        # four units per call: halves in $2, $3, their sign bytes in $4
-        parts = []
-        for pair, (source, spread) in enumerate((("$2", 0x1100), ("$3", 0x3322))):
-            parts.append(
-                _lookup_ptx(source, offset, magnitudes, "x")
-                + f" prmt.b32 t, $4, $4, {spread:#06x}; shl.b32 t, t, {7 - j};"
-                + f" lop3.b32 ${pair}, x, t, 0x80008000, {XOR_AND:#x};")
-        code = "{ .reg .b32 x, a0, a1, h0, h1, t; " + " ".join(parts) + " }"
-        [out] = plgpu.elementwise_inline_asm(
-            code, args=[tile, signs], constraints="=r,=r,r,r,r", pack=4,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
-        return out
+        return run_ptx(codebook_ptx(j, bits, magnitudes, split),
+                       [tile, signs] if split else [tile])
+    offset = j * width
     field = (tile >> jnp.asarray(offset, tile.dtype)) & jnp.asarray((1 << width) - 1, tile.dtype)
-    if signs is None:
-        rank = field & jnp.asarray((1 << mag_bits) - 1, tile.dtype)
-        negative = (field >> jnp.asarray(mag_bits, tile.dtype)) != 0
-    else:
+    if split:
         rank = field
         negative = ((signs >> jnp.asarray(j, signs.dtype)) & jnp.asarray(1, signs.dtype)) != 0
+    else:
+        rank = field & jnp.asarray((1 << mag_bits) - 1, tile.dtype)
+        negative = (field >> jnp.asarray(mag_bits, tile.dtype)) != 0
     value = _select(magnitudes, rank)
     return jnp.where(negative, -value, value).astype(OPERAND)
 
 
+def sign_ptx(j: int, base: float) -> Ptx:
+    """:func:`sign_plane`: four bytes per call; each byte's bit ``j`` spread to its
+    float16 lane's sign bit (``prmt``, ``shl``) and applied to ``base`` (``lop3``)."""
+    pattern = f16_bits(base) * 0x10001
+    return Ptx("{ .reg .b32 t, v; "
+               f"mov.b32 v, {pattern:#010x}; "
+               f"prmt.b32 t, $2, $2, 0x1100; shl.b32 t, t, {7 - j}; "
+               f"lop3.b32 $0, v, t, 0x80008000, {XOR_AND:#x}; "
+               f"prmt.b32 t, $2, $2, 0x3322; shl.b32 t, t, {7 - j}; "
+               f"lop3.b32 $1, v, t, 0x80008000, {XOR_AND:#x}; }}", "=r,=r,r", 4)
+
+
 def sign_plane(tile: jax.Array, j: int, base: float, asm: bool) -> jax.Array:
     """Bit ``j`` of every byte of a tile of bytes as float16 ``base`` (bit clear) or
-    ``-base`` (bit set)."""
+    ``-base`` (bit set). ``asm``: :func:`sign_ptx`."""
     if asm:
-        pattern = f16_bits(base) * 0x10001
-        code = ("{ .reg .b32 t, v; "
-                f"mov.b32 v, {pattern:#010x}; "
-                f"prmt.b32 t, $2, $2, 0x1100; shl.b32 t, t, {7 - j}; "
-                f"lop3.b32 $0, v, t, 0x80008000, {XOR_AND:#x}; "
-                f"prmt.b32 t, $2, $2, 0x3322; shl.b32 t, t, {7 - j}; "
-                f"lop3.b32 $1, v, t, 0x80008000, {XOR_AND:#x}; }}")
-        [out] = plgpu.elementwise_inline_asm(
-            code, args=[tile], constraints="=r,=r,r", pack=4,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, OPERAND)])
-        return out
+        return run_ptx(sign_ptx(j, base), [tile])
     bit = (tile >> jnp.asarray(j, tile.dtype)) & jnp.asarray(1, tile.dtype)
     return jnp.where(bit != 0, -base, base).astype(OPERAND)

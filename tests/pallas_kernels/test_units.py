@@ -1,0 +1,181 @@
+"""The inline PTX of :mod:`pallas_kernels.units`, run by a small emulator of the handful
+of instructions it uses, against the jnp forms that interpret mode runs: the compiled
+kernels' bit tricks checked on a CPU, lane by lane, whatever elements Triton packs into a
+register."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pallas_kernels import units
+from pallas_kernels.units import Ptx
+
+MASK = 0xFFFFFFFF
+
+
+def _f16(bits: np.ndarray) -> np.ndarray:
+    return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+
+
+def _lanes(a, op):
+    """A float16x2 operation on uint32 registers."""
+    lo = [_f16(x & np.uint64(0xFFFF)) for x in a]
+    hi = [_f16(x >> np.uint64(16)) for x in a]
+    out_lo = np.float16(op(*lo)).view(np.uint16).astype(np.uint64)
+    out_hi = np.float16(op(*hi)).view(np.uint16).astype(np.uint64)
+    return out_lo | (out_hi << np.uint64(16))
+
+
+def _prmt(a, b, c):
+    source = [(x >> np.uint64(8 * i)) & np.uint64(0xFF) for x in (a, b) for i in range(4)]
+    source = np.stack(source).astype(np.uint64)
+    out = np.zeros_like(a)
+    for i in range(4):
+        sel = (c >> np.uint64(4 * i)) & np.uint64(0xF)
+        byte = np.take_along_axis(source, (sel & np.uint64(7))[None].astype(np.int64),
+                                  axis=0)[0]
+        sign = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        byte = np.where(sel & np.uint64(8), sign, byte).astype(np.uint64)
+        out |= byte << np.uint64(8 * i)
+    return out
+
+
+def _lop3(a, b, c, lut):
+    out = np.zeros_like(a)
+    one = np.uint64(1)
+    for bit in range(32):
+        k = np.uint64(bit)
+        index = (((a >> k) & one) << np.uint64(2)) | (((b >> k) & one) << one) | ((c >> k) & one)
+        out |= ((np.uint64(lut) >> index) & one) << k
+    return out
+
+
+def emulate(ptx: Ptx, operands: list[np.ndarray]) -> list[np.ndarray]:
+    """Run ``ptx`` on uint64-held 32-bit registers ``$k`` (outputs first, then
+    ``operands``); returns the output registers."""
+    outputs = ptx.constraints.count("=")
+    regs = {f"${outputs + k}": np.asarray(v, np.uint64) for k, v in enumerate(operands)}
+    n = len(operands[0])
+
+    def val(x):
+        if x in regs:
+            return regs[x]
+        return np.full(n, int(x, 0), np.uint64)
+
+    for line in ptx.code.strip("{} ").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *a = [x.strip() for x in args.split(",")]
+        v = [val(x) for x in a]
+        if op == "mov.b32":
+            r = v[0]
+        elif op == "shr.b32":
+            r = v[0] >> v[1]
+        elif op == "shl.b32":
+            r = (v[0] << v[1]) & np.uint64(MASK)
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "lop3.b32":
+            r = _lop3(v[0], v[1], v[2], int(a[3], 0))
+        elif op == "prmt.b32":
+            r = _prmt(v[0], v[1], v[2])
+        elif op == "mad.lo.u32":
+            r = (v[0] * v[1] + v[2]) & np.uint64(MASK)
+        elif op == "mul.lo.u32":
+            r = (v[0] * v[1]) & np.uint64(MASK)
+        elif op == "sub.rn.f16x2":
+            r = _lanes(v, lambda x, y: x - y)
+        elif op == "fma.rn.f16x2":
+            r = _lanes(v, lambda x, y, z: x * y + z)
+        else:
+            raise AssertionError(f"the emulator has no {op}")
+        regs[d] = np.asarray(r, np.uint64) & np.uint64(MASK)
+    return [regs[f"${k}"] for k in range(outputs)]
+
+
+def pack(elements: np.ndarray, per_call: int) -> list[np.ndarray]:
+    """Registers of a tile's elements, ``per_call`` to a call: 16-bit elements two to a
+    register, bytes four."""
+    if elements.dtype == np.float16:
+        elements = elements.view(np.uint16)
+    e = elements.reshape(-1, per_call).astype(np.uint64)
+    shift = [np.uint64(8 * k) for k in range(4)]
+    if elements.dtype.itemsize == 1:
+        return [e[:, 0] | e[:, 1] << shift[1] | e[:, 2] << shift[2] | e[:, 3] << shift[3]]
+    return [e[:, k] | e[:, k + 1] << shift[2] for k in range(0, per_call, 2)]
+
+
+def run(ptx: Ptx, tiles: list[np.ndarray]) -> np.ndarray:
+    """``ptx`` over whole tiles: the float16 result, element by element."""
+    operands = [r for t in tiles for r in pack(t, ptx.pack)]
+    out = emulate(ptx, operands)
+    lanes = [np.stack([r & np.uint64(0xFFFF), r >> np.uint64(16)], axis=-1) for r in out]
+    return np.concatenate(lanes, axis=-1).reshape(tiles[0].shape).astype(np.uint16).view(
+        np.float16)
+
+
+RNG = np.random.default_rng(0)
+SHAPE = (8, 16)
+
+
+def halves():
+    return RNG.integers(0, 1 << 16, SHAPE, dtype=np.uint16)
+
+
+def bytes_():
+    return RNG.integers(0, 1 << 8, SHAPE, dtype=np.uint8)
+
+
+def f16(scale):
+    return (RNG.standard_normal(SHAPE) * scale).astype(np.float16)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_int_ptx(bits):
+    tile = halves()
+    for j in range(16 // bits):
+        want = np.asarray(units.int_plane(tile, j, bits, asm=False))
+        np.testing.assert_array_equal(run(units.int_ptx(j, bits), [tile]), want)
+
+
+@pytest.mark.parametrize("bits,split", [(2, False), (4, False), (8, False), (3, True)])
+def test_group_int_ptx(bits, split):
+    tile, top, scale, zero = halves(), bytes_(), f16(0.1), f16(1.0)
+    for j in range(16 // (bits - split)):
+        want = np.asarray(units.group_int_plane(tile, j, bits, scale, zero, asm=False,
+                                                top=top if split else None))
+        got = run(units.group_int_ptx(j, bits, split),
+                  [tile, *([top] if split else []), scale, zero])
+        # one fused rounding against the jnp form's float32 sum rounded to float16
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
+                                   rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("bits,split", [(2, False), (3, False), (4, False), (3, True)])
+def test_codebook_ptx(bits, split):
+    magnitudes = tuple(float(m) for m in np.sort(RNG.uniform(0.01, 0.3, 1 << (bits - 1))))
+    tile, signs = halves(), bytes_()
+    for j in range(16 // (bits - split)):
+        want = np.asarray(units.codebook_plane(tile, j, bits, magnitudes, asm=False,
+                                               signs=signs if split else None))
+        got = run(units.codebook_ptx(j, bits, magnitudes, split),
+                  [tile, signs] if split else [tile])
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("base", [-1.0, 0.0707])
+def test_sign_ptx(base):
+    tile = bytes_()
+    for j in range(8):
+        want = np.asarray(units.sign_plane(tile, j, base, asm=False))
+        np.testing.assert_array_equal(run(units.sign_ptx(j, base), [tile]), want)
+
+
+def test_the_emulator_can_fail():
+    """A wrong shift is caught: the comparison is not vacuous."""
+    tile = halves()
+    want = np.asarray(units.int_plane(tile, 1, 4, asm=False))
+    assert not np.array_equal(run(units.int_ptx(2, 4), [tile]), want)
