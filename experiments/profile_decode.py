@@ -1,10 +1,14 @@
-"""Calls of the INT-N decode kernel at a chosen shape, for a profiler to attach to.
+"""Calls of a decode kernel at a chosen shape, for a profiler to attach to.
 
     ncu --clock-control none -k regex:int_decode python experiments/profile_decode.py
+    ncu --clock-control none -k regex:codebook python experiments/profile_decode.py \
+        --codec turboquant:b3
 
-Runs the kernel's entry (:func:`pallas_kernels.int_decode.api.int_decode`, what the
-models' attention calls) a few times on random packed codes (the speed depends only on
-the bytes) so a profiler such as Nsight Compute sees a warm, compiled kernel.
+Runs the kernel's entry a few times on random packed codes (the speed depends only on
+the bytes) so a profiler such as Nsight Compute sees a warm, compiled kernel: the INT
+kernel's (:func:`pallas_kernels.int_decode.api.int_decode`), or with ``--codec`` the
+codebook kernel's (:func:`pallas_kernels.codebook_decode.api.codebook_decode`) over the
+arrays of that cache spec.
 """
 
 from __future__ import annotations
@@ -14,10 +18,31 @@ import sys
 
 import jax
 
+from kvjax.codec import CodebookFormat, GroupIntFormat
 from kvjax.eval.memory import model_shape
+from kvjax.spec import parse_cache
+from pallas_kernels.codebook_decode import api as codebook
 from pallas_kernels.flash import NUM_WARPS, default_blocking, default_splits
 from pallas_kernels.int_decode.api import int_decode, random_inputs
 from pallas_kernels.int_decode.kernel import Research
+
+
+def codebook_call(spec: str, batch: int, heads: int, group: int, slots: int,
+                  head_dim: int):
+    """``options -> partial``: the codebook kernel over random arrays of ``spec``'s
+    formats (a ValueError when its K and V are not what the kernel reads)."""
+    config = parse_cache(spec)
+    k = next((f for f in config.k.kernel_formats() if isinstance(f, CodebookFormat)), None)
+    v = next((f for f in config.v.kernel_formats() if isinstance(f, GroupIntFormat)), None)
+    if k is None or v is None:
+        raise ValueError(f"'{spec}' is not read by the codebook kernel")
+    arrays = codebook.random_inputs(jax.random.key(0), batch=batch, heads=heads,
+                                    group=group, slots=slots, head_dim=head_dim,
+                                    key_bits=k.bits, value_bits=v.bits,
+                                    value_group=v.group, qjl=k.qjl)
+    static = {"key_bits": k.bits, "magnitudes": k.magnitudes(head_dim, k.bits),
+              "value_bits": v.bits, "value_group": v.group, "sm_scale": head_dim**-0.5}
+    return lambda **options: codebook.codebook_decode(**arrays, **static, **options)
 
 
 def main(argv=None) -> int:
@@ -33,25 +58,37 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", type=int, default=NUM_WARPS)
     p.add_argument("--num-stages", type=int)
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--codec", metavar="SPEC",
+                   help="a cache spec for the codebook kernel (e.g. turboquant:b3)")
     args = p.parse_args(argv)
     try:
         shape = model_shape(args.shape)
         research = Research(layout=args.layout)
-    except ValueError as err:
+        heads, head_dim = shape.num_kv_heads, shape.head_dim
+        group = shape.num_heads // heads
+        if args.codec:
+            call = codebook_call(args.codec, args.batch, heads, group, args.slots, head_dim)
+    except ValueError as err:  # CodecError is a ValueError
         print(f"profile_decode: {err}", file=sys.stderr)
         return 2
-    heads, head_dim = shape.num_kv_heads, shape.head_dim
     block_s, stages = default_blocking(args.block_s, args.num_stages)
     splits = default_splits(args.batch, heads, args.slots, block_s, args.num_warps)
-    arrays = random_inputs(jax.random.key(0), batch=args.batch, heads=heads,
-                           group=shape.num_heads // heads, slots=args.slots,
-                           head_dim=head_dim, bits=args.bits)
+    options = {"block_s": block_s, "splits": splits, "num_warps": args.num_warps,
+               "num_stages": stages}
+    if not args.codec:
+        arrays = random_inputs(jax.random.key(0), batch=args.batch, heads=heads,
+                               group=group, slots=args.slots, head_dim=head_dim,
+                               bits=args.bits)
+
+        def call(**options):
+            return int_decode(**arrays, bits=args.bits, sm_scale=head_dim**-0.5,
+                              research=research, **options)
+
     for _ in range(args.calls):
-        jax.block_until_ready(int_decode(
-            **arrays, bits=args.bits, sm_scale=head_dim**-0.5, block_s=block_s,
-            splits=splits, num_warps=args.num_warps, num_stages=stages, research=research))
+        jax.block_until_ready(call(**options))
+    kernel = args.codec or f"int{args.bits} layout {args.layout}"
     print(f"ran {args.calls} calls: B={args.batch} S={args.slots} block {block_s} "
-          f"stages {stages} splits {splits} layout {args.layout}")
+          f"stages {stages} splits {splits} {kernel}")
     return 0
 
 

@@ -36,3 +36,6 @@ def test_profile_runs_the_entry(capsys):
             "--block-s", "16"]
     assert profile_decode.main(args) == 0
     assert "ran 1 calls: B=1 S=40 block 16" in capsys.readouterr().out
+    assert profile_decode.main([*args, "--codec", "turboquant:b3,qjl"]) == 0
+    assert "turboquant:b3,qjl" in capsys.readouterr().out
+    assert profile_decode.main([*args, "--codec", "int:4"]) == 2
