@@ -115,16 +115,23 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, key_bits, magnitudes, qjl, value_bit
         return (load(halves_ref, pl.ds(0, head_dim // 8)),
                 load(bytes_ref, pl.ds(head_dim // 4, head_dim // 8)))
 
-    def key_plane(load, j):
+    def key_tiles(load):
+        # loaded once per block, whatever the number of planes read from them
         if layout == "halves":
-            return codebook_plane(load(kh_ref), j, key_bits, magnitudes, asm)
+            return load(kh_ref), None
         if layout == "bytes":
-            return sign_plane(load(kb_ref), j, magnitudes[0], asm)
-        low, signs = split(load, kh_ref, kb_ref)
-        return codebook_plane(low, j, key_bits, magnitudes, asm, signs=signs)
+            return load(kb_ref), None
+        return split(load, kh_ref, kb_ref)
+
+    def key_plane(tiles, j):
+        codes, signs = tiles
+        if layout == "bytes":
+            return sign_plane(codes, j, magnitudes[0], asm)
+        return codebook_plane(codes, j, key_bits, magnitudes, asm, signs=signs)
 
     def scores(load):
-        dots = sum(dot_nt(q_slots[j], key_plane(load, j)) for j in range(k_planes))
+        tiles = key_tiles(load)
+        dots = sum(dot_nt(q_slots[j], key_plane(tiles, j)) for j in range(k_planes))
         s = dots * load(norm_ref).astype(jnp.float32)[None, :]
         if qjl:
             bits = load(qjl_ref)
