@@ -27,8 +27,9 @@ def codebook_values(codes: jax.Array, bits: int, magnitudes: tuple[float, ...],
     """``[..., S, D]`` float32 codebook values of stored sign-magnitude key words."""
     c = unpack_codes(codes, bits, head_dim)
     half = 1 << (bits - 1)
-    table = jnp.asarray(magnitudes, jnp.float32)
-    value = table[(c & (half - 1)).astype(jnp.int32)] if bits > 1 else table[0] + 0 * c
+    # the low bits rank the magnitude (none at 1 bit: one magnitude), the top bit signs it
+    rank = (c & (half - 1)).astype(jnp.int32)
+    value = jnp.asarray(magnitudes, jnp.float32)[rank]
     return jnp.where(c >= half, -value, value)
 
 
