@@ -121,7 +121,7 @@ def codebook_decode(
     q: jax.Array,        # [B, K, G, D] float: the query rows that read kv head k
     k_codes: jax.Array,  # uint32 [B, K, S, W] ([L, B, K, S, W] with layer)
     k_norm: jax.Array,   # [B, K, S] ([L, ...]) fp16: each key's norm
-    v_codes: jax.Array,  # uint32 [B, K, S, Wv]: planar value codes
+    v_codes: jax.Array,  # uint32 [B, K, S, Wv]: value codes, planar (split at 3 bits)
     v_scale: jax.Array,  # [B, K, S, n] fp16: per channel group
     v_zero: jax.Array,   # [B, K, S, n] fp16
     lengths: jax.Array,  # int32 [B]: coded tokens per row, the first lengths[b] of S
