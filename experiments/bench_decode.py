@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import CodebookFormat, GroupIntFormat
+from kvjax.attention import fused
 from kvjax.eval.memory import model_shape
 from kvjax.spec import parse_cache
 from pallas_kernels.codebook_decode import api as codebook
@@ -96,15 +96,13 @@ def parse_variant(text: str) -> dict:
             "splits": int(splits[0]) if splits else None}
 
 
-def codebook_formats(spec: str) -> tuple[CodebookFormat, GroupIntFormat]:
-    """The kernel formats of a cache spec's K and V, or a ValueError saying why not."""
+def codebook_formats(spec: str):
+    """The codebook kernel's formats of a cache spec's K and V, or a ValueError."""
     config = parse_cache(spec)
-    k = next((f for f in config.k.kernel_formats() if isinstance(f, CodebookFormat)), None)
-    v = next((f for f in config.v.kernel_formats() if isinstance(f, GroupIntFormat)), None)
-    if k is None or v is None:
-        raise ValueError(f"'{spec}' is not read by the codebook kernel (K '{config.k.spec}',"
-                         f" V '{config.v.spec}')")
-    return k, v
+    formats = fused.codebook_formats(config.k, config.v)
+    if isinstance(formats, str):
+        raise ValueError(f"'{spec}' is not read by the codebook kernel: {formats}")
+    return formats
 
 
 def bench_codebook(spec, q, batch, heads, group, slots, head_dim, inner, repeats, options):
@@ -116,15 +114,13 @@ def bench_codebook(spec, q, batch, heads, group, slots, head_dim, inner, repeats
         head_dim=head_dim, key_bits=k_fmt.bits, value_bits=v_fmt.bits,
         value_group=v_fmt.group, qjl=k_fmt.qjl)
     arrays.pop("q")
-    static = {"key_bits": k_fmt.bits, "magnitudes": k_fmt.magnitudes(head_dim, k_fmt.bits),
-              "value_bits": v_fmt.bits, "value_group": v_fmt.group,
-              "sm_scale": head_dim**-0.5}
+    static = fused.codebook_options(k_fmt, v_fmt, head_dim)
     stored = ("k_codes", "k_norm", "v_codes", "v_scale", "v_zero", "k_qjl",
               "k_residual_norm")
     read = nbytes(*(arrays[k] for k in stored if k in arrays))
     num_heads = heads * group
 
-    def fused(q, arrays):
+    def kernel(q, arrays):
         qg = q.reshape(batch, heads, group, head_dim)
         out = normalize(*codebook.codebook_decode(qg, **arrays, **static, **options))
         return out.reshape(batch, num_heads, head_dim)
@@ -144,7 +140,7 @@ def bench_codebook(spec, q, batch, heads, group, slots, head_dim, inner, repeats
             implementation="cudnn")
         return out[:, 0]
 
-    return {spec: (*timed(fused, (q, arrays), inner, repeats), read),
+    return {spec: (*timed(kernel, (q, arrays), inner, repeats), read),
             f"{spec} dequant": (*timed(dequant, (q, arrays), inner, repeats), read)}
 
 

@@ -18,7 +18,7 @@ import sys
 
 import jax
 
-from kvjax.codec import CodebookFormat, GroupIntFormat
+from kvjax.attention import fused
 from kvjax.eval.memory import model_shape
 from kvjax.spec import parse_cache
 from pallas_kernels.codebook_decode import api as codebook
@@ -32,16 +32,15 @@ def codebook_call(spec: str, batch: int, heads: int, group: int, slots: int,
     """``options -> partial``: the codebook kernel over random arrays of ``spec``'s
     formats (a ValueError when its K and V are not what the kernel reads)."""
     config = parse_cache(spec)
-    k = next((f for f in config.k.kernel_formats() if isinstance(f, CodebookFormat)), None)
-    v = next((f for f in config.v.kernel_formats() if isinstance(f, GroupIntFormat)), None)
-    if k is None or v is None:
-        raise ValueError(f"'{spec}' is not read by the codebook kernel")
+    formats = fused.codebook_formats(config.k, config.v)
+    if isinstance(formats, str):
+        raise ValueError(f"'{spec}' is not read by the codebook kernel: {formats}")
+    k, v = formats
     arrays = codebook.random_inputs(jax.random.key(0), batch=batch, heads=heads,
                                     group=group, slots=slots, head_dim=head_dim,
                                     key_bits=k.bits, value_bits=v.bits,
                                     value_group=v.group, qjl=k.qjl)
-    static = {"key_bits": k.bits, "magnitudes": k.magnitudes(head_dim, k.bits),
-              "value_bits": v.bits, "value_group": v.group, "sm_scale": head_dim**-0.5}
+    static = fused.codebook_options(k, v, head_dim)
     return lambda **options: codebook.codebook_decode(**arrays, **static, **options)
 
 

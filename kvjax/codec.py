@@ -777,8 +777,8 @@ class CodebookFormat(KernelFormat):
     coordinate of ``y`` read from a symmetric codebook by a ``bits``-bit sign-magnitude
     code (top bit the sign, the rest the rank of the magnitude).
 
-    Codes pytree: ``"codes"`` uint32 ``[..., T, W]`` (planar words, or for 3 bits
-    :func:`kvjax.primitives.packing.pack_split`), ``"norm"`` float16 ``[..., T, 1]``; with
+    Codes pytree: ``"codes"`` uint32 ``[..., T, W]`` (:func:`kvjax.primitives.packing.
+    pack_codes` words), ``"norm"`` float16 ``[..., T, 1]``; with
     ``qjl`` also ``"qjl"`` uint32 ``[..., T, D / 32]`` (1-bit planar signs of ``G r``) and
     ``"residual_norm"`` float16 ``[..., T, 1]``, and ``params["sketch"]`` is ``G``: the
     score of a query ``q`` adds ``sqrt(pi / 2) / D * |r| * <G q, sign(G r)>``.

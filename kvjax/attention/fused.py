@@ -145,28 +145,48 @@ def int_codes_kernel(name: str, entry: Entry,
 # -- kernels over CodebookFormat keys and GroupIntFormat values ----------------------------
 
 
-def codebook_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
-                    scale: float | None = None, **options) -> jax.Array:
+def codebook_formats(k_codec: Codec, v_codec: Codec
+                     ) -> tuple[CodebookFormat, GroupIntFormat] | str:
+    """The formats a codebook kernel reads from a K and a V codec, or why they offer
+    none."""
+    k_fmt = kernel_format(k_codec, CodebookFormat)
+    v_fmt = kernel_format(v_codec, GroupIntFormat)
+    if k_fmt is None:
+        return f"K '{k_codec.spec}' offers no codebook kernel format"
+    if v_fmt is None:
+        return f"V '{v_codec.spec}' offers no group-wise INT kernel format"
+    return k_fmt, v_fmt
+
+
+def codebook_options(k_fmt: CodebookFormat, v_fmt: GroupIntFormat, head_dim: int,
+                     scale: float | None = None) -> dict:
+    """The static arguments of :func:`pallas_kernels.codebook_decode.api.codebook_decode`
+    for these formats (``sm_scale`` defaults to ``D ** -0.5``)."""
+    return {"key_bits": k_fmt.bits, "magnitudes": k_fmt.magnitudes(head_dim, k_fmt.bits),
+            "value_bits": v_fmt.bits, "value_group": v_fmt.group,
+            "sm_scale": head_dim**-0.5 if scale is None else scale}
+
+
+def codebook_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *,
+                          entry: Entry, scale: float | None = None, **options) -> jax.Array:
     """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
     offers :class:`~kvjax.codec.CodebookFormat` codes and V
     :class:`~kvjax.codec.GroupIntFormat` codes, with ``entry`` (a kernel's array-level
     entry, or its reference) over the coded region. ``options`` go to ``entry``."""
     k_store, v_store = layer.k, layer.v
-    k_fmt = kernel_format(k_store.codec, CodebookFormat)
-    v_fmt = kernel_format(v_store.codec, GroupIntFormat)
+    k_fmt, v_fmt = codebook_formats(k_store.codec, v_store.codec)
     head_dim = q.shape[-1]
-    scale = head_dim**-0.5 if scale is None else scale
+    static = codebook_options(k_fmt, v_fmt, head_dim, scale)
 
     def coded(qg, n_comp):
         codes, norm, *qjl = k_fmt.arrays(k_store.codes)
         sketch = k_store.params["sketch"] if k_fmt.qjl else None
         k_qjl, residual_norm = qjl if k_fmt.qjl else (None, None)
         return entry(qg, codes, norm, *v_fmt.arrays(v_store.codes), n_comp, k_store.layer,
-                     k_store.params["signs"], k_qjl, residual_norm, sketch,
-                     key_bits=k_fmt.bits, magnitudes=k_fmt.magnitudes(head_dim, k_fmt.bits),
-                     value_bits=v_fmt.bits, value_group=v_fmt.group, sm_scale=scale, **options)
+                     k_store.params["signs"], k_qjl, residual_norm, sketch, **static,
+                     **options)
 
-    return merged_decode(q, layer, lengths, scale, coded)
+    return merged_decode(q, layer, lengths, static["sm_scale"], coded)
 
 
 def codebook_supports(call: Call, unsupported: Callable[[int, int, int, int], str | None]
@@ -177,13 +197,10 @@ def codebook_supports(call: Call, unsupported: Callable[[int, int, int, int], st
     reason = decode_reason(call)
     if reason is not None:
         return reason
-    k_codec, v_codec = call.layer.k.codec, call.layer.v.codec
-    k_fmt = kernel_format(k_codec, CodebookFormat)
-    v_fmt = kernel_format(v_codec, GroupIntFormat)
-    if k_fmt is None:
-        return f"K '{k_codec.spec}' offers no codebook kernel format"
-    if v_fmt is None:
-        return f"V '{v_codec.spec}' offers no group-wise INT kernel format"
+    formats = codebook_formats(call.layer.k.codec, call.layer.v.codec)
+    if isinstance(formats, str):
+        return formats
+    k_fmt, v_fmt = formats
     return unsupported(k_fmt.bits, v_fmt.bits, v_fmt.group, call.head_dim)
 
 
@@ -195,8 +212,8 @@ def codebook_kernel(name: str, entry: Entry,
     codebook_decode`'s signature; ``auto``: whether ``"auto"`` includes it."""
 
     def run(call: Call) -> jax.Array:
-        out = codebook_decode(call.q[:, 0], call.layer, call.lengths, entry=entry,
-                              scale=call.scale)
+        out = codebook_codes_decode(call.q[:, 0], call.layer, call.lengths, entry=entry,
+                                    scale=call.scale)
         return out[:, None]
 
     return Impl(name=name, supports=lambda call: codebook_supports(call, unsupported),

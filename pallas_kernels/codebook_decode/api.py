@@ -27,7 +27,6 @@ from kvjax.primitives.rotations import random_signs, randomized_hadamard
 from pallas_kernels.codebook_decode.kernel import code_layout, codes_partial, parity_groups
 from pallas_kernels.flash import NUM_WARPS, default_blocking, default_splits, pad_query_rows
 from pallas_kernels.partial import EXACT, empty_partial, merge_partials
-from pallas_kernels.units import unit_permutation
 
 #: key code widths the kernel reads: at most 8 magnitudes fit its register lookup
 KEY_BITS = (1, 2, 3, 4)
@@ -169,7 +168,8 @@ def codebook_decode(
     width = max(head_dim // planes, head_dim // code_layout(head_dim, value_bits)[1])
     q_rot = pad_query_rows(q_rot, width)[..., key_perm]
     if gq is not None:
-        gq = pad_query_rows(gq, width)[..., unit_permutation(head_dim, 1, "bytes")]
+        # the sign bits are 1-bit planar words, read as bytes
+        gq = pad_query_rows(gq, width)[..., code_layout(head_dim, 1)[2]]
     o, m, l = codes_partial(
         q_rot, gq, k_codes, k_norm, k_qjl, k_residual_norm, v_codes, v_scale, v_zero,
         lengths, layer, key_bits=key_bits, magnitudes=magnitudes, value_bits=value_bits,
