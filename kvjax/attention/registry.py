@@ -19,7 +19,5 @@ from kvjax.attention.fused import codebook_kernel, int_codes_kernel
 register(Impl(name="reference", supports=reference.supports, run=reference.run))
 register(Impl(name="xla", supports=xla.supports, run=xla.run))
 register(int_codes_kernel("int_decode", int_decode.int_decode, int_decode.unsupported))
-# by name only (attn=codebook_decode) until its compiled form passes the kernel suite on
-# a GPU: the H200 run before the last change to its value planes failed 7 of its cases
 register(codebook_kernel("codebook_decode", codebook_decode.codebook_decode,
-                         codebook_decode.unsupported, auto=False))
+                         codebook_decode.unsupported))

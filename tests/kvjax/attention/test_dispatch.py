@@ -25,8 +25,7 @@ INTERPRET = jax.default_backend() != "gpu"
 
 def test_registry_and_auto():
     assert registered()[:4] == ("reference", "xla", "int_decode", "codebook_decode")
-    # codebook_decode is reachable by name only (Impl.auto)
-    fused = ("int_decode",)
+    fused = ("int_decode", "codebook_decode")
     assert auto_names("gpu") == (*fused, "xla", "reference")
     assert auto_names("cpu") == ("reference",)
     assert resolve("auto", "gpu") == (*fused, "xla", "reference")
