@@ -43,11 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import fused
+from kvjax.codec import CodebookFormat
 from kvjax.eval.memory import model_shape
 from kvjax.spec import parse_cache
 from pallas_kernels.codebook_decode import api as codebook
-from pallas_kernels.codebook_decode.reference import codebook_values, group_values
+from pallas_kernels.codebook_decode.reference import codebook_values
 from pallas_kernels.flash import NUM_WARPS, default_blocking, default_splits
+from pallas_kernels.group_values import dequantize as dequantize_groups
 from pallas_kernels.int_decode.api import int_decode, random_inputs
 from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.int_decode.reference import dequantize
@@ -99,10 +101,7 @@ def parse_variant(text: str) -> dict:
 def codebook_formats(spec: str):
     """The codebook kernel's formats of a cache spec's K and V, or a ValueError."""
     config = parse_cache(spec)
-    formats = fused.codebook_formats(config.k, config.v)
-    if isinstance(formats, str):
-        raise ValueError(f"'{spec}' is not read by the codebook kernel: {formats}")
-    return formats
+    return fused.require_rotated_formats(config.k, config.v, CodebookFormat)
 
 
 def bench_codebook(spec, q, batch, heads, group, slots, head_dim, inner, repeats, options):
@@ -114,7 +113,7 @@ def bench_codebook(spec, q, batch, heads, group, slots, head_dim, inner, repeats
         head_dim=head_dim, key_bits=k_fmt.bits, value_bits=v_fmt.bits,
         value_group=v_fmt.group, qjl=k_fmt.qjl)
     arrays.pop("q")
-    static = fused.codebook_options(k_fmt, v_fmt, head_dim)
+    static = fused.rotated_options(k_fmt, v_fmt, head_dim)
     stored = ("k_codes", "k_norm", "v_codes", "v_scale", "v_zero", "k_qjl",
               "k_residual_norm")
     read = nbytes(*(arrays[k] for k in stored if k in arrays))
@@ -130,7 +129,7 @@ def bench_codebook(spec, q, batch, heads, group, slots, head_dim, inner, repeats
         q_rot, _ = codebook.query_sides(qg, arrays["k_signs"], None)
         keys = codebook_values(arrays["k_codes"], k_fmt.bits, static["magnitudes"], head_dim)
         keys = keys * arrays["k_norm"].astype(jnp.float32)[..., None]
-        values = group_values(arrays["v_codes"], arrays["v_scale"], arrays["v_zero"],
+        values = dequantize_groups(arrays["v_codes"], arrays["v_scale"], arrays["v_zero"],
                               v_fmt.bits, v_fmt.group, head_dim)
         # [B, K, S, D] -> [B, S, K, D] bf16, the layout cuDNN takes (QJL's term left out:
         # cuDNN has no place for it, so this path is a lower bound for the QJL specs)

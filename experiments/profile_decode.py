@@ -19,6 +19,7 @@ import sys
 import jax
 
 from kvjax.attention import fused
+from kvjax.codec import CodebookFormat
 from kvjax.eval.memory import model_shape
 from kvjax.spec import parse_cache
 from pallas_kernels.codebook_decode import api as codebook
@@ -32,15 +33,12 @@ def codebook_call(spec: str, batch: int, heads: int, group: int, slots: int,
     """``options -> partial``: the codebook kernel over random arrays of ``spec``'s
     formats (a ValueError when its K and V are not what the kernel reads)."""
     config = parse_cache(spec)
-    formats = fused.codebook_formats(config.k, config.v)
-    if isinstance(formats, str):
-        raise ValueError(f"'{spec}' is not read by the codebook kernel: {formats}")
-    k, v = formats
+    k, v = fused.require_rotated_formats(config.k, config.v, CodebookFormat)
     arrays = codebook.random_inputs(jax.random.key(0), batch=batch, heads=heads,
                                     group=group, slots=slots, head_dim=head_dim,
                                     key_bits=k.bits, value_bits=v.bits,
                                     value_group=v.group, qjl=k.qjl)
-    static = fused.codebook_options(k, v, head_dim)
+    static = fused.rotated_options(k, v, head_dim)
     return lambda **options: codebook.codebook_decode(**arrays, **static, **options)
 
 

@@ -771,32 +771,49 @@ class GroupIntFormat(KernelFormat):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CodebookFormat(KernelFormat):
-    """Rotated scalar-codebook codes (TurboQuant): a stored vector is ``|x| R^T y`` with
-    ``R`` the randomized Walsh-Hadamard rotation of ``params["signs"]`` and every
-    coordinate of ``y`` read from a symmetric codebook by a ``bits``-bit sign-magnitude
-    code (top bit the sign, the rest the rank of the magnitude).
+class RotatedKeyFormat(KernelFormat):
+    """Keys stored rotated (:mod:`kvjax.codecs.rotated`): a stored vector is ``|x| R^T
+    y`` with ``R`` the randomized Walsh-Hadamard rotation of ``params["signs"]`` and the
+    unit vector ``y`` coded as the subclass says, so a kernel rotates the query once and
+    scores ``|x| (R q) . y`` without un-rotating a key.
 
-    Codes pytree: ``"codes"`` uint32 ``[..., T, W]`` (:func:`kvjax.primitives.packing.
-    pack_codes` words), ``"norm"`` float16 ``[..., T, 1]``; with
-    ``qjl`` also ``"qjl"`` uint32 ``[..., T, D / 32]`` (1-bit planar signs of ``G r``) and
-    ``"residual_norm"`` float16 ``[..., T, 1]``, and ``params["sketch"]`` is ``G``: the
-    score of a query ``q`` adds ``sqrt(pi / 2) / D * |r| * <G q, sign(G r)>``.
-    ``magnitudes(head_dim, bits)`` gives the codebook's ``2^(bits-1)`` magnitudes,
-    ascending.
+    Codes pytree: ``"codes"`` (the subclass's layout), ``"norm"`` float16 ``[..., T, 1]``;
+    with ``qjl`` also ``"qjl"`` uint32 ``[..., T, D / 32]`` (1-bit planar signs of ``G
+    r``) and ``"residual_norm"`` float16 ``[..., T, 1]``, and ``params["sketch"]`` is
+    ``G``: the score of a query ``q`` adds ``sqrt(pi / 2) / D * |r| * <G q, sign(G r)>``.
     """
 
-    bits: int
     qjl: bool
-    magnitudes: Callable[[int, int], tuple[float, ...]]
 
     def arrays(self, codes: Codes) -> tuple[jax.Array, ...]:
-        """``(codes [..., T, W], norm [..., T])`` and with QJL ``(qjl [..., T, D / 32],
+        """``(codes, norm [..., T])`` and with QJL ``(qjl [..., T, D / 32],
         residual_norm [..., T])`` after them."""
         out = (codes["codes"], codes["norm"][..., 0])
         if self.qjl:
             out += (codes["qjl"], codes["residual_norm"][..., 0])
         return out
+
+    def options(self, head_dim: int) -> dict[str, Any]:
+        """The static keyword arguments a kernel's entry needs to read these keys (their
+        widths and codebooks, as hashable numbers)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CodebookFormat(RotatedKeyFormat):
+    """Rotated scalar-codebook keys (TurboQuant): every coordinate of ``y`` is read from a
+    symmetric codebook by a ``bits``-bit sign-magnitude code (top bit the sign, the rest
+    the rank of the magnitude); ``"codes"`` is uint32 ``[..., T, W]``
+    (:func:`kvjax.primitives.packing.pack_codes` words). ``magnitudes(head_dim, bits)``
+    gives the codebook's ``2^(bits-1)`` magnitudes, ascending.
+    """
+
+    bits: int
+    magnitudes: Callable[[int, int], tuple[float, ...]]
+
+    def options(self, head_dim: int) -> dict[str, Any]:
+        """``key_bits`` and ``magnitudes``."""
+        return {"key_bits": self.bits, "magnitudes": self.magnitudes(head_dim, self.bits)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -75,6 +75,18 @@ def unit_permutation(head_dim: int, bits: int, layout: str = "halves") -> np.nda
     return np.concatenate([(k * per_unit + j) * words + w for j in range(per_unit)])
 
 
+def code_layout(head_dim: int, bits: int) -> tuple[str, int, np.ndarray]:
+    """``(view, planes, permutation)`` of ``bits``-bit codes: the unit view the kernel
+    reads them in ("halves", "bytes" or "split"), its bit planes, and the dim of each
+    kernel column. 3-bit codes are split (:func:`kvjax.primitives.packing.pack_split`):
+    planes of their low 2 bits in halves, the top bits beside them in bytes."""
+    if bits == 1:
+        return "bytes", 8, unit_permutation(head_dim, 1, "bytes")
+    if bits == 3:
+        return "split", 8, unit_permutation(head_dim, 2, "halves")
+    return "halves", 16 // bits, unit_permutation(head_dim, bits, "halves")
+
+
 def f16_bits(value: float) -> int:
     """The float16 bit pattern of ``value`` (rounded to nearest)."""
     return int(np.float16(value).view(np.uint16))

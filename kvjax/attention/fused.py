@@ -8,10 +8,11 @@ kernel's partial with the raw sinks and the residual window (a few dozen tokens,
 attended in jnp), for every kernel alike (:func:`merged_decode`).
 
 A kernel over :class:`~kvjax.codec.IntFormat` codes registers with
-:func:`int_codes_kernel`, one over :class:`~kvjax.codec.CodebookFormat` keys and
-:class:`~kvjax.codec.GroupIntFormat` values with :func:`codebook_kernel`; a kernel over a
-new format adds its own small adapter here (how its entry takes the arrays of that
-format) and reuses :func:`merged_decode` and :func:`decode_reason`.
+:func:`int_codes_kernel`; one over rotated keys (a :class:`~kvjax.codec.RotatedKeyFormat`:
+TurboQuant's codebook codes, ...) and :class:`~kvjax.codec.GroupIntFormat` values with
+:func:`rotated_kernel`, naming its key format. A kernel over a new kind of format adds
+its own small adapter here (how its entry takes the arrays of that format) and reuses
+:func:`merged_decode` and :func:`decode_reason`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 
 from kvjax.attention.dispatch import Call, Impl
 from kvjax.cache import Segment
-from kvjax.codec import CodebookFormat, Codec, GroupIntFormat, IntFormat, KernelFormat
+from kvjax.codec import Codec, GroupIntFormat, IntFormat, KernelFormat, RotatedKeyFormat
 from pallas_kernels.partial import dense_partial, merge_partials, normalize
 
 #: a kernel's array-level entry, e.g. :func:`pallas_kernels.int_decode.api.int_decode`
@@ -142,41 +143,52 @@ def int_codes_kernel(name: str, entry: Entry,
                 run=run, fused=True)
 
 
-# -- kernels over CodebookFormat keys and GroupIntFormat values ----------------------------
+# -- kernels over rotated keys and GroupIntFormat values -----------------------------------
 
 
-def codebook_formats(k_codec: Codec, v_codec: Codec
-                     ) -> tuple[CodebookFormat, GroupIntFormat] | str:
-    """The formats a codebook kernel reads from a K and a V codec, or why they offer
-    none."""
-    k_fmt = kernel_format(k_codec, CodebookFormat)
+def rotated_formats(k_codec: Codec, v_codec: Codec, key_format: type[RotatedKeyFormat]
+                    ) -> tuple[RotatedKeyFormat, GroupIntFormat] | str:
+    """The formats a kernel over ``key_format`` keys and group-wise INT values reads from
+    a K and a V codec, or why they offer none."""
+    k_fmt = kernel_format(k_codec, key_format)
     v_fmt = kernel_format(v_codec, GroupIntFormat)
     if k_fmt is None:
-        return f"K '{k_codec.spec}' offers no codebook kernel format"
+        return f"K '{k_codec.spec}' offers no {key_format.__name__}"
     if v_fmt is None:
         return f"V '{v_codec.spec}' offers no group-wise INT kernel format"
     return k_fmt, v_fmt
 
 
-def codebook_options(k_fmt: CodebookFormat, v_fmt: GroupIntFormat, head_dim: int,
-                     scale: float | None = None) -> dict:
-    """The static arguments of :func:`pallas_kernels.codebook_decode.api.codebook_decode`
-    for these formats (``sm_scale`` defaults to ``D ** -0.5``)."""
-    return {"key_bits": k_fmt.bits, "magnitudes": k_fmt.magnitudes(head_dim, k_fmt.bits),
-            "value_bits": v_fmt.bits, "value_group": v_fmt.group,
+def require_rotated_formats(k_codec: Codec, v_codec: Codec,
+                            key_format: type[RotatedKeyFormat]
+                            ) -> tuple[RotatedKeyFormat, GroupIntFormat]:
+    """:func:`rotated_formats`, with a ``ValueError`` of the reason where there are none."""
+    formats = rotated_formats(k_codec, v_codec, key_format)
+    if isinstance(formats, str):
+        raise ValueError(f"K '{k_codec.spec}' and V '{v_codec.spec}': {formats}")
+    return formats
+
+
+def rotated_options(k_fmt: RotatedKeyFormat, v_fmt: GroupIntFormat, head_dim: int,
+                    scale: float | None = None) -> dict:
+    """The static arguments of such a kernel's entry for these formats: the keys' own
+    (:meth:`~kvjax.codec.RotatedKeyFormat.options`), the values' width and group, and
+    ``sm_scale`` (default ``D ** -0.5``)."""
+    return {**k_fmt.options(head_dim), "value_bits": v_fmt.bits, "value_group": v_fmt.group,
             "sm_scale": head_dim**-0.5 if scale is None else scale}
 
 
-def codebook_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *,
-                          entry: Entry, scale: float | None = None, **options) -> jax.Array:
+def rotated_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
+                         key_format: type[RotatedKeyFormat], scale: float | None = None,
+                         **options) -> jax.Array:
     """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
-    offers :class:`~kvjax.codec.CodebookFormat` codes and V
-    :class:`~kvjax.codec.GroupIntFormat` codes, with ``entry`` (a kernel's array-level
-    entry, or its reference) over the coded region. ``options`` go to ``entry``."""
+    offers ``key_format`` codes and V :class:`~kvjax.codec.GroupIntFormat` codes, with
+    ``entry`` (a kernel's array-level entry, or its reference; the signature of
+    :func:`pallas_kernels.codebook_decode.api.codebook_decode`) over the coded region.
+    ``options`` go to ``entry``."""
     k_store, v_store = layer.k, layer.v
-    k_fmt, v_fmt = codebook_formats(k_store.codec, v_store.codec)
-    head_dim = q.shape[-1]
-    static = codebook_options(k_fmt, v_fmt, head_dim, scale)
+    k_fmt, v_fmt = rotated_formats(k_store.codec, v_store.codec, key_format)
+    static = rotated_options(k_fmt, v_fmt, q.shape[-1], scale)
 
     def coded(qg, n_comp):
         codes, norm, *qjl = k_fmt.arrays(k_store.codes)
@@ -189,32 +201,33 @@ def codebook_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *,
     return merged_decode(q, layer, lengths, static["sm_scale"], coded)
 
 
-def codebook_supports(call: Call, unsupported: Callable[[int, int, int, int], str | None]
-                      ) -> str | None:
-    """Why a kernel over codebook keys and group-wise INT values cannot serve ``call``
-    (None: it can); ``unsupported(key_bits, value_bits, value_group, head_dim)`` is the
-    kernel's own rule."""
+def rotated_supports(call: Call, key_format: type[RotatedKeyFormat],
+                     unsupported: Callable[..., str | None]) -> str | None:
+    """Why a kernel over ``key_format`` keys and group-wise INT values cannot serve
+    ``call`` (None: it can); ``unsupported(head_dim, value_bits, value_group,
+    **key_options)`` is the kernel's own rule."""
     reason = decode_reason(call)
     if reason is not None:
         return reason
-    formats = codebook_formats(call.layer.k.codec, call.layer.v.codec)
+    formats = rotated_formats(call.layer.k.codec, call.layer.v.codec, key_format)
     if isinstance(formats, str):
         return formats
     k_fmt, v_fmt = formats
-    return unsupported(k_fmt.bits, v_fmt.bits, v_fmt.group, call.head_dim)
+    return unsupported(call.head_dim, v_fmt.bits, v_fmt.group, **k_fmt.options(call.head_dim))
 
 
-def codebook_kernel(name: str, entry: Entry,
-                    unsupported: Callable[[int, int, int, int], str | None],
-                    auto: bool = True) -> Impl:
-    """The registry entry of a fused decode kernel over codebook keys and group-wise INT
-    values: ``entry`` takes the arrays of :func:`pallas_kernels.codebook_decode.api.
-    codebook_decode`'s signature; ``auto``: whether ``"auto"`` includes it."""
+def rotated_kernel(name: str, entry: Entry, key_format: type[RotatedKeyFormat],
+                   unsupported: Callable[..., str | None], auto: bool = True) -> Impl:
+    """The registry entry of a fused decode kernel over ``key_format`` keys and
+    group-wise INT values: ``entry`` takes the arrays of :func:`pallas_kernels.
+    codebook_decode.api.codebook_decode`'s signature with the key options of the format,
+    ``unsupported`` says what it cannot read (:func:`rotated_supports`); ``auto``:
+    whether ``"auto"`` includes it."""
 
     def run(call: Call) -> jax.Array:
-        out = codebook_codes_decode(call.q[:, 0], call.layer, call.lengths, entry=entry,
-                                    scale=call.scale)
+        out = rotated_codes_decode(call.q[:, 0], call.layer, call.lengths, entry=entry,
+                                   key_format=key_format, scale=call.scale)
         return out[:, None]
 
-    return Impl(name=name, supports=lambda call: codebook_supports(call, unsupported),
+    return Impl(name=name, supports=lambda call: rotated_supports(call, key_format, unsupported),
                 run=run, fused=True, auto=auto)

@@ -3,8 +3,8 @@ kernels first (registration order), then ``"xla"``, then ``"reference"`` on a GP
 
 A new kernel: a folder in :mod:`pallas_kernels` with its array-level entry, and one
 line here (for a kernel over :class:`~kvjax.codec.IntFormat` codes,
-:func:`~kvjax.attention.fused.int_codes_kernel`; over codebook keys,
-:func:`~kvjax.attention.fused.codebook_kernel`).
+:func:`~kvjax.attention.fused.int_codes_kernel`; over rotated keys and group-wise INT
+values, :func:`~kvjax.attention.fused.rotated_kernel` with its key format).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import kvjax.attention.xla as xla
 import pallas_kernels.codebook_decode.api as codebook_decode
 import pallas_kernels.int_decode.api as int_decode
 from kvjax.attention.dispatch import Impl, register
-from kvjax.attention.fused import codebook_kernel, int_codes_kernel
+from kvjax.attention.fused import int_codes_kernel, rotated_kernel
+from kvjax.codec import CodebookFormat
 
 register(Impl(name="reference", supports=reference.supports, run=reference.run))
 register(Impl(name="xla", supports=xla.supports, run=xla.run))
 register(int_codes_kernel("int_decode", int_decode.int_decode, int_decode.unsupported))
-register(codebook_kernel("codebook_decode", codebook_decode.codebook_decode,
-                         codebook_decode.unsupported))
+register(rotated_kernel("codebook_decode", codebook_decode.codebook_decode, CodebookFormat,
+                        codebook_decode.unsupported))

@@ -21,37 +21,30 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.primitives.rotations import random_signs, randomized_hadamard
-from pallas_kernels.codebook_decode.kernel import code_layout, codes_partial, parity_groups
+from pallas_kernels import group_values
+from pallas_kernels.codebook_decode.kernel import codes_partial
 from pallas_kernels.flash import NUM_WARPS, default_blocking, default_splits, pad_query_rows
 from pallas_kernels.partial import EXACT, empty_partial, merge_partials
+from pallas_kernels.units import code_layout
 
 #: key code widths the kernel reads: at most 8 magnitudes fit its register lookup
 KEY_BITS = (1, 2, 3, 4)
-#: value code widths packed planar (2, 4, 8) or split (3)
-VALUE_BITS = (2, 3, 4, 8)
 #: the smallest head dim: 1-bit planes and split 3-bit codes fill whole words
 MIN_HEAD_DIM = 32
 
 
-def unsupported(key_bits: int, value_bits: int, value_group: int, head_dim: int) -> str | None:
-    """Why the kernel cannot read these codes (None: it can)."""
+def unsupported(head_dim: int, value_bits: int, value_group: int, *, key_bits: int,
+                **_) -> str | None:
+    """Why the kernel cannot read these codes (None: it can); the keyword arguments are
+    the entry's key options (:meth:`kvjax.codec.CodebookFormat.options`)."""
     if key_bits not in KEY_BITS:
         return (f"{key_bits}-bit key codes: the register lookup holds at most 8 magnitudes "
                 f"(key bits {KEY_BITS})")
-    if value_bits not in VALUE_BITS:
-        return (f"{value_bits}-bit value codes are neither planar nor split "
-                f"(value bits {VALUE_BITS})")
     if head_dim < MIN_HEAD_DIM or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two >= {MIN_HEAD_DIM}"
-    if value_group < 1 or value_group & (value_group - 1) or value_group > head_dim:
-        return f"value group {value_group} is not a power of two <= head_dim {head_dim}"
-    if parity_groups(head_dim, value_bits, value_group) is None:
-        return (f"value groups of {value_group} channels mix within a half of the "
-                f"{value_bits}-bit value planes")
-    return None
+    return group_values.unsupported(value_bits, value_group, head_dim)
 
 
 def check_arrays(q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs,
@@ -63,7 +56,7 @@ def check_arrays(q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k
     if q.ndim != 4:
         raise ValueError(f"q must be [B, K, G, D], got shape {q.shape}")
     batch, heads, _, head_dim = q.shape
-    reason = unsupported(key_bits, value_bits, value_group, head_dim)
+    reason = unsupported(head_dim, value_bits, value_group, key_bits=key_bits)
     if reason is not None:
         raise NotImplementedError(f"codebook_decode: {reason}")
     if len(magnitudes) != 1 << (key_bits - 1):
@@ -71,16 +64,15 @@ def check_arrays(q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k
                          f"{1 << (key_bits - 1)} magnitudes, got {len(magnitudes)}")
     lead = 5 if layer is not None else 4
     stack = "[L, B, K, S, ...]" if layer is not None else "[B, K, S, ...]"
-    k_words, v_words = key_bits * head_dim // 32, value_bits * head_dim // 32
+    k_words = key_bits * head_dim // 32
     tokens = k_codes.shape[:-1]
     if (k_codes.ndim != lead or tokens[-3:-1] != (batch, heads)
             or k_codes.shape[-1] != k_words):
         raise ValueError(f"k_codes must be {stack} with B, K = {batch}, {heads} and "
                          f"{k_words} words, got shape {k_codes.shape}")
-    groups = head_dim // value_group
-    shapes = [("k_norm", k_norm, tokens), ("v_codes", v_codes, (*tokens, v_words)),
-              ("v_scale", v_scale, (*tokens, groups)), ("v_zero", v_zero, (*tokens, groups)),
-              ("lengths", lengths, (batch,))]
+    group_values.check_arrays(v_codes, v_scale, v_zero, tokens, head_dim, value_bits,
+                              value_group)
+    shapes = [("k_norm", k_norm, tokens), ("lengths", lengths, (batch,))]
     qjl = [k_qjl is None, k_residual_norm is None, qjl_sketch is None]
     if any(qjl) and not all(qjl):
         raise ValueError("k_qjl, k_residual_norm and qjl_sketch come together")
@@ -93,7 +85,7 @@ def check_arrays(q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k
     for name, a, shape in shapes:
         if a.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-    for name, a in (("k_codes", k_codes), ("v_codes", v_codes), ("k_qjl", k_qjl)):
+    for name, a in (("k_codes", k_codes), ("k_qjl", k_qjl)):
         if a is not None and a.dtype != jnp.uint32:
             raise ValueError(f"{name} must be uint32 packed words, got {a.dtype}")
 
@@ -165,7 +157,7 @@ def codebook_decode(
         interpret = jax.default_backend() != "gpu"
     q_rot, gq = query_sides(q, k_signs, qjl_sketch)
     _, planes, key_perm = code_layout(head_dim, key_bits)
-    width = max(head_dim // planes, head_dim // code_layout(head_dim, value_bits)[1])
+    width = max(head_dim // planes, group_values.plane_width(head_dim, value_bits))
     q_rot = pad_query_rows(q_rot, width)[..., key_perm]
     if gq is not None:
         # the sign bits are 1-bit planar words, read as bytes
@@ -175,7 +167,7 @@ def codebook_decode(
         lengths, layer, key_bits=key_bits, magnitudes=magnitudes, value_bits=value_bits,
         value_group=value_group, sm_scale=sm_scale, block_s=block_s, splits=splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    o = o[..., np.argsort(code_layout(head_dim, value_bits)[2])]
+    o = group_values.restore_columns(o, head_dim, value_bits)
     return merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
 
 

@@ -19,6 +19,7 @@ from kvjax.primitives.packing import unpack_bits, unpack_codes
 from pallas_kernels.codebook_decode.api import check_arrays, query_sides
 from pallas_kernels.codebook_decode.kernel import QJL_CONSTANT
 from pallas_kernels.flash import NUM_WARPS
+from pallas_kernels.group_values import dequantize
 from pallas_kernels.partial import EXACT, logits_partial
 
 
@@ -31,15 +32,6 @@ def codebook_values(codes: jax.Array, bits: int, magnitudes: tuple[float, ...],
     rank = (c & (half - 1)).astype(jnp.int32)
     value = jnp.asarray(magnitudes, jnp.float32)[rank]
     return jnp.where(c >= half, -value, value)
-
-
-def group_values(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int, group: int,
-                 head_dim: int) -> jax.Array:
-    """``[..., S, D]`` float32 values ``zero_g + scale_g * c`` per channel group."""
-    c = unpack_codes(codes, bits, head_dim).astype(jnp.float32)
-    per_dim = jnp.arange(head_dim) // group
-    return (jnp.take(zero.astype(jnp.float32), per_dim, axis=-1)
-            + c * jnp.take(scale.astype(jnp.float32), per_dim, axis=-1))
 
 
 @functools.partial(
@@ -74,6 +66,6 @@ def codebook_decode(
         residual = jnp.einsum("bkgd,bksd->bkgs", gq, signs, precision=EXACT)
         weight = QJL_CONSTANT / head_dim * k_residual_norm.astype(jnp.float32)
         s = s + residual * weight[:, :, None, :]
-    values = group_values(v_codes, v_scale, v_zero, value_bits, value_group, head_dim)
+    values = dequantize(v_codes, v_scale, v_zero, value_bits, value_group, head_dim)
     valid = jnp.arange(k_codes.shape[2])[None, :] < lengths[:, None]
     return logits_partial(s * sm_scale, values, valid)

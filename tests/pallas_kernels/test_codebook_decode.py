@@ -19,11 +19,8 @@ import numpy as np
 import pytest
 
 from kvjax.codec import CodebookFormat, GroupIntFormat
-from kvjax.primitives.packing import pack_codes, unpack_codes
 from kvjax.spec import parse_cache
 from pallas_kernels.codebook_decode import api, reference
-from pallas_kernels.codebook_decode.kernel import code_layout, parity_groups
-from pallas_kernels.units import unit_view
 from tests.pallas_kernels.suite import KernelSuite, Shape
 
 
@@ -158,32 +155,11 @@ class TestCodebookDecode(KernelSuite):
         np.testing.assert_allclose(np.asarray(o) / np.asarray(l)[..., None], want, atol=2e-4)
 
 
-@pytest.mark.parametrize("bits", [3, 2, 4])
-def test_split_layout_columns(bits):
-    """Column ``u`` of plane ``j`` of the kernel's views is dim ``perm[j * width + u]``:
-    read the codes the kernel's way (halves for the low bits, bytes for the top bit)."""
-    head_dim = 128
-    codes = np.random.default_rng(0).integers(0, 1 << bits, (5, head_dim))
-    words = pack_codes(jnp.asarray(codes), bits)
-    np.testing.assert_array_equal(unpack_codes(words, bits, head_dim), codes)
-    view, planes, perm = code_layout(head_dim, bits)
-    width = head_dim // planes
-    halves = np.asarray(unit_view(words, "halves"))
-    bytes_ = np.asarray(unit_view(words, "bytes"))
-    for j in range(planes):
-        if view == "split":
-            low = (halves[:, :width] >> (2 * j)) & 3
-            got = low | ((bytes_[:, head_dim // 4:][:, :width] >> j) & 1) << 2
-        else:
-            got = (halves >> (bits * j)) & ((1 << bits) - 1)
-        np.testing.assert_array_equal(got, codes[:, perm[j * width:(j + 1) * width]])
-
-
-def test_value_planes_hold_one_group_per_half():
-    assert parity_groups(128, 4, 32) == ((0, 2), (0, 2), (1, 3), (1, 3))
-    assert parity_groups(128, 4, 8) is None
-    assert "mix within a half" in api.unsupported(4, 4, 8, 128)
-    assert api.unsupported(3, 3, 32, 128) is None
+def test_unsupported_codes():
+    assert "5-bit key codes" in api.unsupported(128, 4, 32, key_bits=5)
+    assert "power of two" in api.unsupported(96, 4, 32, key_bits=4)
+    assert "mix within a half" in api.unsupported(128, 4, 8, key_bits=4)
+    assert api.unsupported(128, 3, 32, key_bits=3, magnitudes=(0.1,) * 4) is None
 
 
 def test_malformed_arrays_raise():

@@ -5,9 +5,11 @@ register."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.primitives.packing import pack_codes, unpack_codes
 from pallas_kernels import units
 from pallas_kernels.units import Ptx
 
@@ -179,3 +181,24 @@ def test_the_emulator_can_fail():
     tile = halves()
     want = np.asarray(units.int_plane(tile, 1, 4, asm=False))
     assert not np.array_equal(run(units.int_ptx(2, 4), [tile]), want)
+
+
+@pytest.mark.parametrize("bits", [3, 2, 4])
+def test_split_layout_columns(bits):
+    """Column ``u`` of plane ``j`` of the kernel's views is dim ``perm[j * width + u]``:
+    read the codes the kernel's way (halves for the low bits, bytes for the top bit)."""
+    head_dim = 128
+    codes = np.random.default_rng(0).integers(0, 1 << bits, (5, head_dim))
+    words = pack_codes(jnp.asarray(codes), bits)
+    np.testing.assert_array_equal(unpack_codes(words, bits, head_dim), codes)
+    view, planes, perm = units.code_layout(head_dim, bits)
+    width = head_dim // planes
+    halves = np.asarray(units.unit_view(words, "halves"))
+    bytes_ = np.asarray(units.unit_view(words, "bytes"))
+    for j in range(planes):
+        if view == "split":
+            low = (halves[:, :width] >> (2 * j)) & 3
+            got = low | ((bytes_[:, head_dim // 4:][:, :width] >> j) & 1) << 2
+        else:
+            got = (halves >> (bits * j)) & ((1 << bits) - 1)
+        np.testing.assert_array_equal(got, codes[:, perm[j * width:(j + 1) * width]])

@@ -173,7 +173,7 @@ def test_model_decode_step_through_the_kernel(k, v, kernel):
 
 
 @pytest.mark.parametrize("spec,reason", [
-    ("int:4", "K 'int:4' offers no codebook kernel format"),
+    ("int:4", "K 'int:4' offers no CodebookFormat"),
     ("k=turboquant:b4 v=int:4", "V 'int:4' offers no group-wise INT kernel format"),
     ("turboquant:b5", "5-bit key codes"),
     ("turboquant:b4", None),
