@@ -93,18 +93,25 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
                    axis=1)
 
 
-#: ``load(ref, columns=None)``: a block's tokens of a ``[L, S]`` or ``[L, S, C]`` ref
-#: (optionally a ``pl.ds`` of its columns), masked rows read as 0
+#: ``load(ref, columns=None)``: a block's tokens of a ``[L, S]`` or ``[L, S, C]`` ref,
+#: masked rows read as 0; ``columns`` a ``pl.ds`` of the columns, or an int vector whose
+#: entry ``c`` names the ref column that tile column ``c`` reads (a gather: columns may
+#: repeat, served by the L1 cache)
 Load = Callable[..., jax.Array]
 
 
 def _loader(layer, tile, ok) -> Load:
     def load(ref, columns=None):
+        mask = None if ok is None else ok[:, None]
         if len(ref.shape) == 2:
             index, mask = (layer, tile), ok
+        elif isinstance(columns, jax.Array):
+            shape = (tile.size, columns.shape[0])
+            rows = tile.start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+            index = (layer, rows, jnp.broadcast_to(columns[None, :], shape))
+            mask = None if ok is None else jnp.broadcast_to(mask, shape)
         else:
             index = (layer, tile, slice(None) if columns is None else columns)
-            mask = None if ok is None else ok[:, None]
         if ok is None:
             return ref[index]
         return plgpu.load(ref.at[index], mask=mask, other=0)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.primitives.packing import byte_plane_order, is_byte_planar
 from pallas_kernels.flash import OPERAND
 
 #: code units the packed words are read in, and their width in bits
@@ -60,19 +61,25 @@ def unit_view(codes: jax.Array, layout: str = "halves") -> jax.Array:
 
 
 def unit_permutation(head_dim: int, bits: int, layout: str = "halves") -> np.ndarray:
-    """Which dim each kernel column holds when planar words are read in units.
+    """Which dim each kernel column holds when the words of
+    :func:`kvjax.primitives.packing.pack_codes` (planar) are read in units.
 
-    Word ``w`` slot ``i`` holds dim ``i * W + w`` (:mod:`kvjax.primitives.packing`); unit
-    ``k`` of the word holds slots ``k * c .. k * c + c - 1`` (``c = unit / bits`` codes per
-    unit). Column ``j * nu + u`` (bit plane ``j`` of unit ``u = (32 / unit) w + k``, ``nu``
-    units per token) is therefore dim ``(k * c + j) * W + w``.
+    Word ``w`` slot ``i`` holds position ``i * W + w`` (:func:`~kvjax.primitives.packing.
+    pack_bits`); unit ``k`` of the word holds slots ``k * c .. k * c + c - 1`` (``c = unit /
+    bits`` codes per unit). Column ``j * nu + u`` (bit plane ``j`` of unit ``u = (32 /
+    unit) w + k``, ``nu`` units per token) is therefore position ``(k * c + j) * W + w``:
+    the dim itself, except for 2-bit codes, which ``pack_codes`` places in byte planes
+    (:func:`~kvjax.primitives.packing.byte_plane_order` maps positions to dims).
     """
     unit = unit_bits(layout)
     words = head_dim * bits // 32
     per_unit, per_word = unit // bits, 32 // unit
     u = np.arange(per_word * words)
     w, k = u // per_word, u % per_word
-    return np.concatenate([(k * per_unit + j) * words + w for j in range(per_unit)])
+    position = np.concatenate([(k * per_unit + j) * words + w for j in range(per_unit)])
+    if is_byte_planar(head_dim, bits):
+        return byte_plane_order(head_dim)[position]
+    return position
 
 
 def code_layout(head_dim: int, bits: int) -> tuple[str, int, np.ndarray]:
@@ -167,24 +174,60 @@ def group_int_ptx(j: int, bits: int, split: bool) -> Ptx:
     return Ptx("{ .reg .b32 t, u, b; " + " ".join(parts) + " }", constraints, 2 * regs)
 
 
+#: ``prmt`` selectors spreading bytes ``2 p`` and ``2 p + 1`` of a register to the low
+#: bytes of the two 16-bit lanes, zeros above (operand ``b`` a zero register)
+SPREAD_BYTES = (0x4140, 0x4342)
+
+
+def group_int_bytes_ptx(j: int, bits: int, split: bool) -> Ptx:
+    """:func:`group_int_plane` on 8-bit units, four codes per call: per pair of codes a
+    ``prmt`` spreads their bytes to the two float16 lanes, then :func:`int_ptx`'s
+    arithmetic (and, split, the top byte's bit ``j`` spread alike and merged) and one
+    ``fma.f16x2`` with the lanes' scales and zeros. Operands: the code bytes, the top
+    bytes (split), the scales (two registers), the zeros (two registers)."""
+    width = bits - 1 if split else bits
+    mask = (1 << width) - 1
+    bias = F16_1024 * 0x10001
+    first = 3 + split  # operand number of the scales
+    parts = []
+    for pair, spread in enumerate(SPREAD_BYTES):
+        lines = [f"prmt.b32 t, $2, z, {spread:#06x};"]
+        if j * width:
+            lines.append(f"shr.b32 t, t, {j * width};")
+        lines.append(f"lop3.b32 t, t, {mask | mask << 16:#010x}, {bias:#010x}, 0xea;")
+        if split:
+            # bit j of the lane's top byte to bit 2, the code's top bit
+            move = f"shl.b32 u, u, {2 - j};" if j <= 2 else f"shr.b32 u, u, {j - 2};"
+            lines += [f"prmt.b32 u, $3, z, {spread:#06x};", move,
+                      "lop3.b32 t, t, u, 0x00040004, 0xf8;"]
+        lines += [f"mov.b32 b, {bias:#010x};", "sub.rn.f16x2 t, t, b;",
+                  f"fma.rn.f16x2 ${pair}, t, ${first + pair}, ${first + 2 + pair};"]
+        parts.append(" ".join(lines))
+    constraints = ",".join(["=r"] * 2 + ["r"] * (1 + split + 4))
+    return Ptx("{ .reg .b32 t, u, b, z; mov.b32 z, 0; " + " ".join(parts) + " }",
+               constraints, 4)
+
+
 def group_int_plane(tile: jax.Array, j: int, bits: int, scale: jax.Array, zero: jax.Array,
                     asm: bool, top: jax.Array | None = None) -> jax.Array:
-    """Bit plane ``j`` of a tile of 16-bit units of integer codes as float16 values
-    ``zero + scale * c``, with ``scale`` and ``zero`` float16 tiles of the plane's shape
-    (each column's channel group's parameters). With ``top`` (a tile of bytes of the
-    same shape: 3-bit codes in the split layout of
+    """Bit plane ``j`` of a tile of 16-bit or 8-bit units of integer codes as float16
+    values ``zero + scale * c``, with ``scale`` and ``zero`` float16 tiles of the plane's
+    shape (each column's channel group's parameters). With ``top`` (a tile of bytes of
+    the same shape: 3-bit codes in the split layout of
     :func:`kvjax.primitives.packing.pack_split`) the plane is the low 2 bits and bit ``j``
-    of the unit's byte is the code's top bit.
+    of the top byte is the code's top bit.
 
-    ``asm``: :func:`group_int_ptx`; the values come out dequantized, so the matmul with
-    the probabilities needs no per-group scaling. Every lane is computed from the same
-    lane of every operand: which two elements Triton packs into a register depends on
-    the tile's layout, not on the columns.
+    ``asm``: :func:`group_int_ptx` (16-bit units) or :func:`group_int_bytes_ptx`; the
+    values come out dequantized, so the matmul with the probabilities needs no
+    per-group scaling. Every lane is computed from the same lane of every operand: which
+    elements Triton packs into a register depends on the tile's layout, not on the
+    columns.
     """
     split = top is not None
-    if asm and tile.dtype == jnp.uint16:
-        return run_ptx(group_int_ptx(j, bits, split),
-                       [tile, *([top] if split else []), scale, zero])
+    if asm:
+        ptx = (group_int_ptx(j, bits, split) if tile.dtype == jnp.uint16
+               else group_int_bytes_ptx(j, bits, split))
+        return run_ptx(ptx, [tile, *([top] if split else []), scale, zero])
     codes = int_plane(tile, j, bits - split, asm=False).astype(jnp.float32)
     if split:
         high = (top >> jnp.asarray(j, top.dtype)) & jnp.asarray(1, top.dtype)

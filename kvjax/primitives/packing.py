@@ -356,19 +356,41 @@ def is_split_planar(num_codes: int, bits: int) -> bool:
     return bits == 3 and num_codes % _WORD == 0
 
 
+def is_byte_planar(num_codes: int, bits: int) -> bool:
+    """Whether :func:`pack_codes` writes 2-bit codes in byte planes
+    (:func:`byte_plane_order`): ``num_codes`` a multiple of 16, whole words."""
+    return bits == 2 and is_planar(num_codes, 2)
+
+
+def byte_plane_order(num_codes: int) -> np.ndarray:
+    """The 2-bit byte-plane order: the code index at each position of the planar
+    layout (:func:`pack_bits`) such that byte ``u`` of the packed words holds, in its
+    2-bit field ``j``, code ``j * n / 4 + u``. A kernel that reads the words as bytes then
+    finds in bit plane ``j`` the contiguous quarter ``j`` of the vector (one channel group
+    of a value, for groups of ``n / 4`` or more)."""
+    n = num_codes
+    if not is_byte_planar(n, 2):
+        raise ValueError(f"byte planes hold 2-bit codes in multiples of 16, got {n}")
+    words = n // 16
+    position = np.arange(n)
+    slot, word = position // words, position % words  # planar: slot s of word w
+    byte, field = slot // 4, slot % 4
+    return field * (n // 4) + 4 * word + byte
+
+
 def pack_split(codes: jax.Array) -> jax.Array:
     """3-bit codes ``[..., n]`` as ``uint32[..., 3n / 32]`` that a kernel reads without
-    crossing a word: the low 2 bits planar-packed (:func:`pack_bits`, ``n / 16`` words),
-    then the top bits, ``n / 32`` words in which byte ``u`` holds, at bit ``j``, the top bit
-    of the code in 2-bit slot ``j`` of 16-bit unit ``u`` of the low words. Exactly the
-    dense layout's ``3 n`` bits, in another order."""
+    crossing a word: the low 2 bits as :func:`pack_codes` packs 2-bit codes (byte planes,
+    ``n / 16`` words), then the top bits, ``n / 32`` words in which byte ``u`` holds, at
+    bit ``j``, the top bit of the code in 2-bit slot ``j`` of 16-bit unit ``u`` of the low
+    words. Exactly the dense layout's ``3 n`` bits, in another order."""
     n = codes.shape[-1]
     if not is_split_planar(n, 3):
         raise ValueError(f"the split layout packs 3-bit codes in multiples of {_WORD}, got {n}")
-    c = codes.astype(jnp.uint32)
+    c = codes.astype(jnp.uint32)[..., byte_plane_order(n)]
     low = pack_bits(c & jnp.uint32(3), 2)
     words = n // 16
-    # planar 2-bit: code s * words + w sits in word w, slot s; unit u = 2 w + k holds
+    # planar 2-bit: position s * words + w sits in word w, slot s; unit u = 2 w + k holds
     # slots 8 k .. 8 k + 7, so its top byte gathers slots 8 k + j at bit j
     top = ((c >> jnp.uint32(2)) & jnp.uint32(1)).reshape(*c.shape[:-1], 2, 8, words)
     byte = jnp.sum(top << jnp.arange(8, dtype=jnp.uint32)[:, None], axis=-2, dtype=jnp.uint32)
@@ -386,16 +408,21 @@ def unpack_split(words: jax.Array, num_codes: int) -> jax.Array:
     units = to_units(w[..., n // 16:], n).astype(jnp.uint32)  # [..., n / 8], u = 2 w + k
     units = jnp.swapaxes(units.reshape(*w.shape[:-1], n // 16, 2), -1, -2)  # [k, w]
     top = (units[..., None, :] >> jnp.arange(8, dtype=jnp.uint32)[:, None]) & jnp.uint32(1)
-    return low | (top.reshape(*w.shape[:-1], n) << jnp.uint32(2))
+    planar = low | (top.reshape(*w.shape[:-1], n) << jnp.uint32(2))
+    return planar[..., np.argsort(byte_plane_order(n))]
 
 
 def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
     """A vector's ``bits``-bit codes ``[..., n]`` in the layout kernels read best: split
-    (:func:`pack_split`) for 3 bits where it applies, else :func:`pack_bits` (planar
-    where it applies, else dense). Every choice holds ``n * bits`` bits in
-    ``ceil(n * bits / 32)`` words."""
-    if is_split_planar(codes.shape[-1], bits):
+    (:func:`pack_split`) for 3 bits where it applies, byte planes
+    (:func:`byte_plane_order`) for 2 bits, else :func:`pack_bits` (planar where it
+    applies, else dense). Every choice holds ``n * bits`` bits in ``ceil(n * bits / 32)``
+    words."""
+    n = codes.shape[-1]
+    if is_split_planar(n, bits):
         return pack_split(codes)
+    if is_byte_planar(n, bits):
+        return pack_bits(codes[..., byte_plane_order(n)], bits)
     return pack_bits(codes, bits)
 
 
@@ -403,4 +430,7 @@ def unpack_codes(words: jax.Array, bits: int, num_codes: int) -> jax.Array:
     """Inverse of :func:`pack_codes`."""
     if is_split_planar(num_codes, bits):
         return unpack_split(words, num_codes)
-    return unpack_bits(words, bits, num_codes)
+    codes = unpack_bits(words, bits, num_codes)
+    if is_byte_planar(num_codes, bits):
+        return codes[..., np.argsort(byte_plane_order(num_codes))]
+    return codes

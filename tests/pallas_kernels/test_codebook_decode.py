@@ -158,7 +158,7 @@ class TestCodebookDecode(KernelSuite):
 def test_unsupported_codes():
     assert "5-bit key codes" in api.unsupported(128, 4, 32, key_bits=5)
     assert "power of two" in api.unsupported(96, 4, 32, key_bits=4)
-    assert "mix within a half" in api.unsupported(128, 4, 8, key_bits=4)
+    assert "mix too finely" in api.unsupported(128, 4, 8, key_bits=4)
     assert api.unsupported(128, 3, 32, key_bits=3, magnitudes=(0.1,) * 4) is None
 
 

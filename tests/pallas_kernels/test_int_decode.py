@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvjax.codecs import IntCodec, SawCodec
-from kvjax.primitives.packing import unpack_bits
+from kvjax.primitives.packing import unpack_codes
 from pallas_kernels.int_decode import api, reference
 from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.units import unit_permutation, unit_view
@@ -187,7 +187,7 @@ class TestIntDecode(KernelSuite):
 @pytest.mark.parametrize("head_dim,bits", [(128, 4), (64, 4), (128, 2), (64, 8), (256, 2)])
 def test_unit_permutation_matches_unpacking(head_dim, bits, layout):
     codes = jax.random.bits(jax.random.key(3), (5, head_dim * bits // 32), jnp.uint32)
-    dims = np.asarray(unpack_bits(codes, bits, head_dim))
+    dims = np.asarray(unpack_codes(codes, bits, head_dim))
     units = np.asarray(unit_view(codes, layout)).astype(np.uint32)
     perm = unit_permutation(head_dim, bits, layout)
     per_unit = (16 if layout == "halves" else 8) // bits

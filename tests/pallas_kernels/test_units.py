@@ -156,6 +156,18 @@ def test_group_int_ptx(bits, split):
                                    rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("bits,split", [(2, False), (3, True), (8, False)])
+def test_group_int_bytes_ptx(bits, split):
+    tile, top, scale, zero = bytes_(), bytes_(), f16(0.1), f16(1.0)
+    for j in range(8 // (bits - split)):
+        want = np.asarray(units.group_int_plane(tile, j, bits, scale, zero, asm=False,
+                                                top=top if split else None))
+        got = run(units.group_int_bytes_ptx(j, bits, split),
+                  [tile, *([top] if split else []), scale, zero])
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
+                                   rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("bits,split", [(2, False), (3, False), (4, False), (3, True)])
 def test_codebook_ptx(bits, split):
     magnitudes = tuple(float(m) for m in np.sort(RNG.uniform(0.01, 0.3, 1 << (bits - 1))))

@@ -161,3 +161,25 @@ def test_radix_fields_split_the_odd_part(alphabet):
     assert n * np.log2(alphabet) <= bits < n * np.log2(alphabet) + 4
     if alphabet in (576, 2304, 4608):  # odd part 9: five base-9 digits per 16 bits
         assert widths[0] == (6, 16) and widths[1] == (1, 7)
+
+
+@pytest.mark.parametrize("n", [16, 64, 128])
+def test_two_bit_codes_lie_in_byte_planes(n):
+    """Byte ``u`` of the words, field ``j``, holds code ``j * n / 4 + u``."""
+    codes = np.random.default_rng(2).integers(0, 4, (3, n))
+    words = pk.pack_codes(jnp.asarray(codes), 2)
+    assert words.shape == (3, n // 16)
+    data = np.asarray(words).view(np.uint8).reshape(3, n // 4).astype(np.int64)
+    for j in range(4):
+        np.testing.assert_array_equal((data >> (2 * j)) & 3, codes[:, j * n // 4:(j + 1) * n // 4])
+    np.testing.assert_array_equal(pk.unpack_codes(words, 2, n), codes)
+
+
+@pytest.mark.parametrize("n", [32, 128])
+def test_split_codes_round_trip_with_byte_planes_below(n):
+    codes = np.random.default_rng(3).integers(0, 8, (3, n))
+    words = pk.pack_codes(jnp.asarray(codes), 3)
+    assert words.shape == (3, 3 * n // 32)
+    np.testing.assert_array_equal(pk.unpack_codes(words, 3, n), codes)
+    # the low words are the 2-bit layout of the low bits
+    np.testing.assert_array_equal(words[:, :n // 16], pk.pack_codes(jnp.asarray(codes & 3), 2))
