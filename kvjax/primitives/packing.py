@@ -198,9 +198,38 @@ def pack_fields(fields: Sequence[tuple[jax.Array, int]]) -> jax.Array:
     codes = jnp.concatenate(
         [jnp.broadcast_to(c.astype(jnp.uint32), (*lead, c.shape[-1])) for c, _ in fields],
         axis=-1)
+    return pack_at(codes, per_code, offsets, total)
+
+
+def _check_slots(widths, offsets, total_bits: int):
+    widths = np.asarray(widths, np.int64)
+    offsets = np.asarray(offsets, np.int64)
+    if widths.shape != offsets.shape or widths.ndim != 1:
+        raise ValueError(f"one width and one offset per code, got {widths.shape} and "
+                         f"{offsets.shape}")
+    if np.any(widths < 1) or np.any(widths > _WORD) or np.any(offsets < 0) or np.any(
+            offsets + widths > total_bits):
+        raise ValueError(f"codes of widths 1..{_WORD} inside a stream of {total_bits} bits")
+    taken = np.zeros(total_bits, np.int64)
+    for o, w in zip(offsets.tolist(), widths.tolist(), strict=True):
+        taken[o:o + w] += 1
+    if np.any(taken > 1):
+        raise ValueError("codes of a stream overlap")
+    return widths, offsets
+
+
+def pack_at(codes: jax.Array, widths, offsets, total_bits: int) -> jax.Array:
+    """Codes ``[..., n]`` written at static bit ``offsets`` (each ``widths`` bits wide,
+    little endian, none overlapping) of a stream of ``total_bits`` bits, as ``uint32[...,
+    ceil(total_bits / 32)]``; bits no code covers are 0. :func:`pack_fields` is the case of
+    codes back to back; a layout that places each code where a reader wants it (a kernel
+    reading fields of aligned units) is any other. Values are masked to their width."""
+    per_code, offsets = _check_slots(widths, offsets, total_bits)
+    lead = codes.shape[:-1]
+    codes = codes.astype(jnp.uint32)
     mask = np.where(per_code < _WORD, (1 << np.minimum(per_code, 31)) - 1, 0xFFFFFFFF)
     codes = codes & jnp.asarray(mask.astype(np.uint32))
-    words = -(-total // _WORD)
+    words = -(-total_bits // _WORD)
     word = offsets // _WORD
     shift = (offsets % _WORD).astype(np.uint32)
     spill = (offsets % _WORD) + per_code > _WORD
@@ -218,6 +247,18 @@ def unpack_fields(words: jax.Array, widths: Sequence[tuple[int, int]]) -> list[j
     per_code, offsets, total = _field_layout(widths)
     if words.shape[-1] != -(-total // _WORD):
         raise ValueError(f"{words.shape[-1]} words do not hold a stream of {total} bits")
+    codes = unpack_at(words, per_code, offsets)
+    out, start = [], 0
+    for count, _ in widths:
+        out.append(codes[..., start:start + count])
+        start += count
+    return out
+
+
+def unpack_at(words: jax.Array, widths, offsets) -> jax.Array:
+    """Inverse of :func:`pack_at`: the codes ``uint32[..., n]`` at bit ``offsets`` of
+    ``uint32[..., W]`` words."""
+    per_code, offsets = _check_slots(widths, offsets, _WORD * words.shape[-1])
     word = offsets // _WORD
     shift = (offsets % _WORD).astype(np.uint32)
     spill = (offsets % _WORD) + per_code > _WORD
@@ -228,12 +269,7 @@ def unpack_fields(words: jax.Array, widths: Sequence[tuple[int, int]]) -> list[j
     hi = jnp.where(jnp.asarray(spill), padded[..., word + 1] << jnp.asarray(back),
                    jnp.uint32(0))
     mask = np.where(per_code < _WORD, (1 << np.minimum(per_code, 31)) - 1, 0xFFFFFFFF)
-    codes = (lo | hi) & jnp.asarray(mask.astype(np.uint32))
-    out, start = [], 0
-    for count, _ in widths:
-        out.append(codes[..., start:start + count])
-        start += count
-    return out
+    return (lo | hi) & jnp.asarray(mask.astype(np.uint32))
 
 
 _UNIT_DTYPES = {8: jnp.uint8, 16: jnp.uint16}

@@ -1,0 +1,264 @@
+"""The fused PolarQuant decode-attention kernel's entry against its pure-jnp reference
+(the kernel suite), over arrays that PolarQuant and KIVI's value codec really store, and
+the pieces of its layout.
+
+Tolerance: the kernel rebuilds the unit vectors in float32 and rounds them, the rotated
+query, the dequantized values and the probabilities to float16 matmul operands,
+accumulating in float32; outputs here are O(1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.codec import GroupIntFormat, PolarFormat
+from kvjax.codecs.polarquant import PolarQuantCodec, angle_widths, column_layout
+from kvjax.spec import parse_cache
+from pallas_kernels.polar_decode import api, reference
+from pallas_kernels.polar_decode.kernel import Trig, plan, query_columns, uniform_error
+from tests.pallas_kernels.suite import KernelSuite, Shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Case(Shape):
+    """One call of the entry over a cache spec's codes."""
+
+    spec: str
+    lengths: tuple[int, ...]
+    layers: int | None = None  # codes stacked over this many layers; layer 1 is read
+    block_s: int | None = 16
+    splits: int | None = 2
+
+    @property
+    def id(self) -> str:
+        return "-".join(filter(None, [
+            self.shape_id,
+            self.spec.replace(":", "").replace(",", ""), f"bs{self.block_s}",
+            f"sp{self.splits}", "n" + ",".join(map(str, self.lengths)),
+            f"L{self.layers}" * bool(self.layers)]))
+
+
+def formats(spec: str):
+    config = parse_cache(spec)
+    [k_fmt] = [f for f in config.k.kernel_formats() if isinstance(f, PolarFormat)]
+    [v_fmt] = [f for f in config.v.kernel_formats() if isinstance(f, GroupIntFormat)]
+    return config, k_fmt, v_fmt
+
+
+#: every case's arrays are cut from one encoding of this shape per spec and head dim
+#: (rows, kv heads, query rows per kv head, slots): one compiled encoder per spec
+CODED = (2, 2, 7, 130)
+
+
+# One compiled program per spec and head dim (the seed is traced): op-by-op dispatch would
+# compile dozens of small programs, which costs more than the kernel.
+@functools.partial(jax.jit, static_argnames=("head_dim", "spec"))
+def coded(head_dim, spec, seed=0):
+    """``(q, params, key codes, value codes)`` of random vectors of the :data:`CODED`
+    shape encoded by the spec's codecs, one parameter draw per kv head."""
+    config, _, _ = formats(spec)
+    batch, heads, group, slots = CODED
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (batch, heads, group, head_dim))
+    k = jax.random.normal(keys[1], (batch, heads, slots, head_dim))
+    v = jax.random.normal(keys[2], (batch, heads, slots, head_dim))
+    params = jax.vmap(lambda key: config.k.init(key, head_dim))(
+        jax.random.split(keys[3], heads))
+    k_codes = jax.vmap(config.k.encode, in_axes=(0, 1), out_axes=1)(params, k)
+    return q, params, k_codes, config.v.encode(None, v)
+
+
+def coded_case(case: Case, seed: int = 0):
+    """``(q, key arrays, value arrays, signs)`` of the case's shape."""
+    _, k_fmt, v_fmt = formats(case.spec)
+    q, params, k_codes, v_codes = coded(case.head_dim, case.spec, seed)
+    tokens = (slice(case.batch), slice(case.heads), slice(case.slots))
+    return (q[:case.batch, :case.heads, :case.group],
+            [a[tokens] for a in k_fmt.arrays(k_codes)],
+            [a[tokens] for a in v_fmt.arrays(v_codes)], params["signs"][:case.heads])
+
+
+#: normalized outputs O(1); log-sum-exps of logits O(5) (measured: at most 6e-4 and
+#: 2.4e-4 over the cases below, interpret mode)
+ATOL, LSE_ATOL = 3e-3, 2e-3
+
+CASES = (
+    # 3 bits at D = 128: columns of a 16-bit and an 8-bit unit, the top angles in the
+    # bytes' spare slots; GQA 4, a ragged and an empty row, 3 splits
+    Case(2, 2, 4, 37, 128, "polarquant:b3", (37, 0), splits=3),
+    # 2 bits at D = 64: one byte per column; GQA 1
+    Case(1, 2, 1, 33, 64, "polarquant:b2", (33,)),
+    # 4 bits: one 32-bit unit per column; GQA 7, lengths on a block boundary, one split
+    Case(2, 1, 7, 41, 128, "polarquant:b4", (32, 16), splits=1),
+    # 1 bit: the deep angles store no bits (their one centroid)
+    Case(1, 1, 4, 24, 128, "polarquant:b1", (24,)),
+    # D = 64, 3 bits: the columns hold level 1 only, the 31 angles above in two words;
+    # a stack of layers read in place at a traced index, an empty row, and the library's
+    # default blocking and splits (S not a multiple of its 128-token block)
+    Case(2, 1, 4, 130, 64, "polarquant:b3", (130, 0), layers=3, block_s=None, splits=None),
+)
+
+
+class TestPolarDecode(KernelSuite):
+    entry = staticmethod(api.polar_decode)
+    reference = staticmethod(reference.polar_decode)
+    CASES = CASES
+    UNSUPPORTED = (
+        (Case(1, 1, 4, 20, 128, "polarquant:b5", (20,)), "5-bit angles"),
+        # below full depth the angles stay one dense stream (and fp16 radii)
+        (Case(1, 1, 4, 20, 128, "polarquant:b3,l4", (20,)), "one dense stream"),
+    )
+    DROP = (Case(2, 2, 4, 37, 128, "polarquant:b3", (37, 37), splits=3), [21, 37])
+    TOLERANCE: ClassVar[dict[str, float]] = {"out": ATOL, "lse": LSE_ATOL}
+    IMPL = "polar_decode"
+    NEEDLE_SPECS = ("polarquant:b3 window=16 sinks=4",)
+
+    def inputs(self, case: Case) -> dict:
+        _, k_fmt, v_fmt = formats(case.spec)
+        options = k_fmt.options(case.head_dim)
+        static = {**options, "value_bits": v_fmt.bits, "value_group": v_fmt.group,
+                  "sm_scale": case.head_dim**-0.5, "block_s": case.block_s,
+                  "splits": case.splits}
+        if api.unsupported(case.head_dim, v_fmt.bits, v_fmt.group, **options):
+            # refused before any array is read: words of the shape are enough
+            return {**api.random_inputs(
+                jax.random.key(0), batch=case.batch, heads=case.heads, group=case.group,
+                slots=case.slots, head_dim=case.head_dim, angle_bits=k_fmt.bits,
+                value_bits=v_fmt.bits), **static}
+        q, k_arrays, v_arrays, signs = coded_case(case)
+        layer = None
+        if case.layers:
+            # other layers hold other codes: reading the wrong one cannot pass
+            stacks = [coded_case(case, seed) for seed in (1, 0, 2)[:case.layers]]
+            k_arrays = [jnp.stack([s[1][i] for s in stacks]) for i in range(2)]
+            v_arrays = [jnp.stack([s[2][i] for s in stacks]) for i in range(3)]
+            layer = jnp.int32(1)
+        k_codes, k_norm = k_arrays
+        return {"q": q, "k_codes": k_codes, "k_norm": k_norm,
+                **dict(zip(("v_codes", "v_scale", "v_zero"), v_arrays, strict=True)),
+                "lengths": jnp.asarray(case.lengths, jnp.int32), "layer": layer,
+                "k_signs": signs, **static}
+
+    def lengths(self, case: Case) -> list[int]:
+        return list(case.lengths)
+
+    @pytest.mark.parametrize("head_dim", [128, 64])
+    def test_reference_agrees_with_the_codecs(self, head_dim):
+        """The reference's scores and values are the codecs' own: its partial equals the
+        attention over ``decode`` of the same arrays (both layouts: D = 128 holds the
+        top angles in the columns' slots, D = 64 in words of their own)."""
+        got, want = _reference_and_codecs("polarquant:b3", head_dim)
+        np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "head_dim"))
+def _reference_and_codecs(spec, head_dim):
+    """The reference's normalized output over the coded vectors, and the attention over
+    the codecs' own ``decode`` of them (some rows ragged)."""
+    config, k_fmt, v_fmt = formats(spec)
+    q, params, k_codes, v_codes = coded(head_dim, spec)
+    lengths = jnp.asarray([CODED[-1], 11])
+    o, _, l = reference.polar_decode(
+        q, *k_fmt.arrays(k_codes), *v_fmt.arrays(v_codes), lengths, k_signs=params["signs"],
+        **k_fmt.options(head_dim), value_bits=v_fmt.bits, value_group=v_fmt.group,
+        sm_scale=head_dim**-0.5)
+    keys = jax.vmap(config.k.decode, in_axes=(0, 1), out_axes=1)(params, k_codes)
+    s = jnp.einsum("bkgd,bksd->bkgs", q, keys, precision="highest") * head_dim**-0.5
+    valid = jnp.arange(CODED[-1])[None, :] < lengths[:, None]
+    p = jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -jnp.inf), axis=-1)
+    values = config.v.decode(None, v_codes)
+    want = jnp.einsum("bkgs,bksd->bkgd", p, values, precision="highest")
+    return o / l[..., None], want
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("bits", range(1, 8))
+def test_column_layout_stores_the_dense_streams_bits(head_dim, bits):
+    """Where the column layout applies, every stored angle has its own bits inside the
+    ``D B`` bits that the dense stream rounds up to, and the codec decodes the same
+    vectors from it as from the dense stream."""
+    offsets = column_layout(head_dim, bits)
+    if head_dim == 128 and bits <= max(api.ANGLE_BITS):
+        assert offsets is not None  # every width the kernel reads, at the common head dim
+    if offsets is None:
+        return
+    widths = np.asarray(angle_widths(head_dim, bits))
+    dense_bits = 8 * -(-int(widths.sum()) // 8)
+    assert dense_bits == head_dim * bits
+    taken = np.zeros(head_dim * bits, int)
+    for o, w in zip(offsets, widths, strict=True):
+        assert (o >= 0) == (w > 0)
+        taken[o:o + w] += 1
+    assert taken.max() <= 1 and taken.sum() == widths.sum()
+
+
+def test_column_layout_decodes_like_the_dense_stream(monkeypatch):
+    codec = PolarQuantCodec(bits=3)
+    params = codec.init(jax.random.key(0), 64)
+    x = jax.random.normal(jax.random.key(1), (5, 64))
+    codes = jax.jit(codec.encode)(params, x)
+    assert codes["angles"].dtype == jnp.uint32 and codes["angles"].shape == (5, 6)
+    want = jax.jit(codec.decode)(params, codes)
+    monkeypatch.setattr(PolarQuantCodec, "column_offsets", lambda self, head_dim: None)
+    dense = jax.jit(codec.encode)(params, x)
+    assert dense["angles"].dtype == jnp.uint8 and dense["angles"].nbytes == 5 * 24
+    np.testing.assert_array_equal(jax.jit(codec.decode)(params, dense), want)
+
+
+def test_the_kernel_plans_its_reads_from_the_offsets():
+    # 3 bits at D = 128: levels 1..3 in the columns (a 16-bit and an 8-bit unit), the
+    # top angles read four slots to a word column
+    wide = plan(128, 3, column_layout(128, 3))
+    assert wide.depth == 3 and wide.views == (8, 16, 32)
+    assert len({(r.bits, r.unit) for level in wide.top for r in level}) == 4
+    assert [len(level) for level in wide.top] == [8, 4, 2, 1]
+    # at D = 64 level 1 alone fits whole units; the rest is read as word columns
+    narrow = plan(64, 3, column_layout(64, 3))
+    assert narrow.depth == 1 and narrow.views == (8, 32)
+    # a layout whose level-1 codes are not in column units cannot be read
+    dense = tuple(range(0, 63 * 3, 3))
+    assert "16 units" in plan(64, 2, dense)
+    assert np.array_equal(np.sort(query_columns(128)), np.arange(128))
+    assert query_columns(128)[:3].tolist() == [0, 8, 16]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_level_one_lookup_by_quadrants(bits):
+    """The level-1 cosines and sines from N / 4 magnitudes and two quadrant bits are
+    those of the uniform centroids; a codebook that is not uniform is refused."""
+    centroids = PolarQuantCodec(bits=bits).level_centroids(128)
+    assert uniform_error(centroids[0]) < 1e-7  # float32 rounding
+    skewed = (centroids[0][0] + 0.01, *centroids[0][1:])
+    assert uniform_error(skewed) > 1e-3
+    options = {**PolarFormat.options(formats(f"polarquant:b{bits}")[1], 128)}
+    options["centroids"] = (skewed, *options["centroids"][1:])
+    assert "not uniform" in api.unsupported(128, max(bits, 2), 32, **options)
+    # a deep level looks its cosines and sines up in tables of its own
+    trig = Trig.of(2, centroids[1])
+    assert not trig.uniform and len(trig.cos) == len(centroids[1])
+
+
+def test_malformed_arrays_raise():
+    _, k_fmt, _ = formats("polarquant:b3")
+    options = k_fmt.options(128)
+    kw = api.random_inputs(jax.random.key(0), batch=1, heads=1, group=2, slots=8,
+                           head_dim=128, angle_bits=3, value_bits=3)
+    static = {**options, "value_bits": 3, "value_group": 32, "sm_scale": 0.1}
+    with pytest.raises(ValueError, match="k_norm must have shape"):
+        api.polar_decode(**{**kw, "k_norm": kw["k_norm"][..., :4]}, **static)
+    with pytest.raises(ValueError, match="k_codes must be uint32"):
+        api.polar_decode(**{**kw, "k_codes": kw["k_codes"].astype(jnp.uint8)}, **static)
+    with pytest.raises(ValueError, match="127 angle offsets"):
+        api.polar_decode(**kw, **{**static, "offsets": options["offsets"][:-1]})
+    with pytest.raises(ValueError, match="level 2 has 4 centroids"):
+        api.polar_decode(**kw, **{**static, "centroids": (options["centroids"][0], (0.5,),
+                                                           *options["centroids"][2:])})
+    with pytest.raises(NotImplementedError, match="no QJL"):
+        api.polar_decode(**{**kw, "k_qjl": kw["k_codes"]}, **static)
