@@ -825,6 +825,55 @@ class DenseFormat(KernelFormat):
     values: Callable[[Codes], jax.Array]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolarFormat(RotatedKeyFormat):
+    """Rotated PolarQuant keys at full depth: ``y`` is the unit vector of ``D - 1`` polar
+    angles (``bits + 1``-bit codes at level 1, ``bits - 1`` deeper), ``"angles"`` uint32
+    ``[..., T, D * bits / 32]`` holds each angle's code at a fixed bit offset, and
+    ``"norm"`` is float16 ``[..., T, 1]``. ``centroids(head_dim)`` gives every level's
+    centroids (level 1 first), ``offsets(head_dim)`` each angle's bit offset in level
+    order (-1: a level of no bits), or None where the codes are one dense byte stream
+    that no kernel reads."""
+
+    bits: int
+    centroids: Callable[[int], tuple[tuple[float, ...], ...]]
+    offsets: Callable[[int], tuple[int, ...] | None]
+
+    def arrays(self, codes: Codes) -> tuple[jax.Array, ...]:
+        """``(angles [..., T, W], norm [..., T])``."""
+        return codes["angles"], codes["norm"][..., 0]
+
+    def options(self, head_dim: int) -> dict[str, Any]:
+        """``angle_bits``, ``centroids`` and ``offsets``."""
+        return {"angle_bits": self.bits, "centroids": self.centroids(head_dim),
+                "offsets": self.offsets(head_dim)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OctopusFormat(RotatedKeyFormat):
+    """Rotated OCTOPUS keys: ``y`` is cut into triplets, each ``rho m(xi, eta)`` with ``m``
+    the normalized octahedral lift of two ``direction_bits`` coordinates and ``rho`` a
+    ``norm_bits`` norm level (:mod:`kvjax.codecs.octopus`); ``"codes"`` is uint8 ``[...,
+    T, bytes]``. ``layout(head_dim, direction_bits, norm_bits)`` says where each code
+    lies (:func:`kvjax.codecs.octopus.byte_layout`), or None where the codes are one
+    dense stream that no kernel reads; ``magnitudes(direction_bits)`` gives the
+    coordinates' symmetric codebook as its magnitudes, ascending (a sign-magnitude code
+    ranks them), and ``norms(head_dim, norm_bits)`` the norm levels."""
+
+    direction_bits: int
+    norm_bits: int
+    layout: Callable[[int, int, int], Any]
+    magnitudes: Callable[[int], tuple[float, ...]]
+    norms: Callable[[int, int], tuple[float, ...]]
+
+    def options(self, head_dim: int) -> dict[str, Any]:
+        """``direction_bits``, ``magnitudes``, ``norms`` and ``layout``."""
+        return {"direction_bits": self.direction_bits,
+                "magnitudes": self.magnitudes(self.direction_bits),
+                "norms": self.norms(head_dim, self.norm_bits),
+                "layout": self.layout(head_dim, self.direction_bits, self.norm_bits)}
+
+
 # -- registry ------------------------------------------------------
 
 _REGISTRY: dict[str, type[Codec]] = {}

@@ -13,12 +13,18 @@ import kvjax.attention.reference as reference
 import kvjax.attention.xla as xla
 import pallas_kernels.codebook_decode.api as codebook_decode
 import pallas_kernels.int_decode.api as int_decode
+import pallas_kernels.octopus_decode.api as octopus_decode
+import pallas_kernels.polar_decode.api as polar_decode
 from kvjax.attention.dispatch import Impl, register
 from kvjax.attention.fused import int_codes_kernel, rotated_kernel
-from kvjax.codec import CodebookFormat
+from kvjax.codec import CodebookFormat, OctopusFormat, PolarFormat
 
 register(Impl(name="reference", supports=reference.supports, run=reference.run))
 register(Impl(name="xla", supports=xla.supports, run=xla.run))
 register(int_codes_kernel("int_decode", int_decode.int_decode, int_decode.unsupported))
 register(rotated_kernel("codebook_decode", codebook_decode.codebook_decode, CodebookFormat,
                         codebook_decode.unsupported))
+register(rotated_kernel("octopus_decode", octopus_decode.octopus_decode, OctopusFormat,
+                        octopus_decode.unsupported, auto=False))
+register(rotated_kernel("polar_decode", polar_decode.polar_decode, PolarFormat,
+                        polar_decode.unsupported, auto=False))

@@ -40,6 +40,15 @@ Codes of ``x[..., T, D]``::
     codes     uint8[..., T, ceil(n (2 d + n_bits) / 8)]   per triplet: i_xi, i_eta, i_rho
     norm      float16[..., T, 1]
 
+Byte layout. With 4-bit coordinates (``octopus:b3``, ``octopus:b4,qjl``) and a norm width
+that divides a byte, the same bits are laid out for a kernel that reads ``P``-byte windows
+of a token's bytes (:func:`byte_layout`): one byte per triplet holds its two coordinates as
+sign-magnitude codes (:func:`kvjax.codecs.turboquant.to_sign_magnitude`: low nibble
+``xi``, high nibble ``eta``; the codebook is symmetric), the norm codes share bytes ``8 /
+n_bits`` to a byte, and every triplet's norm code sits in the same column of some window
+as its direction byte, so a reader combines whole windows elementwise. Other splits keep
+the dense stream (all ``i_xi``, then all ``i_eta``, then all ``i_rho``).
+
 ``octopus:bB,qjl`` (OCTOPUS-QJL, B >= 2): the OCTOPUS stage at ``B - 1``, i.e. split
 ``(B, B - 2)``, plus the 1-bit QJL sketch of the residual with its norm; attention uses
 the estimator (:mod:`kvjax.codecs.rotated`). It is matched to ``turboquant:bB,qjl``, which
@@ -49,16 +58,27 @@ also gives its MSE stage ``B - 1`` bits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from kvjax.codec import CodecError, Codes, Example, Option, register
+from kvjax.codec import CodecError, Codes, Example, OctopusFormat, Option, register
 from kvjax.codecs.rotated import QJL_OPTION, RotatedCodec
+from kvjax.codecs.turboquant import from_sign_magnitude, to_sign_magnitude
 from kvjax.primitives import lloyd
 from kvjax.primitives.codebooks import lloyd_codebook
-from kvjax.primitives.packing import fields_bits, from_units, pack_fields, to_units, unpack_fields
+from kvjax.primitives.packing import (
+    fields_bits,
+    from_units,
+    pack_at,
+    pack_fields,
+    to_units,
+    unpack_at,
+    unpack_fields,
+)
 
 MAX_BITS = 8
 MIN_NOMINAL, MAX_NOMINAL = 1, 7
@@ -67,6 +87,12 @@ LOCAL = tuple((dx, dy) for dx in (-1, 0, 1) for dy in (-1, 0, 1))
 #: smallest head dim: the triplet norm's law needs ``D >= 5`` (a bounded density) and the
 #: rotation a power of two
 MIN_HEAD_DIM = 8
+#: the byte layout's coordinate width (two codes to a byte) and its norm widths (whole
+#: codes to a byte; 0: no norm codes)
+BYTE_DIRECTION_BITS = 4
+BYTE_NORM_BITS = (0, 1, 2, 4, 8)
+#: window widths the byte layout tries, widest first (a kernel's matmul wants 16 columns)
+WINDOWS = (16, 8, 4, 2, 1)
 
 
 def direction_codebook(bits: int) -> lloyd.LloydMaxQuantizer:
@@ -112,6 +138,92 @@ def to_triplets(y: jax.Array) -> jax.Array:
         y = jnp.concatenate([y, jnp.zeros((*y.shape[:-1], pad), y.dtype)], axis=-1)
     # explicit sizes: a ``-1`` cannot be inferred when a leading axis is empty
     return y.reshape(*y.shape[:-1], y.shape[-1] // 3, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteLayout:
+    """Where the byte layout (see the module docstring) puts each triplet's codes in a
+    token's ``size`` bytes.
+
+    ``direction[t]``: the byte of triplet ``t``'s two coordinates; ``norm[t]``: the
+    ``(byte, slot)`` of its norm code (bits ``slot * n_bits`` up; empty without norm
+    bits); ``windows``: ``(start, column, first, count)`` per window of ``width`` bytes
+    starting at byte ``start``, whose columns ``column .. column + count - 1`` hold the
+    direction bytes of triplets ``first .. first + count - 1`` (its other columns are
+    other codes' bytes). Every norm code lies in its triplet's column of some window:
+    ``byte - column`` is a window start in ``[0, size - width]``.
+    """
+
+    width: int
+    size: int
+    direction: tuple[int, ...]
+    norm: tuple[tuple[int, int], ...]
+    windows: tuple[tuple[int, int, int, int], ...]
+
+    def column(self, t: int) -> int:
+        """The window column of triplet ``t``."""
+        _, column, first, _ = next(w for w in self.windows if w[2] <= t < w[2] + w[3])
+        return column + t - first
+
+
+def _arrange(triplets: int, norm_bytes: int, width: int, before: int) -> ByteLayout:
+    """Whole windows of direction bytes, ``before`` of them ahead of the norm bytes, the
+    rest after, and the last ``triplets % width`` direction bytes at the end, read by a
+    window flush with the end; norm code ``t`` in byte ``t % norm_bytes``, slot ``t //
+    norm_bytes`` of the norm bytes (so a window's run of triplets meets the norm bytes
+    in a few runs, each one window start)."""
+    size = triplets + norm_bytes
+    full, tail = divmod(triplets, width)
+    windows = [(w * width + (norm_bytes if w >= before else 0), 0, w * width, width)
+               for w in range(full)]
+    if tail:
+        windows.append((size - width, width - tail, full * width, tail))
+    direction = [start + column + j for start, column, first, count in windows
+                 for j in range(count)]
+    norm = tuple((before * width + t % norm_bytes, t // norm_bytes)
+                 for t in range(triplets)) if norm_bytes else ()
+    return ByteLayout(width, size, tuple(direction), norm, tuple(windows))
+
+
+@functools.cache
+def byte_layout(triplets: int, norm_bits: int) -> ByteLayout:
+    """The byte layout of ``triplets`` triplets with ``norm_bits``-bit norm codes (one of
+    :data:`BYTE_NORM_BITS`): the widest window of :data:`WINDOWS` that leaves every norm
+    code in its triplet's column of a window inside the token's bytes."""
+    if norm_bits not in BYTE_NORM_BITS:
+        raise ValueError(f"norm codes of {norm_bits} bits do not fill bytes")
+    per_byte = 8 // norm_bits if norm_bits else 0
+    norm_bytes = -(-triplets // per_byte) if per_byte else 0
+    size = triplets + norm_bytes
+    for width in WINDOWS:
+        if width > size:
+            continue
+        for before in range(triplets // width + 1):
+            layout = _arrange(triplets, norm_bytes, width, before)
+            if all(0 <= byte - layout.column(t) <= size - width
+                   for t, (byte, _) in enumerate(layout.norm)):
+                return layout
+    # one-byte windows read every byte where it is
+    raise AssertionError("unreachable")
+
+
+def kernel_layout(head_dim: int, direction_bits: int, norm_bits: int) -> ByteLayout | None:
+    """The byte layout of a split's codes at ``head_dim``, or None where they are one
+    dense stream."""
+    if direction_bits != BYTE_DIRECTION_BITS or norm_bits not in BYTE_NORM_BITS:
+        return None
+    return byte_layout(-(-head_dim // 3), norm_bits)
+
+
+def direction_magnitudes(bits: int) -> tuple[float, ...]:
+    """The ``2^(bits-1)`` magnitudes of the (symmetric) coordinate codebook, ascending."""
+    centroids = direction_codebook(bits).centroids
+    return tuple(float(c) for c in centroids[len(centroids) // 2:])
+
+
+def norm_levels(head_dim: int, bits: int) -> tuple[float, ...]:
+    """The ``2^bits`` triplet norm levels, ascending."""
+    return tuple(float(c) for c in norm_codebook(head_dim, bits).centroids)
 
 
 def joint_round(
@@ -238,23 +350,54 @@ class OctopusCodec(RotatedCodec):
         return [(triplets, b) for b in (self.direction_bits, self.direction_bits,
                                          self.norm_bits) if b > 0]
 
+    @property
+    def byte_aligned(self) -> bool:
+        """Whether the codes take the byte layout (see the module docstring)."""
+        return kernel_layout(MIN_HEAD_DIM, self.direction_bits, self.norm_bits) is not None
+
+    def _slots(self, head_dim: int) -> tuple[ByteLayout, list[int], list[int]]:
+        """The byte layout and each code's width and bit offset (all ``i_xi``, all
+        ``i_eta``, all ``i_rho``)."""
+        layout = kernel_layout(head_dim, self.direction_bits, self.norm_bits)
+        byte = np.asarray(layout.direction) * 8
+        offsets = [*byte.tolist(), *(byte + 4).tolist(),
+                   *[8 * b + self.norm_bits * slot for b, slot in layout.norm]]
+        widths = [4] * (2 * len(byte)) + [self.norm_bits] * len(layout.norm)
+        return layout, widths, offsets
+
     def encode_unit(self, y: jax.Array) -> Codes:
-        """``codes``: the triplets' jointly rounded indices, one dense byte stream
-        (all ``i_xi``, then all ``i_eta``, then all ``i_rho``)."""
+        """``codes``: the triplets' jointly rounded indices, in the byte layout or one
+        dense byte stream (see the module docstring)."""
         head_dim = y.shape[-1]
         t = to_triplets(y)
         i_xi, i_eta, i_rho = joint_round(t, direction_codebook(self.direction_bits),
                                          norm_codebook(head_dim, self.norm_bits))
+        if self.byte_aligned:
+            layout, widths, offsets = self._slots(head_dim)
+            sign = functools.partial(to_sign_magnitude, bits=BYTE_DIRECTION_BITS)
+            codes = [sign(i_xi), sign(i_eta), *([i_rho] if self.norm_bits else [])]
+            words = pack_at(jnp.concatenate(codes, axis=-1), widths, offsets, 8 * layout.size)
+            return {"codes": to_units(words, 8 * layout.size)}
         fields = [(i, b) for i, b in ((i_xi, self.direction_bits),
                                       (i_eta, self.direction_bits),
                                       (i_rho, self.norm_bits)) if b > 0]
         total = fields_bits(self._widths(head_dim))
         return {"codes": to_units(pack_fields(fields), total)}
 
+    def _indices(self, codes: Codes, head_dim: int) -> list[jax.Array]:
+        """The stored ``i_xi``, ``i_eta``, ``i_rho`` (those of nonzero width)."""
+        if self.byte_aligned:
+            layout, widths, offsets = self._slots(head_dim)
+            flat = unpack_at(from_units(codes["codes"], 8 * layout.size), widths, offsets)
+            parts = jnp.split(flat, len(widths) // len(layout.direction), axis=-1)
+            sign = functools.partial(from_sign_magnitude, bits=BYTE_DIRECTION_BITS)
+            return [sign(parts[0]), sign(parts[1]), *parts[2:]]
+        widths = self._widths(head_dim)
+        return unpack_fields(from_units(codes["codes"], fields_bits(widths)), widths)
+
     def decode_unit(self, codes: Codes, head_dim: int) -> jax.Array:
         """``rho_hat * m(xi_hat, eta_hat)`` per triplet, the pad dropped."""
-        widths = self._widths(head_dim)
-        fields = iter(unpack_fields(from_units(codes["codes"], fields_bits(widths)), widths))
+        fields = iter(self._indices(codes, head_dim))
         triplets = -(-head_dim // 3)
         lead = codes["codes"].shape[:-1]
         zeros = jnp.zeros((*lead, triplets), jnp.int32)
@@ -270,3 +413,10 @@ class OctopusCodec(RotatedCodec):
     def unit_bits(self, head_dim: int) -> int:
         """The index stream in whole bytes."""
         return 8 * -(-fields_bits(self._widths(head_dim)) // 8)
+
+    def kernel_formats(self) -> tuple[OctopusFormat, ...]:
+        """The rotated triplet codes, read by the OCTOPUS decode kernel where they take
+        the byte layout."""
+        return (OctopusFormat(direction_bits=self.direction_bits, norm_bits=self.norm_bits,
+                              qjl=self.qjl, layout=kernel_layout,
+                              magnitudes=direction_magnitudes, norms=norm_levels),)
