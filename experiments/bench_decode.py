@@ -15,11 +15,12 @@ over the packed codes with the library's default blocking and split count (``saw
 with SAW's query rotation, which the entry applies with the column permutation in one
 XLA product) and normalize its partial; ``saw-in-kernel`` and ``--variant`` are
 benchmark-only kernel variants (:class:`~pallas_kernels.int_decode.kernel.Research`).
-Each ``--codec`` (a cache spec whose K offers codebook codes: TurboQuant, MSE or QJL;
-default :data:`CODECS`) adds its fused path, :func:`pallas_kernels.codebook_decode.api.
-codebook_decode` over that codec's arrays (K and V), and ``<spec> dequant``, the same
-arrays decoded to bf16 (keys in the rotated space, the query rotated) and attended by
-cuDNN.
+Each ``--codec`` (a cache spec whose K is a rotated codec read by a registered kernel:
+TurboQuant MSE or QJL, PolarQuant, OCTOPUS; default :data:`CODECS`) adds its fused path,
+``<spec> [<kernel>]``, the kernel's entry (:func:`kvjax.attention.fused.rotated_entry`)
+over that cache's arrays (Gaussian vectors encoded by its codecs,
+:func:`~kvjax.attention.fused.entry_arrays`), and ``<spec> dequant``, the same codes
+decoded by the codecs to bf16 and attended by cuDNN.
 
 Timing: every path is compiled and run once before timing (compile time reported
 apart); a timed sample is one jitted call that runs the path ``--inner`` times in a
@@ -43,13 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import fused
-from kvjax.codec import CodebookFormat
 from kvjax.eval.memory import model_shape
 from kvjax.spec import parse_cache
-from pallas_kernels.codebook_decode import api as codebook
-from pallas_kernels.codebook_decode.reference import codebook_values
 from pallas_kernels.flash import NUM_WARPS, default_blocking, default_splits
-from pallas_kernels.group_values import dequantize as dequantize_groups
 from pallas_kernels.int_decode.api import int_decode, random_inputs
 from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.int_decode.reference import dequantize
@@ -60,8 +57,11 @@ FULL_GRID = [(1, 4096), (8, 4096), (32, 4096), (1, 32768), (8, 32768), (32, 3276
              (1, 131072)]
 QUICK_GRID = [(32, 32768), (1, 131072)]
 BITS = 4
-#: the codecs of the fused codebook kernel timed by default
-CODECS = ("turboquant:b4", "turboquant:b3", "turboquant:b4,qjl", "turboquant:b3,qjl")
+#: the cache specs timed through their kernel over rotated keys by default
+CODECS = ("turboquant:b4", "turboquant:b3", "turboquant:b4,qjl", "turboquant:b3,qjl",
+          "polarquant:b3", "octopus:b3", "octopus:b4,qjl")
+#: tokens encoded per (row, kv head) for a rotated codec's cache, repeated to its length
+DISTINCT_TOKENS = 1024
 
 
 def nbytes(*arrays) -> int:
@@ -98,21 +98,20 @@ def parse_variant(text: str) -> dict:
             "splits": int(splits[0]) if splits else None}
 
 
-def codebook_formats(spec: str):
-    """The codebook kernel's formats of a cache spec's K and V, or a ValueError."""
+def rotated_kernel(spec: str, head_dim: int):
+    """``(config, kernel, K format, V format)`` of the registered kernel over rotated keys
+    that reads a cache spec at ``head_dim``, or a ValueError."""
     config = parse_cache(spec)
-    return fused.require_rotated_formats(config.k, config.v, CodebookFormat)
+    return (config, *fused.rotated_entry(config.k, config.v, head_dim))
 
 
-def bench_codebook(spec, q, batch, heads, group, slots, head_dim, inner, repeats, options):
-    """``{path: (compile s, s per call, bytes)}`` of a codebook codec's fused and
-    dequantize-then-cuDNN paths."""
-    k_fmt, v_fmt = codebook_formats(spec)
-    arrays = codebook.random_inputs(
-        jax.random.key(1), batch=batch, heads=heads, group=group, slots=slots,
-        head_dim=head_dim, key_bits=k_fmt.bits, value_bits=v_fmt.bits,
-        value_group=v_fmt.group, qjl=k_fmt.qjl)
-    arrays.pop("q")
+def bench_rotated(spec, q, batch, heads, group, slots, head_dim, inner, repeats, options):
+    """``{path: (compile s, s per call, bytes)}`` of a rotated-key codec's fused kernel
+    (:func:`kvjax.attention.fused.rotated_entry`) and its dequantize-then-cuDNN path."""
+    config, impl, k_fmt, v_fmt = rotated_kernel(spec, head_dim)
+    arrays, (params, k_codes, v_codes) = fused.entry_arrays(
+        config.k, config.v, k_fmt, v_fmt, batch=batch, heads=heads, slots=slots,
+        head_dim=head_dim, key=jax.random.key(1), distinct=DISTINCT_TOKENS)
     static = fused.rotated_options(k_fmt, v_fmt, head_dim)
     stored = ("k_codes", "k_norm", "v_codes", "v_scale", "v_zero", "k_qjl",
               "k_residual_norm")
@@ -121,26 +120,23 @@ def bench_codebook(spec, q, batch, heads, group, slots, head_dim, inner, repeats
 
     def kernel(q, arrays):
         qg = q.reshape(batch, heads, group, head_dim)
-        out = normalize(*codebook.codebook_decode(qg, **arrays, **static, **options))
+        out = normalize(*impl.entry(qg, **arrays, **static, **options))
         return out.reshape(batch, num_heads, head_dim)
 
-    def dequant(q, arrays):
-        qg = q.reshape(batch, heads, group, head_dim)
-        q_rot, _ = codebook.query_sides(qg, arrays["k_signs"], None)
-        keys = codebook_values(arrays["k_codes"], k_fmt.bits, static["magnitudes"], head_dim)
-        keys = keys * arrays["k_norm"].astype(jnp.float32)[..., None]
-        values = dequantize_groups(arrays["v_codes"], arrays["v_scale"], arrays["v_zero"],
-                              v_fmt.bits, v_fmt.group, head_dim)
-        # [B, K, S, D] -> [B, S, K, D] bf16, the layout cuDNN takes (QJL's term left out:
-        # cuDNN has no place for it, so this path is a lower bound for the QJL specs)
+    def dequant(q, params, k_codes, v_codes):
+        # what a cache without a fused kernel pays: the codecs' own decode (QJL's
+        # reconstruction included), then cuDNN over [B, S, K, D] bf16
+        keys = jax.vmap(config.k.decode, in_axes=(0, 1), out_axes=1)(params, k_codes)
+        values = config.v.decode(None, v_codes)
         k, v = (jnp.swapaxes(a.astype(jnp.bfloat16), 1, 2) for a in (keys, values))
         out = jax.nn.dot_product_attention(
-            q_rot.reshape(batch, 1, num_heads, head_dim).astype(jnp.bfloat16), k, v,
+            q.reshape(batch, 1, num_heads, head_dim).astype(jnp.bfloat16), k, v,
             implementation="cudnn")
         return out[:, 0]
 
-    return {spec: (*timed(kernel, (q, arrays), inner, repeats), read),
-            f"{spec} dequant": (*timed(dequant, (q, arrays), inner, repeats), read)}
+    return {f"{spec} [{impl.name}]": (*timed(kernel, (q, arrays), inner, repeats), read),
+            f"{spec} dequant": (*timed(dequant, (q, params, k_codes, v_codes), inner,
+                                       repeats), read)}
 
 
 def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stages, peak,
@@ -210,7 +206,7 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
     options = {"block_s": block_s, "num_warps": num_warps, "num_stages": num_stages}
     for spec in codecs:
         try:
-            results.update(bench_codebook(spec, q, batch, heads, group, slots, head_dim,
+            results.update(bench_rotated(spec, q, batch, heads, group, slots, head_dim,
                                           inner, repeats, options))
         except Exception as err:  # report, keep benchmarking the other codecs
             print(f"  {spec} failed: {str(err).splitlines()[0][:160]}", file=sys.stderr)
@@ -255,7 +251,8 @@ def main(argv=None) -> int:
                    help="extra kernel configurations to time, e.g. bytes:128:8:3 or "
                         "halves-jnp:64:4:2:66 (-jnp: unpack without inline PTX)")
     p.add_argument("--codec", action="append", metavar="SPEC",
-                   help=f"cache specs for the codebook kernel (default: {', '.join(CODECS)})")
+                   help="cache specs read by a kernel over rotated keys "
+                        f"(default: {', '.join(CODECS)})")
     args = p.parse_args(argv)
     shapes = args.shape or list(SHAPES)
     try:
@@ -265,7 +262,8 @@ def main(argv=None) -> int:
             parse_variant(variant)
         codecs = tuple(args.codec or CODECS)
         for spec in codecs:
-            codebook_formats(spec)
+            for name in shapes:
+                rotated_kernel(spec, model_shape(name).head_dim)
     except (ValueError, TypeError) as err:  # CodecError is a ValueError
         print(f"bench_decode: {err}", file=sys.stderr)
         return 2

@@ -4,11 +4,12 @@
     ncu --clock-control none -k regex:codebook python experiments/profile_decode.py \
         --codec turboquant:b3
 
-Runs the kernel's entry a few times on random packed codes (the speed depends only on
-the bytes) so a profiler such as Nsight Compute sees a warm, compiled kernel: the INT
-kernel's (:func:`pallas_kernels.int_decode.api.int_decode`), or with ``--codec`` the
-codebook kernel's (:func:`pallas_kernels.codebook_decode.api.codebook_decode`) over the
-arrays of that cache spec.
+Runs the kernel's entry a few times so a profiler such as Nsight Compute sees a warm,
+compiled kernel: the INT kernel's (:func:`pallas_kernels.int_decode.api.int_decode`) on
+random packed codes (its speed depends only on the bytes), or with ``--codec`` the
+kernel over rotated keys that reads that cache spec
+(:func:`kvjax.attention.fused.rotated_entry`: codebook, polar or octopus) over a cache of
+its codes.
 """
 
 from __future__ import annotations
@@ -19,27 +20,25 @@ import sys
 import jax
 
 from kvjax.attention import fused
-from kvjax.codec import CodebookFormat
 from kvjax.eval.memory import model_shape
 from kvjax.spec import parse_cache
-from pallas_kernels.codebook_decode import api as codebook
 from pallas_kernels.flash import NUM_WARPS, default_blocking, default_splits
 from pallas_kernels.int_decode.api import int_decode, random_inputs
 from pallas_kernels.int_decode.kernel import Research
 
 
-def codebook_call(spec: str, batch: int, heads: int, group: int, slots: int,
-                  head_dim: int):
-    """``options -> partial``: the codebook kernel over random arrays of ``spec``'s
-    formats (a ValueError when its K and V are not what the kernel reads)."""
+def rotated_call(spec: str, batch: int, heads: int, group: int, slots: int, head_dim: int):
+    """``(kernel name, options -> partial)``: the registered kernel over rotated keys that
+    reads ``spec`` (:func:`kvjax.attention.fused.rotated_entry`), over a cache of that
+    spec's codes; a ValueError when none reads it."""
     config = parse_cache(spec)
-    k, v = fused.require_rotated_formats(config.k, config.v, CodebookFormat)
-    arrays = codebook.random_inputs(jax.random.key(0), batch=batch, heads=heads,
-                                    group=group, slots=slots, head_dim=head_dim,
-                                    key_bits=k.bits, value_bits=v.bits,
-                                    value_group=v.group, qjl=k.qjl)
-    static = fused.rotated_options(k, v, head_dim)
-    return lambda **options: codebook.codebook_decode(**arrays, **static, **options)
+    impl, k_fmt, v_fmt = fused.rotated_entry(config.k, config.v, head_dim)
+    arrays, _ = fused.entry_arrays(config.k, config.v, k_fmt, v_fmt, batch=batch,
+                                   heads=heads, slots=slots, head_dim=head_dim,
+                                   key=jax.random.key(0), distinct=1024)
+    q = jax.random.normal(jax.random.key(1), (batch, heads, group, head_dim))
+    static = fused.rotated_options(k_fmt, v_fmt, head_dim)
+    return impl.name, lambda **options: impl.entry(q, **arrays, **static, **options)
 
 
 def main(argv=None) -> int:
@@ -64,7 +63,8 @@ def main(argv=None) -> int:
         heads, head_dim = shape.num_kv_heads, shape.head_dim
         group = shape.num_heads // heads
         if args.codec:
-            call = codebook_call(args.codec, args.batch, heads, group, args.slots, head_dim)
+            name, call = rotated_call(args.codec, args.batch, heads, group, args.slots,
+                                      head_dim)
     except ValueError as err:  # CodecError is a ValueError
         print(f"profile_decode: {err}", file=sys.stderr)
         return 2
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
 
     for _ in range(args.calls):
         jax.block_until_ready(call(**options))
-    kernel = args.codec or f"int{args.bits} layout {args.layout}"
+    kernel = f"{args.codec} [{name}]" if args.codec else f"int{args.bits} layout {args.layout}"
     print(f"ran {args.calls} calls: B={args.batch} S={args.slots} block {block_s} "
           f"stages {stages} splits {splits} {kernel}")
     return 0

@@ -17,12 +17,13 @@ its own small adapter here (how its entry takes the arrays of that format) and r
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention.dispatch import Call, Impl
+from kvjax.attention.dispatch import REGISTRY, Call, Impl
 from kvjax.cache import Segment
 from kvjax.codec import Codec, GroupIntFormat, IntFormat, KernelFormat, RotatedKeyFormat
 from pallas_kernels.partial import dense_partial, merge_partials, normalize
@@ -216,8 +217,20 @@ def rotated_supports(call: Call, key_format: type[RotatedKeyFormat],
     return unsupported(call.head_dim, v_fmt.bits, v_fmt.group, **k_fmt.options(call.head_dim))
 
 
+@dataclasses.dataclass(frozen=True)
+class RotatedImpl(Impl):
+    """A registered kernel over rotated keys and group-wise INT values, with what a
+    benchmark needs to call it directly: its array-level ``entry``, the ``key_format``
+    it reads and its ``unsupported(head_dim, value_bits, value_group, **key_options)``
+    rule."""
+
+    entry: Entry | None = None
+    key_format: type[RotatedKeyFormat] | None = None
+    unsupported: Callable[..., str | None] | None = None
+
+
 def rotated_kernel(name: str, entry: Entry, key_format: type[RotatedKeyFormat],
-                   unsupported: Callable[..., str | None], auto: bool = True) -> Impl:
+                   unsupported: Callable[..., str | None], auto: bool = True) -> RotatedImpl:
     """The registry entry of a fused decode kernel over ``key_format`` keys and
     group-wise INT values: ``entry`` takes the arrays of :func:`pallas_kernels.
     codebook_decode.api.codebook_decode`'s signature with the key options of the format,
@@ -229,5 +242,61 @@ def rotated_kernel(name: str, entry: Entry, key_format: type[RotatedKeyFormat],
                                    key_format=key_format, scale=call.scale)
         return out[:, None]
 
-    return Impl(name=name, supports=lambda call: rotated_supports(call, key_format, unsupported),
-                run=run, fused=True, auto=auto)
+    return RotatedImpl(
+        name=name, supports=lambda call: rotated_supports(call, key_format, unsupported),
+        run=run, fused=True, auto=auto, entry=entry, key_format=key_format,
+        unsupported=unsupported)
+
+
+def rotated_entry(k_codec: Codec, v_codec: Codec, head_dim: int
+                  ) -> tuple[RotatedImpl, RotatedKeyFormat, GroupIntFormat]:
+    """The first registered kernel over rotated keys (registration order) that reads
+    these codecs at ``head_dim``, with the formats it reads; a ``ValueError`` naming each
+    kernel's reason otherwise."""
+    reasons = []
+    for impl in REGISTRY.values():
+        if not isinstance(impl, RotatedImpl):
+            continue
+        formats = rotated_formats(k_codec, v_codec, impl.key_format)
+        if isinstance(formats, str):
+            reasons.append(f"{impl.name}: {formats}")
+            continue
+        k_fmt, v_fmt = formats
+        reason = impl.unsupported(head_dim, v_fmt.bits, v_fmt.group, **k_fmt.options(head_dim))
+        if reason is None:
+            return impl, k_fmt, v_fmt
+        reasons.append(f"{impl.name}: {reason}")
+    raise ValueError(f"no kernel over rotated keys reads K '{k_codec.spec}' and V "
+                     f"'{v_codec.spec}' at head_dim {head_dim}: " + "; ".join(reasons))
+
+
+def entry_arrays(k_codec: Codec, v_codec: Codec, k_fmt: RotatedKeyFormat,
+                 v_fmt: GroupIntFormat, *, batch: int, heads: int, slots: int, head_dim: int,
+                 key: jax.Array, distinct: int | None = None
+                 ) -> tuple[dict[str, jax.Array], tuple]:
+    """The arrays a rotated-key kernel's entry takes (``k_codes`` .. ``qjl_sketch``,
+    every row full) for ``slots`` tokens of ``heads`` kv heads encoded by the codecs
+    from Gaussian vectors (one parameter draw per head) and read through the formats
+    (:func:`rotated_entry`), and ``(k_params, k_codes, v_codes)``, the codecs' own
+    pytrees. ``distinct``: encode that many tokens and repeat them along the cache (a
+    kernel's speed depends on the bytes, not on which tokens repeat; encoding a 32k
+    cache would cost more than the benchmark)."""
+    count = slots if distinct is None else min(slots, distinct)
+    keys = jax.random.split(key, 3)
+    k = jax.random.normal(keys[0], (batch, heads, count, head_dim))
+    v = jax.random.normal(keys[1], (batch, heads, count, head_dim))
+    params = jax.vmap(lambda kk: k_codec.init(kk, head_dim))(jax.random.split(keys[2], heads))
+    k_codes = jax.vmap(k_codec.encode, in_axes=(0, 1), out_axes=1)(params, k)
+    v_codes = v_codec.encode(None, v)
+    if count < slots:
+        index = jnp.arange(slots) % count
+        k_codes, v_codes = (jax.tree.map(lambda a: jnp.take(a, index, axis=2), c)
+                            for c in (k_codes, v_codes))
+    codes, norm, *qjl = k_fmt.arrays(k_codes)
+    v_words, v_scale, v_zero = v_fmt.arrays(v_codes)
+    arrays = {"k_codes": codes, "k_norm": norm, "v_codes": v_words, "v_scale": v_scale,
+              "v_zero": v_zero, "lengths": jnp.full((batch,), slots, jnp.int32),
+              "k_signs": params["signs"]}
+    if k_fmt.qjl:
+        arrays.update(k_qjl=qjl[0], k_residual_norm=qjl[1], qjl_sketch=params["sketch"])
+    return arrays, (params, k_codes, v_codes)
