@@ -11,9 +11,16 @@ at a quarter of the integer rate):
 
 * :func:`int_plane`: integer codes ``c``; ``(unit >> j * bits) & mask | 0x6400`` is the
   bit pattern of the float16 ``1024 + c``, and one exact float16 subtraction leaves ``c``.
-* :func:`codebook_plane`: sign-magnitude codes of a symmetric codebook; the magnitude
-  ranks select the float16 bytes of the codebook's magnitudes from registers with
-  ``prmt`` (a byte permute), and the sign bit is moved onto float16's.
+* :func:`codebook_plane`: sign-magnitude codes of a symmetric codebook, in 16-bit units
+  or bytes; the magnitude ranks select the float16 bytes of the codebook's magnitudes
+  from registers with ``prmt`` (a byte permute), and the sign bit is moved onto
+  float16's (codes of 2 or 3 bits in bytes look up their sign too, in a table of the
+  magnitudes and their negatives).
+* :func:`table_plane`: any field of up to 3 bits as an entry of a table of up to 8
+  floats, by the same register lookup: the fields of four units become one ``prmt``
+  selector (8 entries) or a ``mad`` spreads each to a selector pair (4 entries); 1.25
+  to 2.5 instructions per element, where a chain of selects
+  (:func:`select_table`, the jnp form) takes two per entry.
 * :func:`sign_plane`: one bit per dim, as ``+-base``.
 
 Each has a jnp form (interpret mode, and the ``asm=False`` research path) and an inline
@@ -284,12 +291,139 @@ def _shift_to_sign(reg: str, bit: int, out: str) -> str:
     return f"shr.b32 {out}, {reg}, {bit - 15};"
 
 
-def _select(values: tuple[float, ...], index: jax.Array) -> jax.Array:
-    """``values[index]`` by a chain of selects (gathers do not lower to Triton)."""
+def select_table(values: tuple[float, ...], index: jax.Array) -> jax.Array:
+    """``values[index]`` as float32, by a chain of selects: gathers do not lower to
+    Triton. An index past the end reads ``values[0]``. Two operations (a compare and a
+    select) per entry after the first, on every element: the jnp form of the lookups
+    here, and the fallback for tables they do not take (more than 8 entries, 32-bit
+    units)."""
     out = jnp.full(index.shape, values[0], jnp.float32)
     for i, v in enumerate(values[1:], start=1):
         out = jnp.where(index == i, v, out)
     return out
+
+
+def _gather_selector(byte: int) -> int:
+    """``prmt`` selector taking byte ``byte`` of each of four 16-bit units, held two to a
+    register in its operands ``a, b``, to bytes 0..3."""
+    return byte | (2 + byte) << 4 | (4 + byte) << 8 | (6 + byte) << 12
+
+
+def table_ptx(unit: int, offset: int, width: int, table: tuple[float, ...],
+              sign: bool = False) -> Ptx:
+    """:func:`table_plane` on four units per call (one register of bytes, or two of
+    16-bit units), out to two registers of float16 pairs.
+
+    The four fields go to the four bytes of one register (16-bit units: one ``prmt``
+    gathers the byte holding each unit's field; a field straddling a byte is shifted
+    down first, one more instruction), are shifted and masked there, and become ``prmt``
+    selectors into registers holding the table's float16 bytes:
+
+    * up to 4 entries (``width`` <= 2): the low bytes in one register and the high bytes
+      in the next, so one ``mad`` turns each field ``f`` into the selector pair ``f, f +
+      4`` and one ``prmt`` makes two float16 values; 5 instructions per 4 bytes at bit 0,
+      6 at another bit, 6 / 7 / 8 per 4 16-bit units (byte-aligned / inside a byte /
+      straddling).
+    * 8 entries (``width`` 3): low and high bytes take a register pair each; ``x | x >>
+      12`` packs the four fields into one selector (in the order 0, 2, 1, 3), two
+      ``prmt`` pick the four low and the four high bytes and two more interleave them; 7
+      / 8 per 4 bytes, 8 / 9 / 10 per 4 16-bit units.
+
+    With ``sign`` (8 entries only) the bit above each field is xor-ed onto float16's sign
+    bit, on the high bytes before they are interleaved: 2 instructions more (3 where
+    that bit is not a byte's top bit). Add 2 (4 entries) or 4 (8 entries) ``mov`` of
+    constants, invariant across calls.
+    """
+    if unit not in (8, 16):
+        raise ValueError(f"units of 8 or 16 bits, got {unit}")
+    if not 1 <= width <= 3 or not 1 <= len(table) <= 1 << width:
+        raise ValueError(f"{len(table)} entries for a {width}-bit field: 1..8 entries, "
+                         "at most 2^width")
+    if sign and width != 3:
+        raise ValueError("a separate sign bit needs an 8-entry table; narrower codes "
+                         "take their sign bit into the field and the table")
+    code = width + sign
+    if offset < 0 or offset + code > unit:
+        raise ValueError(f"a {code}-bit field at bit {offset} of a {unit}-bit unit: "
+                         f"offsets 0..{unit - code} are supported")
+    count = 4 if width <= 2 else 8
+    regs = _table_registers(tuple(table) + (0.0,) * (count - len(table)))
+    lines = []
+    if unit == 8:
+        source, shift = "$2", offset
+    else:
+        byte, shift = divmod(offset, 8)
+        source = "g"
+        if shift + code <= 8:
+            lines.append(f"prmt.b32 g, $2, $3, {_gather_selector(byte):#06x};")
+        else:
+            # bytes are the prmt's grain: shift the units so the code starts at bit 0
+            lines += [f"shr.b32 g, $2, {offset};", f"shr.b32 x, $3, {offset};",
+                      f"prmt.b32 g, g, x, {_gather_selector(0):#06x};"]
+            shift = 0
+    mask = ((1 << width) - 1) * 0x01010101
+    if shift:
+        lines += [f"shr.b32 x, {source}, {shift};", f"and.b32 x, x, {mask:#010x};"]
+    else:
+        lines.append(f"and.b32 x, {source}, {mask:#010x};")
+    if count == 4:
+        # prmt reads only the low 16 bits of its selector: the high pair is shifted down
+        lines += ["mad.lo.u32 x, x, 0x11, 0x40404040;",
+                  f"mov.b32 a0, {regs[0]:#010x};", f"mov.b32 a1, {regs[1]:#010x};",
+                  "prmt.b32 $0, a0, a1, x;", "shr.b32 x, x, 16;", "prmt.b32 $1, a0, a1, x;"]
+        return Ptx("{ .reg .b32 g, x, a0, a1; " + " ".join(lines) + " }",
+                   "=r,=r," + ("r" if unit == 8 else "r,r"), 4)
+    # fields 1 and 3 leave bits 8 and 24 for 4 and 12; bits 16 and up are ignored
+    lines += ["shr.b32 y, x, 12;", "or.b32 x, x, y;",
+              f"mov.b32 a0, {regs[0]:#010x};", f"mov.b32 a1, {regs[1]:#010x};",
+              f"mov.b32 h0, {regs[2]:#010x};", f"mov.b32 h1, {regs[3]:#010x};",
+              "prmt.b32 lb, a0, a1, x;", "prmt.b32 hb, h0, h1, x;"]
+    if sign:
+        top = shift + width
+        signs = source
+        if top < 7:
+            lines.append(f"shl.b32 y, {source}, {7 - top};")
+            signs = "y"
+        # the sign bits in the order the selector put the high bytes in
+        lines += [f"prmt.b32 y, {signs}, {signs}, 0x3120;",
+                  f"lop3.b32 hb, hb, y, 0x80808080, {XOR_AND:#x};"]
+    lines += ["prmt.b32 $0, lb, hb, 0x6240;", "prmt.b32 $1, lb, hb, 0x7351;"]
+    return Ptx("{ .reg .b32 g, x, y, a0, a1, h0, h1, lb, hb; " + " ".join(lines) + " }",
+               "=r,=r," + ("r" if unit == 8 else "r,r"), 4)
+
+
+def table_plane(tile: jax.Array, offset: int, width: int, table: tuple[float, ...],
+                asm: bool) -> jax.Array:
+    """The ``width``-bit unsigned field at bit ``offset`` of every unit of a uint16 or
+    uint8 tile, as float16 ``table[field]``.
+
+    At most 8 entries (``width`` <= 3); fields past the table's end read 0. A field may
+    sit anywhere inside its unit, across a byte boundary of a 16-bit unit too. ``asm``:
+    :func:`table_ptx`, 1.25 to 2.5 instructions per element where the jnp form's select
+    chain takes two per entry (14 for 8).
+    """
+    unit = {jnp.dtype(jnp.uint8): 8, jnp.dtype(jnp.uint16): 16}.get(jnp.dtype(tile.dtype))
+    if unit is None:
+        raise ValueError(f"uint8 or uint16 tiles, got {tile.dtype}")
+    if asm:
+        return run_ptx(table_ptx(unit, offset, width, table), [tile])
+    # the same checks as the PTX form, so interpret mode refuses what compiling would
+    table_ptx(unit, offset, width, table)
+    field = tile >> jnp.asarray(offset, tile.dtype) if offset else tile
+    field = field & jnp.asarray((1 << width) - 1, tile.dtype)
+    padded = tuple(table) + (0.0,) * ((1 << width) - len(table))
+    return select_table(padded, field).astype(OPERAND)
+
+
+def codebook_bytes_ptx(j: int, bits: int, magnitudes: tuple[float, ...]) -> Ptx:
+    """:func:`codebook_plane` on bytes, four per call (:func:`table_ptx`). Codes of 2 or 3
+    bits are looked up whole in the table of the magnitudes followed by their negatives,
+    so the sign costs nothing: 1.25 / 1.5 (2 bits) or 1.75 / 2 (3 bits) instructions per
+    code at bit 0 / elsewhere. 4-bit codes (8 magnitudes) move their sign bit onto the
+    looked-up magnitude: 2.5 per code."""
+    if bits == 4:
+        return table_ptx(8, j * bits, 3, magnitudes, sign=True)
+    return table_ptx(8, j * bits, bits, (*magnitudes, *(-m for m in magnitudes)))
 
 
 def codebook_ptx(j: int, bits: int, magnitudes: tuple[float, ...], split: bool) -> Ptx:
@@ -315,21 +449,31 @@ def codebook_ptx(j: int, bits: int, magnitudes: tuple[float, ...], split: bool) 
 
 def codebook_plane(tile: jax.Array, j: int, bits: int, magnitudes: tuple[float, ...],
                    asm: bool, signs: jax.Array | None = None) -> jax.Array:
-    """Bit plane ``j`` of a tile of 16-bit units of sign-magnitude codes, as float16
-    codebook values ``(-1)^s magnitudes[m]``.
+    """Bit plane ``j`` of a tile of 16-bit units or bytes of sign-magnitude codes, as
+    float16 codebook values ``(-1)^s magnitudes[m]``.
 
-    Without ``signs`` the plane is ``bits`` wide, the top bit the sign. With ``signs``
-    (a tile of bytes of the same shape: 3-bit codes in the split layout of
+    Without ``signs`` the plane is ``bits`` wide, the top bit the sign (in bytes: the
+    two nibbles of a byte are planes 0 and 1 of 4-bit codes). With ``signs`` (16-bit
+    units only; a tile of bytes of the same shape: 3-bit codes in the split layout of
     :func:`kvjax.primitives.packing.pack_split`) the plane is the ``bits - 1`` magnitude
     bits and the sign is bit ``j`` of the unit's byte. At most 8 magnitudes (4 bits).
-    ``asm``: :func:`codebook_ptx`.
+    The sign bit negates whatever the table holds, so a signed table serves as well
+    (``cos`` of the first half circle, for the angles of a uniform circular codebook).
+    ``asm``: :func:`codebook_ptx` (16-bit units) or :func:`codebook_bytes_ptx`.
     """
     mag_bits = bits - 1
     split = signs is not None
     width = bits - split
     if len(magnitudes) != 1 << mag_bits or mag_bits > 3:
         raise ValueError(f"{len(magnitudes)} magnitudes for {bits}-bit codes")
-    if asm:
+    if tile.dtype == jnp.uint8:
+        if split:
+            raise ValueError("split codes are read from 16-bit units")
+        if not 0 <= j * bits <= 8 - bits:
+            raise ValueError(f"a byte holds {8 // bits} {bits}-bit codes, not plane {j}")
+        if asm:
+            return run_ptx(codebook_bytes_ptx(j, bits, magnitudes), [tile])
+    elif asm:
         return run_ptx(codebook_ptx(j, bits, magnitudes, split),
                        [tile, signs] if split else [tile])
     offset = j * width
@@ -340,7 +484,7 @@ def codebook_plane(tile: jax.Array, j: int, bits: int, magnitudes: tuple[float, 
     else:
         rank = field & jnp.asarray((1 << mag_bits) - 1, tile.dtype)
         negative = (field >> jnp.asarray(mag_bits, tile.dtype)) != 0
-    value = _select(magnitudes, rank)
+    value = select_table(magnitudes, rank)
     return jnp.where(negative, -value, value).astype(OPERAND)
 
 

@@ -80,6 +80,8 @@ def emulate(ptx: Ptx, operands: list[np.ndarray]) -> list[np.ndarray]:
             r = (v[0] << v[1]) & np.uint64(MASK)
         elif op == "and.b32":
             r = v[0] & v[1]
+        elif op == "or.b32":
+            r = v[0] | v[1]
         elif op == "lop3.b32":
             r = _lop3(v[0], v[1], v[2], int(a[3], 0))
         elif op == "prmt.b32":
@@ -186,6 +188,129 @@ def test_sign_ptx(base):
     for j in range(8):
         want = np.asarray(units.sign_plane(tile, j, base, asm=False))
         np.testing.assert_array_equal(run(units.sign_ptx(j, base), [tile]), want)
+
+
+def table(count):
+    return tuple(float(v) for v in RNG.uniform(-2.0, 2.0, count))
+
+
+def field_of(tile, offset, width):
+    return (tile.astype(np.int64) >> offset) & ((1 << width) - 1)
+
+
+def lookup(tile, offset, width, values):
+    """``values[field]`` in numpy, past the end 0: what both forms should give."""
+    padded = np.zeros(1 << width)
+    padded[:len(values)] = values
+    return padded[field_of(tile, offset, width)].astype(np.float16)
+
+
+@pytest.mark.parametrize("unit", [8, 16])
+@pytest.mark.parametrize("width,count", [(1, 2), (2, 4), (2, 3), (3, 8), (3, 5)])
+def test_table_ptx(unit, width, count):
+    """Every offset, straddling ones in 16-bit units included; short tables read 0."""
+    values = table(count)
+    for offset in range(unit - width + 1):
+        tile = halves() if unit == 16 else bytes_()
+        want = np.asarray(units.table_plane(tile, offset, width, values, asm=False))
+        np.testing.assert_array_equal(want, lookup(tile, offset, width, values))
+        got = run(units.table_ptx(unit, offset, width, values), [tile])
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("unit", [8, 16])
+def test_table_ptx_sign(unit):
+    """An 8-entry lookup with the bit above the field as the sign, at every offset."""
+    values = table(8)
+    for offset in range(unit - 3):
+        tile = halves() if unit == 16 else bytes_()
+        negative = field_of(tile, offset + 3, 1) != 0
+        magnitude = lookup(tile, offset, 3, values)
+        got = run(units.table_ptx(unit, offset, 3, values, sign=True), [tile])
+        np.testing.assert_array_equal(got, np.where(negative, -magnitude, magnitude))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_codebook_bytes_ptx(bits):
+    magnitudes = tuple(float(m) for m in np.sort(RNG.uniform(0.01, 0.3, 1 << (bits - 1))))
+    tile = bytes_()
+    for j in range(8 // bits):
+        want = np.asarray(units.codebook_plane(tile, j, bits, magnitudes, asm=False))
+        code = field_of(tile, j * bits, bits)
+        rank, negative = code & ((1 << (bits - 1)) - 1), code >> (bits - 1)
+        value = np.asarray(magnitudes)[rank]
+        np.testing.assert_array_equal(
+            want, np.where(negative != 0, -value, value).astype(np.float16))
+        np.testing.assert_array_equal(run(units.codebook_bytes_ptx(j, bits, magnitudes),
+                                          [tile]), want)
+
+
+def test_signed_table_covers_a_half_circle():
+    """``cos`` and ``sin`` of 16 uniform angles ``(k + 1/2) 2 pi / 16`` are 4-bit
+    sign-magnitude codes over the first 8: angle ``k + 8`` is angle ``k`` plus ``pi``."""
+    angles = (np.arange(16) + 0.5) * 2 * np.pi / 16
+    tile = halves()
+    for trig in (np.cos, np.sin):
+        first = tuple(float(v) for v in trig(angles[:8]))
+        for j in range(4):
+            want = trig(angles[field_of(tile, 4 * j, 4)])
+            got = run(units.codebook_ptx(j, 4, first, split=False), [tile])
+            np.testing.assert_allclose(got.astype(np.float64), want, atol=1e-3)
+            got = run(units.table_ptx(16, 4 * j, 3, first, sign=True), [tile])
+            np.testing.assert_allclose(got.astype(np.float64), want, atol=1e-3)
+
+
+def instructions(ptx: Ptx) -> int:
+    """Instructions of ``ptx`` per call, less the ``mov`` of constants."""
+    lines = [x.strip() for x in ptx.code.strip("{} ").split(";")]
+    return sum(1 for x in lines if x and not x.startswith((".reg", "mov.b32")))
+
+
+def test_instruction_counts():
+    """The counts the docstrings give, per call of four elements."""
+    four, eight = table(4), table(8)
+    assert [instructions(units.table_ptx(8, o, 2, four)) for o in (0, 3)] == [5, 6]
+    assert [instructions(units.table_ptx(8, o, 3, eight)) for o in (0, 3)] == [7, 8]
+    # 16-bit units: byte-aligned, inside a byte, straddling bytes
+    assert [instructions(units.table_ptx(16, o, 2, four)) for o in (8, 3, 7)] == [6, 7, 8]
+    assert [instructions(units.table_ptx(16, o, 3, eight)) for o in (8, 3, 6)] == [8, 9, 10]
+    assert [instructions(units.codebook_bytes_ptx(j, 2, four[:2])) for j in (0, 1)] == [5, 6]
+    assert [instructions(units.codebook_bytes_ptx(j, 3, four)) for j in (0, 1)] == [7, 8]
+    assert [instructions(units.codebook_bytes_ptx(j, 4, eight)) for j in (0, 1)] == [10, 10]
+
+
+def test_lookups_refuse_what_they_cannot_read():
+    with pytest.raises(ValueError, match=r"offsets 0\.\.13"):
+        units.table_ptx(16, 14, 3, table(8))
+    with pytest.raises(ValueError, match=r"offsets 0\.\.6"):
+        units.table_plane(bytes_(), 7, 2, table(4), asm=False)
+    with pytest.raises(ValueError, match="entries"):
+        units.table_ptx(8, 0, 2, table(5))
+    with pytest.raises(ValueError, match="entries"):
+        units.table_ptx(8, 0, 4, table(16))
+    with pytest.raises(ValueError, match="8-entry"):
+        units.table_ptx(8, 0, 2, table(4), sign=True)
+    with pytest.raises(ValueError, match="uint8 or uint16"):
+        units.table_plane(halves().astype(np.uint32), 0, 2, table(4), asm=False)
+    with pytest.raises(ValueError, match="plane 2"):
+        units.codebook_plane(bytes_(), 2, 3, table(4), asm=False)
+    with pytest.raises(ValueError, match="16-bit"):
+        units.codebook_plane(bytes_(), 0, 3, table(4), asm=False, signs=bytes_())
+
+
+def test_a_wrong_table_or_offset_fails():
+    """A lookup one bit off, or with two entries swapped, or without its sign, is
+    caught."""
+    values = table(8)
+    swapped = (values[1], values[0], *values[2:])
+    for unit, tile in ((8, bytes_()), (16, halves())):
+        want = np.asarray(units.table_plane(tile, 3, 3, values, asm=False))
+        assert np.array_equal(run(units.table_ptx(unit, 3, 3, values), [tile]), want)
+        assert not np.array_equal(run(units.table_ptx(unit, 4, 3, values), [tile]), want)
+        assert not np.array_equal(run(units.table_ptx(unit, 3, 3, swapped), [tile]), want)
+    tile = bytes_()
+    want = np.asarray(units.codebook_plane(tile, 1, 4, values, asm=False))
+    assert not np.array_equal(run(units.table_ptx(8, 4, 3, values), [tile]), want)
 
 
 def test_the_emulator_can_fail():
