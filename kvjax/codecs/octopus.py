@@ -70,14 +70,15 @@ from kvjax.codecs.rotated import QJL_OPTION, RotatedCodec
 from kvjax.codecs.turboquant import from_sign_magnitude, to_sign_magnitude
 from kvjax.primitives import lloyd
 from kvjax.primitives.codebooks import lloyd_codebook
+from kvjax.primitives.octahedral import octahedral_decode, octahedral_encode
 from kvjax.primitives.packing import (
     fields_bits,
     from_units,
     pack_at,
-    pack_fields,
+    pack_field_bytes,
     to_units,
     unpack_at,
-    unpack_fields,
+    unpack_field_bytes,
 )
 
 MAX_BITS = 8
@@ -103,31 +104,6 @@ def direction_codebook(bits: int) -> lloyd.LloydMaxQuantizer:
 def norm_codebook(head_dim: int, bits: int) -> lloyd.LloydMaxQuantizer:
     """Lloyd-Max codebook of the norm of three coordinates of a uniform unit vector."""
     return lloyd_codebook(lloyd.sphere_block_norm(head_dim, 3), bits)
-
-
-def _sign(v: jax.Array) -> jax.Array:
-    return jnp.where(v >= 0, 1.0, -1.0)
-
-
-def octahedral_encode(n: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(xi, eta)`` in ``[-1, 1]^2`` of directions ``n[..., 3]`` (any nonzero length; a
-    zero vector gives ``(0, 0)``)."""
-    l1 = jnp.sum(jnp.abs(n), axis=-1, keepdims=True)
-    p = n / jnp.where(l1 > 0, l1, 1.0)
-    x, y, z = p[..., 0], p[..., 1], p[..., 2]
-    xi = jnp.where(z >= 0, x, (1.0 - jnp.abs(y)) * _sign(x))
-    eta = jnp.where(z >= 0, y, (1.0 - jnp.abs(x)) * _sign(y))
-    return xi, eta
-
-
-def octahedral_decode(xi: jax.Array, eta: jax.Array) -> jax.Array:
-    """Unit directions ``[..., 3]`` of octahedral coordinates: the inverse of
-    :func:`octahedral_encode` on unit vectors."""
-    z = 1.0 - jnp.abs(xi) - jnp.abs(eta)
-    x = jnp.where(z >= 0, xi, (1.0 - jnp.abs(eta)) * _sign(xi))
-    y = jnp.where(z >= 0, eta, (1.0 - jnp.abs(xi)) * _sign(eta))
-    p = jnp.stack([x, y, z], axis=-1)
-    return p / jnp.linalg.norm(p, axis=-1, keepdims=True)
 
 
 def to_triplets(y: jax.Array) -> jax.Array:
@@ -381,8 +357,7 @@ class OctopusCodec(RotatedCodec):
         fields = [(i, b) for i, b in ((i_xi, self.direction_bits),
                                       (i_eta, self.direction_bits),
                                       (i_rho, self.norm_bits)) if b > 0]
-        total = fields_bits(self._widths(head_dim))
-        return {"codes": to_units(pack_fields(fields), total)}
+        return {"codes": pack_field_bytes(fields)}
 
     def _indices(self, codes: Codes, head_dim: int) -> list[jax.Array]:
         """The stored ``i_xi``, ``i_eta``, ``i_rho`` (those of nonzero width)."""
@@ -392,8 +367,7 @@ class OctopusCodec(RotatedCodec):
             parts = jnp.split(flat, len(widths) // len(layout.direction), axis=-1)
             sign = functools.partial(from_sign_magnitude, bits=BYTE_DIRECTION_BITS)
             return [sign(parts[0]), sign(parts[1]), *parts[2:]]
-        widths = self._widths(head_dim)
-        return unpack_fields(from_units(codes["codes"], fields_bits(widths)), widths)
+        return unpack_field_bytes(codes["codes"], self._widths(head_dim))
 
     def decode_unit(self, codes: Codes, head_dim: int) -> jax.Array:
         """``rho_hat * m(xi_hat, eta_hat)`` per triplet, the pad dropped."""

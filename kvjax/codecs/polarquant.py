@@ -72,12 +72,10 @@ from kvjax.primitives import lloyd
 from kvjax.primitives.codebooks import lloyd_codebook
 from kvjax.primitives.packing import (
     fields_bits,
-    from_units,
     pack_at,
-    pack_fields,
-    to_units,
+    pack_field_bytes,
     unpack_at,
-    unpack_fields,
+    unpack_field_bytes,
 )
 
 MIN_BITS, MAX_BITS = 1, 7
@@ -271,8 +269,7 @@ class PolarQuantCodec(RotatedCodec):
             index = jnp.concatenate([f for f, _ in fields], axis=-1)
             widths = np.asarray(angle_widths(head_dim, self.bits))[stored]
             return {"angles": pack_at(index, widths, offsets[stored], head_dim * self.bits)}
-        total = fields_bits(self._widths(head_dim))
-        codes = {"angles": to_units(pack_fields(fields), total)}
+        codes = {"angles": pack_field_bytes(fields)}
         if radii.shape[-1] > 1:
             codes["radii"] = round_to_dtype(radii, jnp.float16).astype(jnp.float16)
         return codes
@@ -290,8 +287,7 @@ class PolarQuantCodec(RotatedCodec):
             split = np.cumsum([n for n, _ in widths])[:-1]
             indices = iter(jnp.split(flat, split, axis=-1))
         else:
-            indices = iter(unpack_fields(from_units(codes["angles"], fields_bits(widths)),
-                                         widths))
+            indices = iter(unpack_field_bytes(codes["angles"], widths))
         lead = codes["angles"].shape[:-1]
         angles = []
         for level in range(1, levels + 1):

@@ -18,7 +18,8 @@ entropy ``log2 A`` per index (see :func:`best_radix_group`).
 
 Fields: :func:`pack_fields` writes several code arrays of different widths into one
 dense stream (codes of 3 bits, then codes of 6 bits, ...), so a record of mixed fields
-wastes bits only at the end of the stream, not at the end of every field.
+wastes bits only at the end of the stream, not at the end of every field;
+:func:`pack_field_bytes` stores that stream in whole bytes.
 """
 
 from __future__ import annotations
@@ -306,6 +307,18 @@ def from_units(units: jax.Array, total_bits: int, unit: int = 8) -> jax.Array:
     shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(unit)
     # the parts occupy disjoint bits, so the sum is an OR
     return jnp.sum(u << shifts, axis=-1, dtype=jnp.uint32)
+
+
+def pack_field_bytes(fields: Sequence[tuple[jax.Array, int]]) -> jax.Array:
+    """:func:`pack_fields` stored in whole bytes (:func:`to_units`): ``uint8[...,
+    ceil(sum(n_i * bits_i) / 8)]``."""
+    total = fields_bits([(int(c.shape[-1]), bits) for c, bits in fields])
+    return to_units(pack_fields(fields), total)
+
+
+def unpack_field_bytes(units: jax.Array, widths: Sequence[tuple[int, int]]) -> list[jax.Array]:
+    """Inverse of :func:`pack_field_bytes` given the ``(count, bits)`` of every field."""
+    return unpack_fields(from_units(units, fields_bits(widths)), widths)
 
 
 # -- mixed-radix fields: an alphabet's odd part in radix groups, its power of two in bits --

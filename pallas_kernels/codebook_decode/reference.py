@@ -4,8 +4,9 @@
 same partial softmax ``(o, m, l)`` over the coded tokens, exactly: keys are decoded in the
 rotated space (``|k| y``, ``y`` the codebook values of the sign-magnitude codes), the query
 rotated, QJL's term formed from ``G q`` and the sign bits, values dequantized per channel
-group, every product float32 at HIGHEST precision. The kernel rounds its matmul operands
-to float16 and accumulates in float32; its tests state the tolerance that costs.
+group, every product float32 at HIGHEST precision (:func:`pallas_kernels.rotated.
+reference`). The kernel rounds its matmul operands to float16 and accumulates in
+float32; its tests state the tolerance that costs.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.primitives.packing import unpack_bits, unpack_codes
-from pallas_kernels.codebook_decode.api import check_arrays, query_sides
-from pallas_kernels.codebook_decode.kernel import QJL_CONSTANT
+from kvjax.primitives.packing import unpack_codes
+from pallas_kernels import rotated
+from pallas_kernels.codebook_decode.api import key_reader
 from pallas_kernels.flash import NUM_WARPS
-from pallas_kernels.group_values import dequantize
-from pallas_kernels.partial import EXACT, logits_partial
 
 
 def codebook_values(codes: jax.Array, bits: int, magnitudes: tuple[float, ...],
@@ -34,11 +33,8 @@ def codebook_values(codes: jax.Array, bits: int, magnitudes: tuple[float, ...],
     return jnp.where(c >= half, -value, value)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("key_bits", "magnitudes", "value_bits", "value_group", "sm_scale",
-                     "block_s", "splits", "num_warps", "num_stages", "interpret"),
-)
+@functools.partial(jax.jit, static_argnames=("key_bits", "magnitudes",
+                                             *rotated.STATIC_ARGNAMES))
 def codebook_decode(
     q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer=None, k_signs=None,
     k_qjl=None, k_residual_norm=None, qjl_sketch=None, *, key_bits, magnitudes, value_bits,
@@ -49,23 +45,9 @@ def codebook_decode(
     the exact partial ``(o [B, K, G, D], m [B, K, G], l [B, K, G])`` in float32. The
     blocking and interpret arguments only shape the kernel's schedule and are ignored."""
     del block_s, splits, num_warps, num_stages, interpret
-    check_arrays(q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs, k_qjl,
-                 k_residual_norm, qjl_sketch, key_bits, magnitudes, value_bits, value_group)
-    head_dim = q.shape[-1]
-    arrays = [k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm]
-    if layer is not None:
-        arrays = [None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, False)
-                  for a in arrays]
-    k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm = arrays
-    q_rot, gq = query_sides(q, k_signs, qjl_sketch)
-    y = codebook_values(k_codes, key_bits, magnitudes, head_dim)
-    s = jnp.einsum("bkgd,bksd->bkgs", q_rot, y, precision=EXACT)
-    s = s * k_norm.astype(jnp.float32)[:, :, None, :]
-    if k_qjl is not None:
-        signs = 2.0 * unpack_bits(k_qjl, 1, head_dim).astype(jnp.float32) - 1.0
-        residual = jnp.einsum("bkgd,bksd->bkgs", gq, signs, precision=EXACT)
-        weight = QJL_CONSTANT / head_dim * k_residual_norm.astype(jnp.float32)
-        s = s + residual * weight[:, :, None, :]
-    values = dequantize(v_codes, v_scale, v_zero, value_bits, value_group, head_dim)
-    valid = jnp.arange(k_codes.shape[2])[None, :] < lengths[:, None]
-    return logits_partial(s * sm_scale, values, valid)
+    return rotated.reference(
+        key_reader(q, key_bits, magnitudes, value_bits, value_group),
+        functools.partial(codebook_values, bits=key_bits, magnitudes=magnitudes),
+        q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs, k_qjl,
+        k_residual_norm, qjl_sketch, value_bits=value_bits, value_group=value_group,
+        sm_scale=sm_scale)

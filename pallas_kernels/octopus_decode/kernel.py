@@ -26,41 +26,31 @@ Per block and direction window the kernel
 * rounds ``x, y, z`` to float16 for one matmul each with the query's columns.
 
 The block's dots are scaled by the stored norms. With QJL the residual's sign bits add
-``sqrt(pi / 2) / D |r| <G q, sign(G r)>`` as in the codebook kernel
-(:func:`~pallas_kernels.units.sign_plane`). A lifted point is never 0 (``|x| + |y| + z
+``sqrt(pi / 2) / D |r| <G q, sign(G r)>`` as in every kernel over rotated keys
+(:func:`pallas_kernels.rotated.logits`). A lifted point is never 0 (``|x| + |y| + z
 >= 1`` on the octahedron), so every byte, the garbage of a column without a triplet
 included, decodes to finite numbers.
 
-Values are the shared group-wise INT side (:mod:`pallas_kernels.group_values`). Operands
-of the dots are float16, accumulation float32; the reference is exact float32.
+Values are the shared group-wise INT side (:mod:`pallas_kernels.group_values`), and the
+``pallas_call`` around this key side is that of every kernel over rotated keys
+(:mod:`pallas_kernels.rotated`). Operands of the dots are float16, accumulation float32;
+the reference is exact float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import group_values
-from pallas_kernels.flash import (
-    OPERAND,
-    decode_call,
-    dot_nt,
-    leading_inputs,
-    split_len,
-    split_softmax,
-    stacked_spec,
-)
-from pallas_kernels.group_values import Accumulator
-from pallas_kernels.units import _select, sign_plane, unit_view
+from pallas_kernels import rotated
+from pallas_kernels.flash import OPERAND, dot_nt
+from pallas_kernels.units import select_table as _select
 
-#: the QJL estimator's constant: <q, r> ~ sqrt(pi / 2) / D |r| <G q, sign(G r)>
-QJL_CONSTANT = math.sqrt(math.pi / 2)
 #: the coordinates' sign-magnitude codes: a nibble, the top bit the sign
 NIBBLE, SIGN, RANK = 4, 8, 7
 
@@ -119,30 +109,13 @@ def query_columns(layout, head_dim: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def _kernel(n_ref, layer_ref, q_ref, *refs, plan, magnitudes, norms, qjl, value_bits,
-            value_group, block_s, split_len, sm_scale, asm):
-    refs = list(refs)
-    gq_ref = refs.pop(0) if qjl else None
-    codes_ref, norm_ref = refs[:2]
-    refs = refs[2:]
-    if qjl:
-        qjl_ref, rnorm_ref = refs[:2]
-        refs = refs[2:]
-    *value_refs, o_ref, m_ref, l_ref = refs
-    rows = q_ref.shape[0]
-    head_dim = o_ref.shape[-1]
+def _scores(refs: rotated.KernelRefs, *, plan, magnitudes, norms, sm_scale, asm):
+    (codes_ref,) = refs.keys
     width = plan.width
     norm_bits = (len(norms) - 1).bit_length()
-    qjl_scale = QJL_CONSTANT / head_dim
-    values = Accumulator(value_refs, rows=rows, head_dim=head_dim, value_bits=value_bits,
-                         value_group=value_group, asm=asm)
-
-    q_slots = [[q_ref[:, pl.ds((3 * w + k) * width, width)].astype(OPERAND) for k in range(3)]
-               for w in range(len(plan.windows))]
-    if qjl:
-        sign_width = head_dim // 8
-        gq_slots = [gq_ref[:, pl.ds(j * sign_width, sign_width)].astype(OPERAND)
-                    for j in range(8)]
+    q_slots = [[refs.q[:, pl.ds((3 * w + k) * width, width)].astype(OPERAND)
+                for k in range(3)] for w in range(len(plan.windows))]
+    logits = rotated.logits(refs, sm_scale=sm_scale, asm=asm)
     column = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
 
     def coordinate(code):
@@ -179,98 +152,18 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, plan, magnitudes, norms, qjl, value_
             parts = (jnp.where(a_neg, -x, x), jnp.where(b_neg, -y, y), z)
             dots = dots + sum(dot_nt(q_slots[w][k], (part * scale).astype(OPERAND))
                               for k, part in enumerate(parts))
-        s = dots * load(norm_ref).astype(jnp.float32)[None, :]
-        if qjl:
-            bits = load(qjl_ref)
-            residual = sum(dot_nt(gq_slots[j], sign_plane(bits, j, -1.0, asm))
-                           for j in range(8))
-            rnorm = load(rnorm_ref).astype(jnp.float32)
-            s = s + residual * (qjl_scale * rnorm)[None, :]
-        return s * sm_scale
+        return logits(dots, load)
 
-    o, m, l = split_softmax(
-        n_ref, layer_ref, rows=rows, slots=norm_ref.shape[1], block_s=block_s,
-        split_len=split_len, scores=scores, accumulate=values.accumulate, init=values.init)
-    values.store(o_ref, o)
-    m_ref[...] = m
-    l_ref[...] = l
+    return scores
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("head_dim", "layout", "magnitudes", "norms", "value_bits",
-                     "value_group", "sm_scale", "block_s", "splits", "num_warps",
-                     "num_stages", "interpret", "asm"),
-)
-def codes_partial(
-    q: jax.Array,
-    gq: jax.Array | None,
-    k_codes: jax.Array,
-    k_norm: jax.Array,
-    k_qjl: jax.Array | None,
-    k_residual_norm: jax.Array | None,
-    v_codes: jax.Array,
-    v_scale: jax.Array,
-    v_zero: jax.Array,
-    n_comp: jax.Array,
-    layer: jax.Array | None = None,
-    *,
-    head_dim: int,
-    layout,
-    magnitudes: tuple[float, ...],
-    norms: tuple[float, ...],
-    value_bits: int,
-    value_group: int,
-    sm_scale: float,
-    block_s: int,
-    splits: int,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
-    asm: bool = True,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per-split partial softmaxes over the coded tokens (see the module docstring).
-
-    ``q [B, K, R, C]`` is the rotated query with ``R`` rows padded as the kernel needs and
-    its columns laid out by :func:`query_columns`; ``gq`` (QJL only) is ``G q`` with its
-    columns in the order of the sign planes (``unit_permutation(D, 1, "bytes")``). Codes
-    are stacked (``[L, B, K, S, ...]``; ``layer`` None reads a stack of one). Returns
-    ``o [B, K, splits, R, D]`` with its columns in the order of the value planes, ``m, l
-    [B, K, splits, R]`` (float32).
-    """
-    batch, heads, rows, _ = q.shape
-    qjl = gq is not None
-    stack = [k_codes, k_norm, v_codes, v_scale, v_zero]
-    if qjl:
-        stack += [k_qjl, k_residual_norm]
-    if layer is None:
-        stack = [a[None] for a in stack]
-        layer = 0
-    k_codes, k_norm, v_codes, v_scale, v_zero, *rest = stack
-    layers, slots = k_codes.shape[0], k_codes.shape[3]
-    kernel = functools.partial(
-        _kernel, plan=plan(layout), magnitudes=magnitudes, norms=norms, qjl=qjl,
-        value_bits=value_bits, value_group=value_group, block_s=block_s,
-        split_len=split_len(slots, splits, block_s), sm_scale=sm_scale,
-        asm=asm and not interpret)
-    args, in_specs = leading_inputs(n_comp, layer, q)
-    if qjl:
-        # G q: one [R, D] block per program
-        args.append(gq.astype(jnp.float32))
-        in_specs.append(pl.BlockSpec((None, None, rows, head_dim),
-                                     lambda b, h, j: (b, h, 0, 0)))
-    args += [k_codes, k_norm]
-    in_specs += [stacked_spec(layers, slots, k_codes.shape[-1]), stacked_spec(layers, slots)]
-    if qjl:
-        k_qjl, k_residual_norm = rest
-        qjl_bytes = unit_view(k_qjl, "bytes")
-        args += [qjl_bytes, k_residual_norm]
-        in_specs += [stacked_spec(layers, slots, qjl_bytes.shape[-1]),
-                     stacked_spec(layers, slots)]
-    value_args, value_specs = group_values.inputs(v_codes, v_scale, v_zero, layers, slots)
-    args += value_args
-    in_specs += value_specs
-    return decode_call(kernel, args, in_specs, batch=batch, heads=heads, splits=splits,
-                       rows=rows, head_dim=head_dim, num_warps=num_warps,
-                       num_stages=num_stages, interpret=interpret,
-                       name="octopus_decode_attention")
+def reader(head_dim: int, layout, magnitudes: tuple[float, ...],
+           norms: tuple[float, ...]) -> rotated.KeyReader:
+    """How the kernel reads key bytes in ``layout`` (:func:`plan`): the bytes as they
+    are, the rotated query's columns laid out by :func:`query_columns`."""
+    return rotated.KeyReader(
+        name="octopus_decode_attention", size=layout.size, dtype=jnp.uint8,
+        width=layout.width, columns=query_columns(layout, head_dim),
+        views=lambda codes: (codes,),
+        scores=functools.partial(_scores, plan=plan(layout), magnitudes=magnitudes,
+                                 norms=norms))

@@ -5,8 +5,9 @@ same partial softmax ``(o, m, l)`` over the coded tokens, exactly: keys are deco
 rotated space (``|k| y``, every triplet of ``y`` its norm level times the codec's own
 octahedral decode of its coordinates, read where the byte layout puts them), the query
 rotated, QJL's term formed from ``G q`` and the sign bits, values dequantized per channel
-group, every product float32 at HIGHEST precision. The kernel rounds its matmul operands
-to float16 and accumulates in float32; its tests state the tolerance that costs.
+group, every product float32 at HIGHEST precision (:func:`pallas_kernels.rotated.
+reference`). The kernel rounds its matmul operands to float16 and accumulates in
+float32; its tests state the tolerance that costs.
 """
 
 from __future__ import annotations
@@ -17,14 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codecs.octopus import octahedral_decode
-from kvjax.primitives.packing import unpack_bits
-from pallas_kernels.codebook_decode.api import query_sides
+from kvjax.primitives.octahedral import octahedral_decode
+from pallas_kernels import rotated
 from pallas_kernels.flash import NUM_WARPS
-from pallas_kernels.group_values import dequantize
-from pallas_kernels.octopus_decode.api import check_arrays
-from pallas_kernels.octopus_decode.kernel import NIBBLE, QJL_CONSTANT, RANK, SIGN
-from pallas_kernels.partial import EXACT, logits_partial
+from pallas_kernels.octopus_decode.api import key_reader
+from pallas_kernels.octopus_decode.kernel import NIBBLE, RANK, SIGN
 
 
 def triplet_values(codes: jax.Array, magnitudes: tuple[float, ...], norms: tuple[float, ...],
@@ -50,12 +48,8 @@ def triplet_values(codes: jax.Array, magnitudes: tuple[float, ...], norms: tuple
     return y.reshape(*y.shape[:-2], -1)[..., :head_dim]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("direction_bits", "magnitudes", "norms", "layout", "value_bits",
-                     "value_group", "sm_scale", "block_s", "splits", "num_warps",
-                     "num_stages", "interpret"),
-)
+@functools.partial(jax.jit, static_argnames=("direction_bits", "magnitudes", "norms",
+                                             "layout", *rotated.STATIC_ARGNAMES))
 def octopus_decode(
     q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer=None, k_signs=None,
     k_qjl=None, k_residual_norm=None, qjl_sketch=None, *, direction_bits, magnitudes, norms,
@@ -66,24 +60,9 @@ def octopus_decode(
     the exact partial ``(o [B, K, G, D], m [B, K, G], l [B, K, G])`` in float32. The
     blocking and interpret arguments only shape the kernel's schedule and are ignored."""
     del block_s, splits, num_warps, num_stages, interpret
-    check_arrays(q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs,
-                 k_qjl, k_residual_norm, qjl_sketch, direction_bits, magnitudes, norms,
-                 layout, value_bits, value_group)
-    head_dim = q.shape[-1]
-    arrays = [k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm]
-    if layer is not None:
-        arrays = [None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, False)
-                  for a in arrays]
-    k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm = arrays
-    q_rot, gq = query_sides(q, k_signs, qjl_sketch)
-    y = triplet_values(k_codes, magnitudes, norms, layout, head_dim)
-    s = jnp.einsum("bkgd,bksd->bkgs", q_rot, y, precision=EXACT)
-    s = s * k_norm.astype(jnp.float32)[:, :, None, :]
-    if k_qjl is not None:
-        signs = 2.0 * unpack_bits(k_qjl, 1, head_dim).astype(jnp.float32) - 1.0
-        residual = jnp.einsum("bkgd,bksd->bkgs", gq, signs, precision=EXACT)
-        weight = QJL_CONSTANT / head_dim * k_residual_norm.astype(jnp.float32)
-        s = s + residual * weight[:, :, None, :]
-    values = dequantize(v_codes, v_scale, v_zero, value_bits, value_group, head_dim)
-    valid = jnp.arange(k_codes.shape[2])[None, :] < lengths[:, None]
-    return logits_partial(s * sm_scale, values, valid)
+    return rotated.reference(
+        key_reader(q, direction_bits, magnitudes, norms, layout, value_bits, value_group),
+        functools.partial(triplet_values, magnitudes=magnitudes, norms=norms, layout=layout),
+        q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs, k_qjl,
+        k_residual_norm, qjl_sketch, value_bits=value_bits, value_group=value_group,
+        sm_scale=sm_scale)

@@ -33,7 +33,9 @@ bits (mirrored in odd quadrants) and signed by the two quadrant bits; a deeper l
 ``2^(B-1)`` cosines and sines are tables of their own. All of it is float32 until the
 matmul operand: ``y`` is as exact as the float16 rounding of its entries.
 
-Values are the shared group-wise INT side (:mod:`pallas_kernels.group_values`).
+Values are the shared group-wise INT side (:mod:`pallas_kernels.group_values`), and the
+``pallas_call`` around this key side is that of every kernel over rotated keys
+(:mod:`pallas_kernels.rotated`).
 """
 
 from __future__ import annotations
@@ -47,18 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import group_values
-from pallas_kernels.flash import (
-    MIN_DOT,
-    OPERAND,
-    decode_call,
-    dot_nt,
-    leading_inputs,
-    split_len,
-    split_softmax,
-    stacked_spec,
-)
-from pallas_kernels.units import _select, unit_view
+from pallas_kernels import rotated
+from pallas_kernels.flash import MIN_DOT, OPERAND, dot_nt
+from pallas_kernels.units import select_table as _select
+from pallas_kernels.units import unit_view
 
 #: columns of the layout, and the width of every tile the kernel multiplies
 COLUMNS = MIN_DOT
@@ -282,30 +276,19 @@ def unit_vectors(plan_: Plan, trig: tuple[Trig, ...], load, refs: dict) -> list[
     return tiles
 
 
-def _kernel(n_ref, layer_ref, q_ref, *refs, plan_, trig, views, value_bits, value_group,
-            block_s, split_len, sm_scale, asm):
-    refs = list(refs)
-    key_refs = dict(zip(views, refs[:len(views)], strict=True))
-    norm_ref = refs[len(views)]
-    value_refs = refs[len(views) + 1:len(views) + 5]
-    o_ref, m_ref, l_ref = refs[len(views) + 5:]
-    rows, head_dim = q_ref.shape
-    values = group_values.Accumulator(value_refs, rows=rows, head_dim=head_dim,
-                                      value_bits=value_bits, value_group=value_group, asm=asm)
-    q_tiles = [q_ref[:, pl.ds(t * COLUMNS, COLUMNS)].astype(OPERAND)
+def _scores(refs: rotated.KernelRefs, *, plan_, trig, sm_scale, asm):
+    del asm  # every lookup of this key side is a chain of selects, no inline PTX
+    head_dim = refs.q.shape[1]
+    key_refs = dict(zip(plan_.views, refs.keys, strict=True))
+    q_tiles = [refs.q[:, pl.ds(t * COLUMNS, COLUMNS)].astype(OPERAND)
                for t in range(head_dim // COLUMNS)]
 
     def scores(load):
         y = unit_vectors(plan_, trig, load, key_refs)
         dots = sum(dot_nt(q, t.astype(OPERAND)) for q, t in zip(q_tiles, y, strict=True))
-        return dots * (sm_scale * load(norm_ref).astype(jnp.float32))[None, :]
+        return dots * (sm_scale * load(refs.norm).astype(jnp.float32))[None, :]
 
-    o, m, l = split_softmax(
-        n_ref, layer_ref, rows=rows, slots=norm_ref.shape[1], block_s=block_s,
-        split_len=split_len, scores=scores, accumulate=values.accumulate, init=values.init)
-    values.store(o_ref, o)
-    m_ref[...] = m
-    l_ref[...] = l
+    return scores
 
 
 def key_view(codes: jax.Array, bits: int) -> jax.Array:
@@ -313,66 +296,14 @@ def key_view(codes: jax.Array, bits: int) -> jax.Array:
     return codes if bits == 32 else unit_view(codes, UNITS[bits])
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("angle_bits", "centroids", "offsets", "value_bits", "value_group",
-                     "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "asm"),
-)
-def codes_partial(
-    q: jax.Array,
-    k_codes: jax.Array,
-    k_norm: jax.Array,
-    v_codes: jax.Array,
-    v_scale: jax.Array,
-    v_zero: jax.Array,
-    n_comp: jax.Array,
-    layer: jax.Array | None = None,
-    *,
-    angle_bits: int,
-    centroids: tuple[tuple[float, ...], ...],
-    offsets: tuple[int, ...],
-    value_bits: int,
-    value_group: int,
-    sm_scale: float,
-    block_s: int,
-    splits: int,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
-    asm: bool = True,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per-split partial softmaxes over the coded tokens (see the module docstring).
-
-    ``q [B, K, R, D]`` is the rotated query with ``R`` rows padded as the kernel needs,
-    its columns in :func:`query_columns` order. Codes are stacked (``[L, B, K, S, ...]``;
-    ``layer`` None reads a stack of one). Returns ``o [B, K, splits, R, D]`` with its
-    columns in the order of the value planes, ``m, l [B, K, splits, R]`` (float32).
-    """
-    batch, heads, rows, head_dim = q.shape
+def reader(head_dim: int, angle_bits: int, centroids: tuple[tuple[float, ...], ...],
+           offsets: tuple[int, ...]) -> rotated.KeyReader:
+    """How the kernel reads the angle codes of a layout it can read (:func:`plan`): one
+    view of the words per unit width its reads use, the rotated query's columns in
+    :func:`query_columns` order."""
     plan_ = plan(head_dim, angle_bits, offsets)
-    stack = [k_codes, k_norm, v_codes, v_scale, v_zero]
-    if layer is None:
-        stack = [a[None] for a in stack]
-        layer = 0
-    k_codes, k_norm, v_codes, v_scale, v_zero = stack
-    layers, slots = k_codes.shape[0], k_codes.shape[3]
-    kernel = functools.partial(
-        _kernel, plan_=plan_, trig=trig_tables(centroids), views=plan_.views,
-        value_bits=value_bits, value_group=value_group, block_s=block_s,
-        split_len=split_len(slots, splits, block_s), sm_scale=sm_scale,
-        asm=asm and not interpret)
-    args, in_specs = leading_inputs(n_comp, layer, q)
-    for bits in plan_.views:
-        view = key_view(k_codes, bits)
-        args.append(view)
-        in_specs.append(stacked_spec(layers, slots, view.shape[-1]))
-    args.append(k_norm)
-    in_specs.append(stacked_spec(layers, slots))
-    value_args, value_specs = group_values.inputs(v_codes, v_scale, v_zero, layers, slots)
-    args += value_args
-    in_specs += value_specs
-    return decode_call(kernel, args, in_specs, batch=batch, heads=heads, splits=splits,
-                       rows=rows, head_dim=head_dim, num_warps=num_warps,
-                       num_stages=num_stages, interpret=interpret,
-                       name="polar_decode_attention")
+    return rotated.KeyReader(
+        name="polar_decode_attention", size=angle_bits * head_dim // 32, dtype=jnp.uint32,
+        width=COLUMNS, columns=query_columns(head_dim),
+        views=lambda codes: [key_view(codes, bits) for bits in plan_.views],
+        scores=functools.partial(_scores, plan_=plan_, trig=trig_tables(centroids)))

@@ -5,7 +5,8 @@ partial softmax ``(o, m, l)`` over the coded tokens, exactly: each angle's code 
 at its bit offset, replaced by its centroid, and the unit vector rebuilt level by level
 (each radius split into ``r cos psi`` and ``r sin psi``) in float32; keys are scored in
 the rotated space (``|k| (R q) . y``), values dequantized per channel group, every
-product float32 at HIGHEST precision. The kernel rounds its matmul operands to float16
+product float32 at HIGHEST precision (:func:`pallas_kernels.rotated.reference`). The
+kernel rounds its matmul operands to float16
 and accumulates in float32; its tests state the tolerance that costs.
 """
 
@@ -18,11 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.primitives.packing import unpack_at
-from pallas_kernels.codebook_decode.api import query_sides
+from pallas_kernels import rotated
 from pallas_kernels.flash import NUM_WARPS
-from pallas_kernels.group_values import dequantize
-from pallas_kernels.partial import EXACT, logits_partial
-from pallas_kernels.polar_decode.api import check_arrays
+from pallas_kernels.polar_decode.api import key_reader
 from pallas_kernels.polar_decode.kernel import level_starts, level_widths
 
 
@@ -52,12 +51,8 @@ def unit_vectors(codes: jax.Array, angle_bits: int, centroids: tuple[tuple[float
     return r
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("angle_bits", "centroids", "offsets", "value_bits", "value_group",
-                     "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret"),
-)
+@functools.partial(jax.jit, static_argnames=("angle_bits", "centroids", "offsets",
+                                             *rotated.STATIC_ARGNAMES))
 def polar_decode(
     q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer=None, k_signs=None,
     k_qjl=None, k_residual_norm=None, qjl_sketch=None, *, angle_bits, centroids, offsets,
@@ -68,18 +63,11 @@ def polar_decode(
     exact partial ``(o [B, K, G, D], m [B, K, G], l [B, K, G])`` in float32. The
     blocking and interpret arguments only shape the kernel's schedule and are ignored."""
     del block_s, splits, num_warps, num_stages, interpret
-    check_arrays(q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs,
-                 k_qjl, k_residual_norm, qjl_sketch, angle_bits, centroids, offsets,
-                 value_bits, value_group)
-    head_dim = q.shape[-1]
-    arrays = [k_codes, k_norm, v_codes, v_scale, v_zero]
-    if layer is not None:
-        arrays = [jax.lax.dynamic_index_in_dim(a, layer, 0, False) for a in arrays]
-    k_codes, k_norm, v_codes, v_scale, v_zero = arrays
-    q_rot, _ = query_sides(q, k_signs, None)
-    y = unit_vectors(k_codes, angle_bits, centroids, offsets, head_dim)
-    s = jnp.einsum("bkgd,bksd->bkgs", q_rot, y, precision=EXACT)
-    s = s * k_norm.astype(jnp.float32)[:, :, None, :]
-    values = dequantize(v_codes, v_scale, v_zero, value_bits, value_group, head_dim)
-    valid = jnp.arange(k_codes.shape[2])[None, :] < lengths[:, None]
-    return logits_partial(s * sm_scale, values, valid)
+    return rotated.reference(
+        key_reader(q, angle_bits, centroids, offsets, value_bits, value_group,
+                   (k_qjl, k_residual_norm, qjl_sketch)),
+        functools.partial(unit_vectors, angle_bits=angle_bits, centroids=centroids,
+                          offsets=offsets),
+        q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs, k_qjl,
+        k_residual_norm, qjl_sketch, value_bits=value_bits, value_group=value_group,
+        sm_scale=sm_scale)

@@ -2,92 +2,28 @@
 (the kernel suite), over arrays that PolarQuant and KIVI's value codec really store, and
 the pieces of its layout.
 
-Tolerance: the kernel rebuilds the unit vectors in float32 and rounds them, the rotated
-query, the dequantized values and the probabilities to float16 matmul operands,
-accumulating in float32; outputs here are O(1).
+Tolerance: the suite's over rotated keys (:mod:`tests.pallas_kernels.rotated`): the
+kernel rebuilds the unit vectors in float32 before it rounds them to float16 operands.
+The errors measured over the cases below, interpret mode, reach 6e-4 in the outputs and
+2.4e-4 in the log-sum-exps.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.codec import GroupIntFormat, PolarFormat
+from kvjax.codec import PolarFormat
 from kvjax.codecs.polarquant import PolarQuantCodec, angle_widths, column_layout
-from kvjax.spec import parse_cache
 from pallas_kernels.polar_decode import api, reference
 from pallas_kernels.polar_decode.kernel import Trig, plan, query_columns, uniform_error
-from tests.pallas_kernels.suite import KernelSuite, Shape
+from tests.pallas_kernels.rotated import Case, RotatedSuite, encoded, formats
 
-
-@dataclasses.dataclass(frozen=True)
-class Case(Shape):
-    """One call of the entry over a cache spec's codes."""
-
-    spec: str
-    lengths: tuple[int, ...]
-    layers: int | None = None  # codes stacked over this many layers; layer 1 is read
-    block_s: int | None = 16
-    splits: int | None = 2
-
-    @property
-    def id(self) -> str:
-        return "-".join(filter(None, [
-            self.shape_id,
-            self.spec.replace(":", "").replace(",", ""), f"bs{self.block_s}",
-            f"sp{self.splits}", "n" + ",".join(map(str, self.lengths)),
-            f"L{self.layers}" * bool(self.layers)]))
-
-
-def formats(spec: str):
-    config = parse_cache(spec)
-    [k_fmt] = [f for f in config.k.kernel_formats() if isinstance(f, PolarFormat)]
-    [v_fmt] = [f for f in config.v.kernel_formats() if isinstance(f, GroupIntFormat)]
-    return config, k_fmt, v_fmt
-
-
-#: every case's arrays are cut from one encoding of this shape per spec and head dim
+#: every case's vectors are cut from one encoding of this shape per spec and head dim
 #: (rows, kv heads, query rows per kv head, slots): one compiled encoder per spec
 CODED = (2, 2, 7, 130)
-
-
-# One compiled program per spec and head dim (the seed is traced): op-by-op dispatch would
-# compile dozens of small programs, which costs more than the kernel.
-@functools.partial(jax.jit, static_argnames=("head_dim", "spec"))
-def coded(head_dim, spec, seed=0):
-    """``(q, params, key codes, value codes)`` of random vectors of the :data:`CODED`
-    shape encoded by the spec's codecs, one parameter draw per kv head."""
-    config, _, _ = formats(spec)
-    batch, heads, group, slots = CODED
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (batch, heads, group, head_dim))
-    k = jax.random.normal(keys[1], (batch, heads, slots, head_dim))
-    v = jax.random.normal(keys[2], (batch, heads, slots, head_dim))
-    params = jax.vmap(lambda key: config.k.init(key, head_dim))(
-        jax.random.split(keys[3], heads))
-    k_codes = jax.vmap(config.k.encode, in_axes=(0, 1), out_axes=1)(params, k)
-    return q, params, k_codes, config.v.encode(None, v)
-
-
-def coded_case(case: Case, seed: int = 0):
-    """``(q, key arrays, value arrays, signs)`` of the case's shape."""
-    _, k_fmt, v_fmt = formats(case.spec)
-    q, params, k_codes, v_codes = coded(case.head_dim, case.spec, seed)
-    tokens = (slice(case.batch), slice(case.heads), slice(case.slots))
-    return (q[:case.batch, :case.heads, :case.group],
-            [a[tokens] for a in k_fmt.arrays(k_codes)],
-            [a[tokens] for a in v_fmt.arrays(v_codes)], params["signs"][:case.heads])
-
-
-#: normalized outputs O(1); log-sum-exps of logits O(5) (measured: at most 6e-4 and
-#: 2.4e-4 over the cases below, interpret mode)
-ATOL, LSE_ATOL = 3e-3, 2e-3
 
 CASES = (
     # 3 bits at D = 128: columns of a 16-bit and an 8-bit unit, the top angles in the
@@ -106,7 +42,8 @@ CASES = (
 )
 
 
-class TestPolarDecode(KernelSuite):
+class TestPolarDecode(RotatedSuite):
+    KEY_FORMAT = PolarFormat
     entry = staticmethod(api.polar_decode)
     reference = staticmethod(reference.polar_decode)
     CASES = CASES
@@ -116,66 +53,40 @@ class TestPolarDecode(KernelSuite):
         (Case(1, 1, 4, 20, 128, "polarquant:b3,l4", (20,)), "one dense stream"),
     )
     DROP = (Case(2, 2, 4, 37, 128, "polarquant:b3", (37, 37), splits=3), [21, 37])
-    TOLERANCE: ClassVar[dict[str, float]] = {"out": ATOL, "lse": LSE_ATOL}
     IMPL = "polar_decode"
     NEEDLE_SPECS = ("polarquant:b3 window=16 sinks=4",)
 
+    def encoded(self, case: Case, seed: int = 0):
+        """The case's corner of the :data:`CODED` encoding."""
+        q, params, k_codes, v_codes = encoded(case.spec, *CODED, case.head_dim, seed)
+
+        def cut(a):
+            return a[:case.batch, :case.heads, :case.slots]
+
+        return (q[:case.batch, :case.heads, :case.group],
+                jax.tree.map(lambda a: a[:case.heads], params), jax.tree.map(cut, k_codes),
+                jax.tree.map(cut, v_codes))
+
     def inputs(self, case: Case) -> dict:
-        _, k_fmt, v_fmt = formats(case.spec)
-        options = k_fmt.options(case.head_dim)
-        static = {**options, "value_bits": v_fmt.bits, "value_group": v_fmt.group,
-                  "sm_scale": case.head_dim**-0.5, "block_s": case.block_s,
-                  "splits": case.splits}
-        if api.unsupported(case.head_dim, v_fmt.bits, v_fmt.group, **options):
+        _, k_fmt, v_fmt = formats(case.spec, PolarFormat)
+        if api.unsupported(case.head_dim, v_fmt.bits, v_fmt.group,
+                           **k_fmt.options(case.head_dim)):
             # refused before any array is read: words of the shape are enough
             return {**api.random_inputs(
                 jax.random.key(0), batch=case.batch, heads=case.heads, group=case.group,
                 slots=case.slots, head_dim=case.head_dim, angle_bits=k_fmt.bits,
-                value_bits=v_fmt.bits), **static}
-        q, k_arrays, v_arrays, signs = coded_case(case)
-        layer = None
-        if case.layers:
-            # other layers hold other codes: reading the wrong one cannot pass
-            stacks = [coded_case(case, seed) for seed in (1, 0, 2)[:case.layers]]
-            k_arrays = [jnp.stack([s[1][i] for s in stacks]) for i in range(2)]
-            v_arrays = [jnp.stack([s[2][i] for s in stacks]) for i in range(3)]
-            layer = jnp.int32(1)
-        k_codes, k_norm = k_arrays
-        return {"q": q, "k_codes": k_codes, "k_norm": k_norm,
-                **dict(zip(("v_codes", "v_scale", "v_zero"), v_arrays, strict=True)),
-                "lengths": jnp.asarray(case.lengths, jnp.int32), "layer": layer,
-                "k_signs": signs, **static}
-
-    def lengths(self, case: Case) -> list[int]:
-        return list(case.lengths)
+                value_bits=v_fmt.bits), **self.static(case)}
+        return super().inputs(case)
 
     @pytest.mark.parametrize("head_dim", [128, 64])
     def test_reference_agrees_with_the_codecs(self, head_dim):
         """The reference's scores and values are the codecs' own: its partial equals the
-        attention over ``decode`` of the same arrays (both layouts: D = 128 holds the
-        top angles in the columns' slots, D = 64 in words of their own)."""
-        got, want = _reference_and_codecs("polarquant:b3", head_dim)
+        attention over ``scores`` (the decoded keys' dots) of the same arrays (both
+        layouts: D = 128 holds the top angles in the columns' slots, D = 64 in words of
+        their own)."""
+        got, want = self.reference_and_codecs(
+            Case(*CODED, head_dim, "polarquant:b3", (CODED[-1], 11)))
         np.testing.assert_allclose(got, want, atol=2e-4)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "head_dim"))
-def _reference_and_codecs(spec, head_dim):
-    """The reference's normalized output over the coded vectors, and the attention over
-    the codecs' own ``decode`` of them (some rows ragged)."""
-    config, k_fmt, v_fmt = formats(spec)
-    q, params, k_codes, v_codes = coded(head_dim, spec)
-    lengths = jnp.asarray([CODED[-1], 11])
-    o, _, l = reference.polar_decode(
-        q, *k_fmt.arrays(k_codes), *v_fmt.arrays(v_codes), lengths, k_signs=params["signs"],
-        **k_fmt.options(head_dim), value_bits=v_fmt.bits, value_group=v_fmt.group,
-        sm_scale=head_dim**-0.5)
-    keys = jax.vmap(config.k.decode, in_axes=(0, 1), out_axes=1)(params, k_codes)
-    s = jnp.einsum("bkgd,bksd->bkgs", q, keys, precision="highest") * head_dim**-0.5
-    valid = jnp.arange(CODED[-1])[None, :] < lengths[:, None]
-    p = jax.nn.softmax(jnp.where(valid[:, None, None, :], s, -jnp.inf), axis=-1)
-    values = config.v.decode(None, v_codes)
-    want = jnp.einsum("bkgs,bksd->bkgd", p, values, precision="highest")
-    return o / l[..., None], want
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
@@ -237,7 +148,7 @@ def test_level_one_lookup_by_quadrants(bits):
     assert uniform_error(centroids[0]) < 1e-7  # float32 rounding
     skewed = (centroids[0][0] + 0.01, *centroids[0][1:])
     assert uniform_error(skewed) > 1e-3
-    options = {**PolarFormat.options(formats(f"polarquant:b{bits}")[1], 128)}
+    options = {**PolarFormat.options(formats(f"polarquant:b{bits}", PolarFormat)[1], 128)}
     options["centroids"] = (skewed, *options["centroids"][1:])
     assert "not uniform" in api.unsupported(128, max(bits, 2), 32, **options)
     # a deep level looks its cosines and sines up in tables of its own
@@ -246,7 +157,7 @@ def test_level_one_lookup_by_quadrants(bits):
 
 
 def test_malformed_arrays_raise():
-    _, k_fmt, _ = formats("polarquant:b3")
+    _, k_fmt, _ = formats("polarquant:b3", PolarFormat)
     options = k_fmt.options(128)
     kw = api.random_inputs(jax.random.key(0), batch=1, heads=1, group=2, slots=8,
                            head_dim=128, angle_bits=3, value_bits=3)

@@ -143,6 +143,10 @@ def test_fields_of_mixed_widths_round_trip_back_to_back():
     assert int(one[0]) == 5 | 1 << 3
     with pytest.raises(ValueError, match="stream"):
         pk.unpack_fields(words[:, :-1], widths)
+    stored = pk.pack_field_bytes(fields)
+    np.testing.assert_array_equal(stored, pk.to_units(words, total))
+    for (codes, _), back in zip(fields, pk.unpack_field_bytes(stored, widths), strict=True):
+        np.testing.assert_array_equal(back, codes)
 
 
 @pytest.mark.parametrize("alphabet", [24 * 24, 24 * 96, 24 * 192, 24 * 7, 3, 64, 1])
