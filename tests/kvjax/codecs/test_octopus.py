@@ -17,12 +17,11 @@ from kvjax.codecs.octopus import (
     direction_codebook,
     joint_round,
     norm_codebook,
-    octahedral_decode,
-    octahedral_encode,
     to_triplets,
 )
 from kvjax.codecs.polarquant import inverse_polar_transform, level_codebook, polar_transform
 from kvjax.primitives import lloyd
+from kvjax.primitives.octahedral import octahedral_decode, octahedral_encode
 from kvjax.primitives.rotations import random_signs, randomized_hadamard
 from kvjax.spec import parse_cache, parse_codec
 from tests.kvjax.codecs.compiled import encode_decode
@@ -103,30 +102,6 @@ def test_polar_angles_follow_their_laws_per_level():
             assert 0 <= psi.min() and psi.max() <= math.pi / 2
             assert_histogram_matches(psi, lloyd.polar_angle(2 ** (level - 1)),
                                      np.linspace(0.15, math.pi / 2 - 0.15, 19), tol)
-
-
-def test_octahedral_map_round_trip_and_area():
-    n = np.array(gaussian((5000, 3), 4))
-    n /= np.linalg.norm(n, axis=1, keepdims=True)
-    n[:4] = [[0, 0, 1], [0, 0, -1], [1, 0, 0], [0, -1, 0]]  # vertices, both poles
-    xi, eta = octahedral_encode(jnp.asarray(n))
-    assert np.abs(np.asarray(xi)).max() <= 1 and np.abs(np.asarray(eta)).max() <= 1
-    np.testing.assert_allclose(octahedral_decode(xi, eta), n, atol=2e-6)
-    # the square's area element: solid angle 1 / |p|^3 per unit area, summing to 4 pi,
-    # 1/8 of it per triangle, and 3 sqrt 3 times denser at a face centre than at a vertex
-    grid = (np.arange(800) + 0.5) / 400 - 1
-    gx, gy = np.meshgrid(grid, grid)
-    p = np.asarray(octahedral_decode(jnp.asarray(gx), jnp.asarray(gy)))
-    lifted = np.stack([gx, gy, 1 - np.abs(gx) - np.abs(gy)], -1)
-    folded = np.stack([(1 - np.abs(gy)) * np.sign(gx), (1 - np.abs(gx)) * np.sign(gy),
-                       lifted[..., 2]], -1)
-    raw = np.where(lifted[..., 2:] >= 0, lifted, folded)
-    np.testing.assert_allclose(p, raw / np.linalg.norm(raw, axis=-1, keepdims=True), atol=1e-6)
-    area = np.linalg.norm(raw, axis=-1) ** -3.0
-    assert area.sum() / 400**2 == pytest.approx(4 * math.pi, rel=1e-3)
-    upper_quadrant = (gx > 0) & (gy > 0) & (gx + gy < 1)
-    assert area[upper_quadrant].sum() / area.sum() == pytest.approx(1 / 8, rel=2e-3)
-    assert area.max() / area.min() == pytest.approx(3 * math.sqrt(3), rel=0.01)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3])
