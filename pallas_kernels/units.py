@@ -415,28 +415,23 @@ def table_plane(tile: jax.Array, offset: int, width: int, table: tuple[float, ..
     return select_table(padded, field).astype(OPERAND)
 
 
-def codebook_bytes_ptx(j: int, bits: int, magnitudes: tuple[float, ...]) -> Ptx:
-    """:func:`codebook_plane` on bytes, four per call (:func:`table_ptx`). Codes of 2 or 3
-    bits are looked up whole in the table of the magnitudes followed by their negatives,
-    so the sign costs nothing: 1.25 / 1.5 (2 bits) or 1.75 / 2 (3 bits) instructions per
-    code at bit 0 / elsewhere. 4-bit codes (8 magnitudes) move their sign bit onto the
-    looked-up magnitude: 2.5 per code."""
+def codebook_table_ptx(unit: int, j: int, bits: int, magnitudes: tuple[float, ...]) -> Ptx:
+    """:func:`codebook_plane` on 8- or 16-bit units, four per call (:func:`table_ptx`).
+    Codes of 1 to 3 bits are looked up whole in the table of the magnitudes followed by
+    their negatives, so the sign costs nothing: 1.25 / 1.5 (2 bits) or 1.75 / 2 (3 bits)
+    instructions per code in bytes at bit 0 / elsewhere, 0.25 more in 16-bit units.
+    4-bit codes (8 magnitudes) move their sign bit onto the looked-up magnitude: 2.5 per
+    code. (The pairwise lookup this replaces in 16-bit units took 4 per 4-bit code.)"""
     if bits == 4:
-        return table_ptx(8, j * bits, 3, magnitudes, sign=True)
-    return table_ptx(8, j * bits, bits, (*magnitudes, *(-m for m in magnitudes)))
+        return table_ptx(unit, j * bits, 3, magnitudes, sign=True)
+    return table_ptx(unit, j * bits, bits, (*magnitudes, *(-m for m in magnitudes)))
 
 
-def codebook_ptx(j: int, bits: int, magnitudes: tuple[float, ...], split: bool) -> Ptx:
-    """:func:`codebook_plane`: per 32-bit register of two 16-bit units, the two codes'
-    magnitude ranks gathered into one ``prmt`` selector, their float16 magnitudes picked
-    from registers, and the sign bits moved onto float16's. Split (3-bit codes): four
-    units per call, their sign bytes in one more register."""
-    if not split:
-        offset = j * bits
-        return Ptx("{ .reg .b32 x, a0, a1, h0, h1, t; "
-                   + _lookup_ptx("$1", offset, magnitudes, "x")
-                   + " " + _shift_to_sign("$1", offset + bits - 1, "t")
-                   + f" lop3.b32 $0, x, t, 0x80008000, {XOR_AND:#x}; }}", "=r,r", 2)
+def codebook_ptx(j: int, bits: int, magnitudes: tuple[float, ...]) -> Ptx:
+    """:func:`codebook_plane` of split codes (3 bits: the 2 magnitude bits in 16-bit
+    units, the sign bits in bytes): four units per call, each pair's magnitude ranks
+    gathered into one ``prmt`` selector, their float16 magnitudes picked from registers,
+    and the sign bits of the units' byte moved onto float16's."""
     parts = []
     for pair, (source, spread) in enumerate((("$2", 0x1100), ("$3", 0x3322))):
         parts.append(
@@ -459,7 +454,7 @@ def codebook_plane(tile: jax.Array, j: int, bits: int, magnitudes: tuple[float, 
     bits and the sign is bit ``j`` of the unit's byte. At most 8 magnitudes (4 bits).
     The sign bit negates whatever the table holds, so a signed table serves as well
     (``cos`` of the first half circle, for the angles of a uniform circular codebook).
-    ``asm``: :func:`codebook_ptx` (16-bit units) or :func:`codebook_bytes_ptx`.
+    ``asm``: :func:`codebook_table_ptx`, or :func:`codebook_ptx` for split codes.
     """
     mag_bits = bits - 1
     split = signs is not None
@@ -471,11 +466,11 @@ def codebook_plane(tile: jax.Array, j: int, bits: int, magnitudes: tuple[float, 
             raise ValueError("split codes are read from 16-bit units")
         if not 0 <= j * bits <= 8 - bits:
             raise ValueError(f"a byte holds {8 // bits} {bits}-bit codes, not plane {j}")
-        if asm:
-            return run_ptx(codebook_bytes_ptx(j, bits, magnitudes), [tile])
-    elif asm:
-        return run_ptx(codebook_ptx(j, bits, magnitudes, split),
-                       [tile, signs] if split else [tile])
+    if asm and split:
+        return run_ptx(codebook_ptx(j, bits, magnitudes), [tile, signs])
+    if asm:
+        unit = 8 if tile.dtype == jnp.uint8 else 16
+        return run_ptx(codebook_table_ptx(unit, j, bits, magnitudes), [tile])
     offset = j * width
     field = (tile >> jnp.asarray(offset, tile.dtype)) & jnp.asarray((1 << width) - 1, tile.dtype)
     if split:

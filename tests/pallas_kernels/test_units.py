@@ -170,15 +170,18 @@ def test_group_int_bytes_ptx(bits, split):
                                    rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("bits,split", [(2, False), (3, False), (4, False), (3, True)])
+@pytest.mark.parametrize("bits,split", [(1, False), (2, False), (3, False), (4, False),
+                                       (3, True)])
 def test_codebook_ptx(bits, split):
     magnitudes = tuple(float(m) for m in np.sort(RNG.uniform(0.01, 0.3, 1 << (bits - 1))))
     tile, signs = halves(), bytes_()
     for j in range(16 // (bits - split)):
         want = np.asarray(units.codebook_plane(tile, j, bits, magnitudes, asm=False,
                                                signs=signs if split else None))
-        got = run(units.codebook_ptx(j, bits, magnitudes, split),
-                  [tile, signs] if split else [tile])
+        if split:
+            got = run(units.codebook_ptx(j, bits, magnitudes), [tile, signs])
+        else:
+            got = run(units.codebook_table_ptx(16, j, bits, magnitudes), [tile])
         np.testing.assert_array_equal(got, want)
 
 
@@ -241,7 +244,7 @@ def test_codebook_bytes_ptx(bits):
         value = np.asarray(magnitudes)[rank]
         np.testing.assert_array_equal(
             want, np.where(negative != 0, -value, value).astype(np.float16))
-        np.testing.assert_array_equal(run(units.codebook_bytes_ptx(j, bits, magnitudes),
+        np.testing.assert_array_equal(run(units.codebook_table_ptx(8, j, bits, magnitudes),
                                           [tile]), want)
 
 
@@ -254,7 +257,7 @@ def test_signed_table_covers_a_half_circle():
         first = tuple(float(v) for v in trig(angles[:8]))
         for j in range(4):
             want = trig(angles[field_of(tile, 4 * j, 4)])
-            got = run(units.codebook_ptx(j, 4, first, split=False), [tile])
+            got = run(units.codebook_table_ptx(16, j, 4, first), [tile])
             np.testing.assert_allclose(got.astype(np.float64), want, atol=1e-3)
             got = run(units.table_ptx(16, 4 * j, 3, first, sign=True), [tile])
             np.testing.assert_allclose(got.astype(np.float64), want, atol=1e-3)
@@ -274,9 +277,9 @@ def test_instruction_counts():
     # 16-bit units: byte-aligned, inside a byte, straddling bytes
     assert [instructions(units.table_ptx(16, o, 2, four)) for o in (8, 3, 7)] == [6, 7, 8]
     assert [instructions(units.table_ptx(16, o, 3, eight)) for o in (8, 3, 6)] == [8, 9, 10]
-    assert [instructions(units.codebook_bytes_ptx(j, 2, four[:2])) for j in (0, 1)] == [5, 6]
-    assert [instructions(units.codebook_bytes_ptx(j, 3, four)) for j in (0, 1)] == [7, 8]
-    assert [instructions(units.codebook_bytes_ptx(j, 4, eight)) for j in (0, 1)] == [10, 10]
+    assert [instructions(units.codebook_table_ptx(8, j, 2, four[:2])) for j in (0, 1)] == [5, 6]
+    assert [instructions(units.codebook_table_ptx(8, j, 3, four)) for j in (0, 1)] == [7, 8]
+    assert [instructions(units.codebook_table_ptx(8, j, 4, eight)) for j in (0, 1)] == [10, 10]
 
 
 def test_lookups_refuse_what_they_cannot_read():
