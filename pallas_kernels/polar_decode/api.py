@@ -28,13 +28,13 @@ from pallas_kernels import rotated
 from pallas_kernels.flash import NUM_WARPS
 from pallas_kernels.polar_decode.kernel import plan, reader, uniform_error
 
-#: nominal angle widths ``B`` the kernel reads: a level's cosines and sines are select
-#: chains over at most 8 values
+#: nominal angle widths ``B`` the kernel reads: a deeper level's cosines and sines are
+#: register lookups of at most 8 entries, level 1's of up to 32 centroids folded onto 8
 ANGLE_BITS = (1, 2, 3, 4)
 #: the smallest head dim: 16 columns of at least one level-1 pair each
 MIN_HEAD_DIM = 32
-#: how far the level-1 lookup (uniform centroids) may stray from the centroids' own
-#: cosines and sines: far below the float16 operands' rounding
+#: how far the level-1 lookup (folded where it assumes uniform centroids) may stray
+#: from the centroids' own cosines and sines: far below its float16 tables' rounding
 UNIFORM_TOLERANCE = 1e-6
 
 
@@ -44,8 +44,8 @@ def _reason(head_dim: int, value_bits: int, value_group: int, angle_bits: int,
         return ("the angle codes are one dense stream (below full depth, or no column "
                 "layout at this head_dim and width)")
     if angle_bits not in ANGLE_BITS:
-        return (f"{angle_bits}-bit angles: the lookups are select chains over at most 8 "
-                f"values (angle bits {ANGLE_BITS})")
+        return (f"{angle_bits}-bit angles: the lookups read tables of at most 8 values "
+                f"(angle bits {ANGLE_BITS})")
     return rotated.unsupported(head_dim, value_bits, value_group, MIN_HEAD_DIM)
 
 

@@ -21,17 +21,26 @@ codes of one tree position in all 16 columns; a level-``l`` tile ``p`` holds nod
   levels) as ``[block, 1]`` columns of their units, looks up their cosines and sines and
   multiplies them down the tree to the radii of the columns' top level; a chain of
   selects over the column index lays those out as ``[block, 16]`` tiles;
-* walks the column-held levels down: per tile a shift and a mask give the codes, a
-  select chain their cosines and sines, two products the children's radii; level 1 ends
-  in ``2^b`` tiles of ``y``, tile ``t`` holding dims ``c * 2^b + t``;
+* walks the column-held levels down: per tile a register lookup (:func:`~pallas_kernels.
+  units.table_plane`) reads the codes' cosines and sines straight from the tile of
+  units, two products the children's radii; level 1 ends in ``2^b`` tiles of ``y``,
+  tile ``t`` holding dims ``c * 2^b + t``;
 * rounds those to float16 for one matmul each with the rotated query's matching columns
   and scales the block's dots by the stored norms.
 
-Cosines and sines: level 1's codebook is uniform on ``[0, 2 pi)`` (``N`` centroids
-``(k + 1/2) 2 pi / N``), so both are ``+-`` one of ``N / 4`` magnitudes, picked by the low
-bits (mirrored in odd quadrants) and signed by the two quadrant bits; a deeper level's
-``2^(B-1)`` cosines and sines are tables of their own. All of it is float32 until the
-matmul operand: ``y`` is as exact as the float16 rounding of its entries.
+Cosines and sines (:class:`Trig`): a level of up to 8 centroids is a table of its own,
+read whole by the lookup. Level 1's codebook is uniform on ``[0, 2 pi)`` (``N``
+centroids ``(k + 1/2) 2 pi / N``); at ``N = 16`` angle ``k + 8`` is angle ``k`` plus
+``pi``, so the top bit of the code is the sign of the first half circle's cosine or
+sine (the lookup's signed form), and at ``N = 32`` both are ``+-`` one of ``N / 4``
+magnitudes, picked by the low bits (mirrored in odd quadrants) and signed by the two
+quadrant bits. The lookups read bytes and 16-bit units: a column-held level in 32-bit
+units is narrowed to 16 bits first (one conversion). The ``[block, 1]`` columns of the
+angles above the columns, one 32-bit word per token each, stay chains of selects over
+float32 tables: no lookup reads a word, and they are a sixteenth of a tile. The lookups'
+tables are float16, converted to float32 for the products down the tree: each of ``y``'s
+factors is off by at most its float16 rounding (half an ulp, ``2^-12`` below 1), and
+the products themselves are float32 until the matmul operand.
 
 Values are the shared group-wise INT side (:mod:`pallas_kernels.group_values`), and the
 ``pallas_call`` around this key side is that of every kernel over rotated keys
@@ -51,8 +60,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import rotated
 from pallas_kernels.flash import MIN_DOT, OPERAND, dot_nt
+from pallas_kernels.units import run_ptx, table_plane, table_ptx, unit_view
 from pallas_kernels.units import select_table as _select
-from pallas_kernels.units import unit_view
 
 #: columns of the layout, and the width of every tile the kernel multiplies
 COLUMNS = MIN_DOT
@@ -168,42 +177,111 @@ def query_columns(head_dim: int) -> np.ndarray:
     return np.arange(head_dim).reshape(COLUMNS, tiles).T.reshape(-1)
 
 
+#: the unit dtypes the register lookups read, and their widths
+LOOKUP_UNITS = {jnp.dtype(jnp.uint8): 8, jnp.dtype(jnp.uint16): 16}
+#: the most entries a register lookup holds (:func:`~pallas_kernels.units.table_plane`)
+LOOKUP_ENTRIES = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class Trig:
-    """Cosines and sines of a level's centroids as the kernel looks them up: at level 1
-    (``uniform``) ``magnitudes[m] = cos(centroid m)`` for the first quadrant's ``N / 4``
-    centroids; deeper, the tables ``cos`` and ``sin`` of every centroid."""
+    """Cosines and sines of a level's centroids as the kernel looks them up: tables
+    ``cos``, ``sin`` indexed by the code (``fold`` 1), or, for a uniform level-1
+    codebook of more entries than a register lookup holds, by the code folded onto the
+    first half circle (``fold`` 2: angle ``k + N / 2`` is angle ``k`` plus ``pi``, the
+    top bit a sign) or the first quadrant (``fold`` 4: ``N / 4`` cosines, mirrored in
+    odd quadrants and signed by the two quadrant bits, the sines the same at ``k - N /
+    4``)."""
 
-    uniform: bool
-    magnitudes: tuple[float, ...] = ()
-    cos: tuple[float, ...] = ()
-    sin: tuple[float, ...] = ()
+    fold: int
+    cos: tuple[float, ...]
+    sin: tuple[float, ...]
 
     @classmethod
     def of(cls, level: int, centroids: tuple[float, ...]) -> Trig:
         """The tables of level ``level``'s centroids."""
-        if level == 1:
-            quarter = max(len(centroids) // 4, 1)
-            return cls(True, magnitudes=tuple(math.cos(c) for c in centroids[:quarter]))
-        return cls(False, cos=tuple(math.cos(c) for c in centroids),
-                   sin=tuple(math.sin(c) for c in centroids))
+        fold = 1
+        if level == 1 and len(centroids) > LOOKUP_ENTRIES:
+            fold = 2 if len(centroids) == 2 * LOOKUP_ENTRIES else 4
+        first = centroids[:len(centroids) // fold]
+        return cls(fold, tuple(math.cos(c) for c in first), tuple(math.sin(c) for c in first))
 
-    def __call__(self, code: jax.Array | None) -> tuple:
-        """``(cos, sin)`` of the centroids of a tile of codes, float32 (Python floats for
-        a level that stores no bits: its one centroid)."""
-        if code is None:
+    @property
+    def uniform(self) -> bool:
+        """Whether the lookup assumes a uniform codebook (a folded one)."""
+        return self.fold > 1
+
+    def exact(self, codes: np.ndarray, quadrant: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """``(cos, sin)`` that the lookup gives the integer ``codes``, in float64 and
+        before its float16 rounding: what :func:`uniform_error` checks. ``quadrant``:
+        those of the quadrant form, which a half-circle fold takes in 32-bit units."""
+        cos, sin = np.asarray(self.cos), np.asarray(self.sin)
+        if self.fold == 1:
+            return cos[codes], sin[codes]
+        size = len(self.cos)
+        if self.fold == 2 and not quadrant:
+            sign = np.where(codes & size, -1.0, 1.0)
+            return sign * cos[codes % size], sign * sin[codes % size]
+        q = size * self.fold // 4
+        low, h0, h1 = codes % q, codes // q & 1, codes // (2 * q) & 1
+        rank = low ^ (h0 * (q - 1))
+        return (np.where(h0 ^ h1, -1.0, 1.0) * cos[rank],
+                np.where(h1, -1.0, 1.0) * cos[rank ^ (q - 1)])
+
+    def __call__(self, tile: jax.Array | None, read: Read, asm: bool) -> tuple:
+        """``(cos, sin)`` float32 of the centroids of the codes at ``read`` in every unit
+        of ``tile`` (Python floats for a level that stores no bits: its one centroid).
+        Tiles of bytes or 16-bit units use the register lookups (float16 tables, then
+        float32 for the products down the tree); 32-bit units, which no lookup reads,
+        chains of selects over float32 tables."""
+        if not read.width:
             return self.cos[0], self.sin[0]
-        if not self.uniform:
+        lookup = jnp.dtype(tile.dtype) in LOOKUP_UNITS and len(self.cos) <= LOOKUP_ENTRIES
+        if self.fold == 1:
+            if lookup:
+                return tuple(table_plane(tile, read.shift, read.width, t, asm)
+                             .astype(jnp.float32) for t in (self.cos, self.sin))
+            code = _field(tile, read)
             return _select(self.cos, code), _select(self.sin, code)
-        # code k = 4 quadrants of q = N/4: cos is +-magnitudes[m], sin the same at k - q
-        q = len(self.magnitudes)
-        low = code & jnp.asarray(q - 1, code.dtype)
-        h0 = (code >> jnp.asarray(q.bit_length() - 1, code.dtype)) & jnp.asarray(1, code.dtype)
-        h1 = (code >> jnp.asarray(q.bit_length(), code.dtype)) & jnp.asarray(1, code.dtype)
-        mirror = h0 * jnp.asarray(q - 1, code.dtype)
-        cos = _select(self.magnitudes, low ^ mirror)
-        sin = _select(self.magnitudes, low ^ mirror ^ jnp.asarray(q - 1, code.dtype))
-        return jnp.where((h0 ^ h1) != 0, -cos, cos), jnp.where(h1 != 0, -sin, sin)
+        if self.fold == 2 and lookup:
+            return tuple(_signed(tile, read.shift, t, asm).astype(jnp.float32)
+                         for t in (self.cos, self.sin))
+        # 32 centroids, or 16 in 32-bit units: select chains over a quadrant are half as long
+        q = len(self.cos) * self.fold // 4
+        return _quadrant(_field(tile, read), self.cos[:q], lookup, asm)
+
+
+def _quadrant(code: jax.Array, magnitudes: tuple[float, ...], lookup: bool,
+              asm: bool) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` float32 of uniform codes ``k`` (4 quadrants of ``q`` centroids)
+    from the first quadrant's ``q`` cosines: ``cos`` is ``+-magnitudes[m]``, ``m`` the
+    low bits mirrored in odd quadrants, and ``sin`` the same at ``k - q``. ``lookup``:
+    the mirrored ranks (a tile of the codes' dtype) through a register lookup."""
+    q = len(magnitudes)
+    low = code & jnp.asarray(q - 1, code.dtype)
+    h0 = (code >> jnp.asarray(q.bit_length() - 1, code.dtype)) & jnp.asarray(1, code.dtype)
+    h1 = (code >> jnp.asarray(q.bit_length(), code.dtype)) & jnp.asarray(1, code.dtype)
+    rank = low ^ h0 * jnp.asarray(q - 1, code.dtype)
+    mirrored = rank ^ jnp.asarray(q - 1, code.dtype)
+    if lookup:
+        width = max((q - 1).bit_length(), 1)
+        cos, sin = (table_plane(r, 0, width, magnitudes, asm).astype(jnp.float32)
+                    for r in (rank, mirrored))
+    else:
+        cos, sin = _select(magnitudes, rank), _select(magnitudes, mirrored)
+    return jnp.where((h0 ^ h1) != 0, -cos, cos), jnp.where(h1 != 0, -sin, sin)
+
+
+def _signed(tile: jax.Array, offset: int, table: tuple[float, ...], asm: bool) -> jax.Array:
+    """float16 ``(-1)^s table[m]`` of the 4-bit fields at bit ``offset`` of every unit of
+    a tile of bytes or 16-bit units: ``m`` the low 3 bits, ``s`` the top one (an
+    8-entry :func:`~pallas_kernels.units.table_ptx` with its sign bit)."""
+    if asm:
+        unit = LOOKUP_UNITS[jnp.dtype(tile.dtype)]
+        return run_ptx(table_ptx(unit, offset, 3, table, sign=True), [tile])
+    value = table_plane(tile, offset, 3, table, asm=False)
+    negative = (tile >> jnp.asarray(offset + 3, tile.dtype)) & jnp.asarray(1, tile.dtype)
+    return jnp.where(negative != 0, -value, value)
 
 
 def trig_tables(centroids: tuple[tuple[float, ...], ...]) -> tuple[Trig, ...]:
@@ -214,13 +292,14 @@ def trig_tables(centroids: tuple[tuple[float, ...], ...]) -> tuple[Trig, ...]:
 @functools.cache
 def uniform_error(centroids: tuple[float, ...]) -> float:
     """Largest difference between the level-1 lookup's cosines and sines and those of
-    the centroids themselves (the lookup assumes uniform centroids)."""
+    the centroids themselves (0 where it reads them from tables; a folded lookup assumes
+    uniform centroids)."""
     trig = Trig.of(1, centroids)
-    with jax.ensure_compile_time_eval():  # concrete numbers, even while tracing
-        cos, sin = trig(jnp.arange(len(centroids), dtype=jnp.uint32))
-        cos, sin = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
     c = np.asarray(centroids, np.float64)
-    return float(max(np.max(np.abs(cos - np.cos(c))), np.max(np.abs(sin - np.sin(c)))))
+    codes = np.arange(len(centroids))
+    forms = [trig.exact(codes, quadrant) for quadrant in {False, trig.uniform}]
+    return float(max(np.max(np.abs(v - want)) for cos, sin in forms
+                     for v, want in ((cos, np.cos(c)), (sin, np.sin(c)))))
 
 
 def _field(tile: jax.Array, read: Read) -> jax.Array:
@@ -229,9 +308,11 @@ def _field(tile: jax.Array, read: Read) -> jax.Array:
     return shifted & jnp.asarray((1 << read.width) - 1, tile.dtype)
 
 
-def unit_vectors(plan_: Plan, trig: tuple[Trig, ...], load, refs: dict) -> list[jax.Array]:
+def unit_vectors(plan_: Plan, trig: tuple[Trig, ...], load, refs: dict,
+                 asm: bool = False) -> list[jax.Array]:
     """The ``2^b`` float32 tiles ``[block, 16]`` of a block's unit vectors ``y`` (see the
-    module docstring); ``refs[bits]`` is the ref of the ``bits``-bit view."""
+    module docstring); ``refs[bits]`` is the ref of the ``bits``-bit view. ``asm``: the
+    register lookups' inline PTX (compiled only)."""
     base, depth = plan_.base, plan_.depth
     tiles_of, columns_of = {}, {}
 
@@ -253,7 +334,7 @@ def unit_vectors(plan_: Plan, trig: tuple[Trig, ...], load, refs: dict) -> list[
     for level in range(len(plan_.top) + depth, depth, -1):
         reads, down = plan_.top[level - depth - 1], []
         for i, read in enumerate(reads):
-            cos, sin = trig[level - 1](_field(column(read), read) if read.width else None)
+            cos, sin = trig[level - 1](column(read) if read.width else None, read, asm)
             down += [radii[i] * cos, radii[i] * sin]
         radii = down
     # the columns' top level as tiles: node c << (base - depth) | p in column c of tile p
@@ -270,21 +351,25 @@ def unit_vectors(plan_: Plan, trig: tuple[Trig, ...], load, refs: dict) -> list[
     for level in range(depth, 0, -1):
         down = []
         for p, read in enumerate(plan_.tiles[level - 1]):
-            cos, sin = trig[level - 1](_field(tile(read), read) if read.width else None)
+            codes = tile(read) if read.width else None
+            if codes is not None and codes.dtype == jnp.uint32:
+                # no lookup reads 32-bit units: the field alone, narrowed to 16 bits
+                codes = _field(codes, read).astype(jnp.uint16)
+                read = Read(16, read.unit, 0, read.width)
+            cos, sin = trig[level - 1](codes, read, asm)
             down += [tiles[p] * cos, tiles[p] * sin]
         tiles = down
     return tiles
 
 
 def _scores(refs: rotated.KernelRefs, *, plan_, trig, sm_scale, asm):
-    del asm  # every lookup of this key side is a chain of selects, no inline PTX
     head_dim = refs.q.shape[1]
     key_refs = dict(zip(plan_.views, refs.keys, strict=True))
     q_tiles = [refs.q[:, pl.ds(t * COLUMNS, COLUMNS)].astype(OPERAND)
                for t in range(head_dim // COLUMNS)]
 
     def scores(load):
-        y = unit_vectors(plan_, trig, load, key_refs)
+        y = unit_vectors(plan_, trig, load, key_refs, asm)
         dots = sum(dot_nt(q, t.astype(OPERAND)) for q, t in zip(q_tiles, y, strict=True))
         return dots * (sm_scale * load(refs.norm).astype(jnp.float32))[None, :]
 

@@ -3,9 +3,10 @@
 the pieces of its layout.
 
 Tolerance: the suite's over rotated keys (:mod:`tests.pallas_kernels.rotated`): the
-kernel rebuilds the unit vectors in float32 before it rounds them to float16 operands.
-The errors measured over the cases below, interpret mode, reach 6e-4 in the outputs and
-2.4e-4 in the log-sum-exps.
+kernel looks its cosines and sines up in float16 tables and multiplies them in float32
+before it rounds the unit vectors to float16 operands. The errors measured over the
+cases below, interpret mode, reach 6.4e-4 in the outputs and 5.3e-4 in the log-sum-exps
+(6.7e-4 and 2.8e-4 with float32 tables: the tables' rounding doubles the second).
 """
 
 from __future__ import annotations
@@ -17,9 +18,20 @@ import pytest
 
 from kvjax.codec import PolarFormat
 from kvjax.codecs.polarquant import PolarQuantCodec, angle_widths, column_layout
-from pallas_kernels.polar_decode import api, reference
-from pallas_kernels.polar_decode.kernel import Trig, plan, query_columns, uniform_error
+from pallas_kernels import units
+from pallas_kernels.polar_decode import api, kernel, reference
+from pallas_kernels.polar_decode.kernel import (
+    Read,
+    Trig,
+    key_view,
+    plan,
+    query_columns,
+    trig_tables,
+    uniform_error,
+    unit_vectors,
+)
 from tests.pallas_kernels.rotated import Case, RotatedSuite, encoded, formats
+from tests.pallas_kernels.test_units import run
 
 #: every case's vectors are cut from one encoding of this shape per spec and head dim
 #: (rows, kv heads, query rows per kv head, slots): one compiled encoder per spec
@@ -141,19 +153,67 @@ def test_the_kernel_plans_its_reads_from_the_offsets():
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-def test_level_one_lookup_by_quadrants(bits):
-    """The level-1 cosines and sines from N / 4 magnitudes and two quadrant bits are
-    those of the uniform centroids; a codebook that is not uniform is refused."""
+def test_level_one_lookup_folds_only_what_it_must(bits):
+    """Up to 8 level-1 centroids are read from tables of their own cosines and sines,
+    any codebook; 16 or 32 are folded onto the half circle or the first quadrant, which
+    assumes uniform centroids: checked against the real ones, a skewed codebook
+    refused."""
     centroids = PolarQuantCodec(bits=bits).level_centroids(128)
     assert uniform_error(centroids[0]) < 1e-7  # float32 rounding
     skewed = (centroids[0][0] + 0.01, *centroids[0][1:])
-    assert uniform_error(skewed) > 1e-3
+    folded = len(centroids[0]) > 8
+    assert Trig.of(1, centroids[0]).uniform == folded
+    assert (uniform_error(skewed) > 1e-3) == folded
     options = {**PolarFormat.options(formats(f"polarquant:b{bits}", PolarFormat)[1], 128)}
     options["centroids"] = (skewed, *options["centroids"][1:])
-    assert "not uniform" in api.unsupported(128, max(bits, 2), 32, **options)
+    reason = api.unsupported(128, max(bits, 2), 32, **options)
+    assert ("not uniform" in reason) if folded else reason is None
     # a deep level looks its cosines and sines up in tables of its own
     trig = Trig.of(2, centroids[1])
     assert not trig.uniform and len(trig.cos) == len(centroids[1])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.uint16, jnp.uint32])
+def test_level_one_lookups_in_every_unit(bits, dtype):
+    """The level-1 cosines and sines of every code, read at a bit inside the unit: the
+    register lookups' float16 tables (bytes, 16-bit units) or float32 select chains
+    (32-bit units; 16 centroids folded to the quadrant there) against the centroids'
+    own."""
+    centroids = PolarQuantCodec(bits=bits).level_centroids(128)[0]
+    codes = jnp.arange(len(centroids), dtype=dtype)[:, None]
+    read = Read(jnp.dtype(dtype).itemsize * 8, 0, 1, bits + 1)
+    cos, sin = Trig.of(1, centroids)(codes << 1 | 1, read, asm=False)
+    atol = 1e-7 if dtype == jnp.uint32 else 2.5e-4  # float16: half an ulp below 1
+    np.testing.assert_allclose(np.asarray(cos)[:, 0], np.cos(centroids), atol=atol)
+    np.testing.assert_allclose(np.asarray(sin)[:, 0], np.sin(centroids), atol=atol)
+
+
+@pytest.mark.parametrize("head_dim,bits", [(64, 2), (64, 3), (64, 4), (128, 1), (128, 2),
+                                           (128, 3), (128, 4), (256, 2), (256, 3)])
+def test_unit_vectors_through_the_ptx(monkeypatch, head_dim, bits):
+    """The compiled kernel's lookups (inline PTX, run by the units' emulator) rebuild the
+    same unit vectors as interpret mode's jnp forms, bit for bit, over random words: the
+    offsets, tables and signs the key reader hands the PTX are those it means."""
+    plan_ = plan(head_dim, bits, column_layout(head_dim, bits))
+    trig = trig_tables(PolarQuantCodec(bits=bits).level_centroids(head_dim))
+    words = np.random.default_rng(bits).integers(
+        0, 1 << 32, (8, head_dim * bits // 32), dtype=np.uint32)
+    refs = {b: np.asarray(key_view(jnp.asarray(words), b)) for b in plan_.views}
+
+    def load(ref, ds):
+        return jnp.asarray(ref[:, ds.start:ds.start + ds.size])
+
+    want = unit_vectors(plan_, trig, load, refs, asm=False)
+
+    def emulated(ptx, args):
+        return jnp.asarray(run(ptx, [np.asarray(a) for a in args]))
+
+    monkeypatch.setattr(units, "run_ptx", emulated)
+    monkeypatch.setattr(kernel, "run_ptx", emulated)
+    got = unit_vectors(plan_, trig, load, refs, asm=True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_malformed_arrays_raise():
