@@ -25,12 +25,12 @@ import jax
 
 from pallas_kernels import rotated
 from pallas_kernels.flash import NUM_WARPS
-from pallas_kernels.octopus_decode.kernel import NIBBLE, reader
+from pallas_kernels.octopus_decode.kernel import LOOKUP, NIBBLE, reader
 
 #: the smallest head dim: whole value words and QJL sign words
 MIN_HEAD_DIM = 32
-#: the most norm levels a select chain looks up
-MAX_NORMS = 16
+#: the most norm levels the kernel looks up: two register tables of 8 and a select
+MAX_NORMS = 2 * LOOKUP
 
 
 def _reason(head_dim: int, value_bits: int, value_group: int, direction_bits: int,
@@ -40,7 +40,8 @@ def _reason(head_dim: int, value_bits: int, value_group: int, direction_bits: in
                 f"are one dense stream, not the byte layout (4-bit coordinates, norm codes "
                 f"that fill bytes)")
     if len(norms) > MAX_NORMS:
-        return f"{len(norms)} norm levels: the select chain looks up at most {MAX_NORMS}"
+        return (f"{len(norms)} norm levels: the register lookups read at most "
+                f"{MAX_NORMS}")
     return rotated.unsupported(head_dim, value_bits, value_group, MIN_HEAD_DIM)
 
 

@@ -3,20 +3,32 @@ kernel suite), over arrays that OCTOPUS (MSE and QJL) and KIVI's value codec rea
 store, and the byte layout the kernel reads.
 
 Tolerance: the suite's over rotated keys (:mod:`tests.pallas_kernels.rotated`); the
-unit vectors rounded to float16 are each triplet's scaled ``x, y, z``.
+unit vectors rounded to float16 are each triplet's scaled ``x, y, z``, lifted from
+magnitudes and scaled by norm levels that the register lookups hold in float16 too.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kvjax.codec import OctopusFormat
+from kvjax.codecs import octopus
 from kvjax.codecs.octopus import byte_layout
+from kvjax.primitives.octahedral import octahedral_decode
+from pallas_kernels import units
 from pallas_kernels.octopus_decode import api, reference
-from pallas_kernels.octopus_decode.kernel import plan, query_columns
+from pallas_kernels.octopus_decode.kernel import (
+    Window,
+    directions,
+    norm_levels,
+    plan,
+    query_columns,
+)
 from tests.pallas_kernels.rotated import Case, RotatedSuite
+from tests.pallas_kernels.test_units import run as emulate
 
 CASES = (
     # octopus:b3 at D = 128: three 16-byte windows, four norm windows; GQA 4, an empty row
@@ -29,6 +41,8 @@ CASES = (
     Case(2, 2, 3, 29, 64, "octopus:b3", (29, 5), layers=3, splits=1),
     # QJL: the estimator's term from G q and the sign bits
     Case(2, 1, 4, 35, 128, "octopus:b4,qjl", (35, 12)),
+    # 4-bit norm codes: 16 levels, two register lookups and a select
+    Case(1, 1, 4, 33, 128, "octopus:d4,n4", (33,)),
     # the library's default blocking and splits (S not a multiple of its 128-token block)
     Case(1, 1, 4, 130, 128, "octopus:b3", (130,), block_s=None, splits=None),
 )
@@ -107,3 +121,69 @@ def test_malformed_arrays_raise():
         api.octopus_decode(**{**kw, "k_codes": kw["k_codes"].astype(jnp.int32)})
     with pytest.raises(ValueError, match="norm levels do not match"):
         api.octopus_decode(**{**kw, "norms": kw["norms"][:2]})
+
+
+@pytest.fixture(params=[False, True], ids=["jnp", "ptx"])
+def asm(request, monkeypatch):
+    """Both forms of the key reader's lookups: the jnp form interpret mode runs, and the
+    compiled kernel's inline PTX run on the host by the units' emulator."""
+    if request.param:
+        monkeypatch.setattr(units, "run_ptx", lambda ptx, args: jnp.asarray(
+            emulate(ptx, [np.asarray(a) for a in args])))
+    return request.param
+
+
+def test_directions_lift_every_byte(asm):
+    """All 256 direction bytes: the select-free fold equals the codec's octahedral decode
+    of the float16-rounded magnitudes, and the rounding moves a unit direction's
+    coordinates by less than a float16 step at 1 (the matmul operands' own rounding)."""
+    magnitudes = octopus.direction_magnitudes(4)
+    byte = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    got = np.stack([np.asarray(v) for v in directions(jnp.asarray(byte), magnitudes, asm)],
+                   axis=-1)
+    got = got / np.linalg.norm(got, axis=-1, keepdims=True)
+
+    def decode(table):
+        table = np.asarray(table, np.float32)
+
+        def coordinate(code):
+            return np.where(code & 8, -table[code & 7], table[code & 7])
+
+        return np.asarray(octahedral_decode(jnp.asarray(coordinate(byte & 15)),
+                                            jnp.asarray(coordinate(byte >> 4))))
+
+    rounded = np.asarray(magnitudes, np.float16).astype(np.float32)
+    np.testing.assert_allclose(got, decode(rounded), atol=1e-6)
+    np.testing.assert_allclose(got, decode(magnitudes), atol=2.0**-10)
+
+
+def _check_norm_levels(windows, norm_bits, asm, width=16):
+    norms = octopus.norm_levels(128, norm_bits)
+    rng = np.random.default_rng(norm_bits)
+    starts = sorted({start for w in windows for _, _, start, _ in w.runs})
+    tiles = {start: rng.integers(0, 256, (8, width), dtype=np.uint8) for start in starts}
+    column = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    rounded = np.asarray(norms, np.float16).astype(np.float32)
+    for window in windows:
+        got = np.asarray(norm_levels(window, {s: jnp.asarray(t) for s, t in tiles.items()},
+                                     norms, column, asm))
+        for lo, hi, start, slot in window.runs:
+            code = (tiles[start][:, lo:hi + 1] >> norm_bits * slot) & ((1 << norm_bits) - 1)
+            np.testing.assert_array_equal(got[:, lo:hi + 1], rounded[code])
+
+
+@pytest.mark.parametrize("norm_bits", [1, 2, 4])
+def test_norm_levels_read_every_run(asm, norm_bits):
+    """Every triplet column of every direction window reads its own norm code's level
+    (float16-rounded) from the merged runs, at whatever slots they hold the codes."""
+    steps = plan(byte_layout(43, norm_bits))
+    _check_norm_levels(steps.windows, norm_bits, asm, steps.width)
+
+
+@pytest.mark.parametrize("norm_bits", [2, 4])
+def test_norm_levels_shift_runs_either_way(asm, norm_bits):
+    """Runs below the window's common slot are shifted up to it (no layout of the codec
+    needs that today), runs above it down."""
+    window = Window(0, ((0, 5, 0, 0), (6, 10, 0, 1), (11, 15, 16, 1)))
+    _check_norm_levels([window], norm_bits, asm)
+    _check_norm_levels([Window(0, ((0, 7, 0, 1), (8, 15, 16, 0)))], norm_bits, asm)
