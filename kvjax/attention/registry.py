@@ -25,6 +25,6 @@ register(int_codes_kernel("int_decode", int_decode.int_decode, int_decode.unsupp
 register(rotated_kernel("codebook_decode", codebook_decode.codebook_decode, CodebookFormat,
                         codebook_decode.unsupported))
 register(rotated_kernel("octopus_decode", octopus_decode.octopus_decode, OctopusFormat,
-                        octopus_decode.unsupported, auto=False))
+                        octopus_decode.unsupported))
 register(rotated_kernel("polar_decode", polar_decode.polar_decode, PolarFormat,
-                        polar_decode.unsupported, auto=False))
+                        polar_decode.unsupported))
