@@ -145,27 +145,19 @@ def test_int_ptx(bits):
         np.testing.assert_array_equal(run(units.int_ptx(j, bits), [tile]), want)
 
 
-@pytest.mark.parametrize("bits,split", [(2, False), (4, False), (8, False), (3, True)])
-def test_group_int_ptx(bits, split):
-    tile, top, scale, zero = halves(), bytes_(), f16(0.1), f16(1.0)
-    for j in range(16 // (bits - split)):
+@pytest.mark.parametrize("unit,bits,split", [
+    (16, 2, False), (16, 4, False), (16, 8, False), (16, 3, True),
+    (8, 2, False), (8, 8, False), (8, 3, True),
+])
+def test_group_int_ptx(unit, bits, split):
+    tile = halves() if unit == 16 else bytes_()
+    top, scale, zero = bytes_(), f16(0.1), f16(1.0)
+    ptx = units.group_int_ptx if unit == 16 else units.group_int_bytes_ptx
+    for j in range(unit // (bits - split)):
         want = np.asarray(units.group_int_plane(tile, j, bits, scale, zero, asm=False,
                                                 top=top if split else None))
-        got = run(units.group_int_ptx(j, bits, split),
-                  [tile, *([top] if split else []), scale, zero])
+        got = run(ptx(j, bits, split), [tile, *([top] if split else []), scale, zero])
         # one fused rounding against the jnp form's float32 sum rounded to float16
-        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
-                                   rtol=1e-3, atol=1e-3)
-
-
-@pytest.mark.parametrize("bits,split", [(2, False), (3, True), (8, False)])
-def test_group_int_bytes_ptx(bits, split):
-    tile, top, scale, zero = bytes_(), bytes_(), f16(0.1), f16(1.0)
-    for j in range(8 // (bits - split)):
-        want = np.asarray(units.group_int_plane(tile, j, bits, scale, zero, asm=False,
-                                                top=top if split else None))
-        got = run(units.group_int_bytes_ptx(j, bits, split),
-                  [tile, *([top] if split else []), scale, zero])
         np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
                                    rtol=1e-3, atol=1e-3)
 
