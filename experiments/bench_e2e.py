@@ -11,8 +11,9 @@ tokens, prefilled ``--prefill-chunk`` tokens at a time; reported are decode toke
 (all rows, compilation excluded), milliseconds per decode step, prefill seconds and the
 cache's bytes. The models' attention is their cache config's, ``"auto"``: on a GPU the
 decode steps of ``int:N`` and SAW caches run the fused INT kernel (``"int_decode"``),
-those of TurboQuant caches the codebook kernel (``"codebook_decode"``), those of
-a ``bf16`` cache cuDNN, and prefill chunks walk the cache in windows with bfloat16
+those of TurboQuant, OCTOPUS and PolarQuant caches their kernels over rotated keys
+(``"codebook_decode"``, ``"octopus_decode"``, ``"polar_decode"``), those of a ``bf16``
+cache cuDNN, and prefill chunks walk the cache in windows with bfloat16
 operands (``"xla"``; see :func:`kvjax.attention.auto_names`).
 
 Capacity: the largest batch whose cache of ``--context`` tokens (the bytes of the arrays
