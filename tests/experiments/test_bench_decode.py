@@ -11,7 +11,7 @@ def test_bad_arguments_exit_with_status_2(capsys):
     assert bench_decode.main(["--variant", "words:64:4:2"]) == 2
     assert "layout must be one of" in capsys.readouterr().err
     assert bench_decode.main(["--codec", "int:4"]) == 2
-    assert "is not read by the codebook kernel" in capsys.readouterr().err
+    assert "no kernel over rotated keys reads K 'int:4'" in capsys.readouterr().err
     assert bench_decode.main(["--codec", "turboquant:b9"]) == 2
     assert profile_decode.main(["--shape", "nope"]) == 2
     assert profile_decode.main(["--layout", "words"]) == 2
