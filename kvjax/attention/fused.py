@@ -160,16 +160,6 @@ def rotated_formats(k_codec: Codec, v_codec: Codec, key_format: type[RotatedKeyF
     return k_fmt, v_fmt
 
 
-def require_rotated_formats(k_codec: Codec, v_codec: Codec,
-                            key_format: type[RotatedKeyFormat]
-                            ) -> tuple[RotatedKeyFormat, GroupIntFormat]:
-    """:func:`rotated_formats`, with a ``ValueError`` of the reason where there are none."""
-    formats = rotated_formats(k_codec, v_codec, key_format)
-    if isinstance(formats, str):
-        raise ValueError(f"K '{k_codec.spec}' and V '{v_codec.spec}': {formats}")
-    return formats
-
-
 def rotated_options(k_fmt: RotatedKeyFormat, v_fmt: GroupIntFormat, head_dim: int,
                     scale: float | None = None) -> dict:
     """The static arguments of such a kernel's entry for these formats: the keys' own
@@ -270,6 +260,19 @@ def rotated_entry(k_codec: Codec, v_codec: Codec, head_dim: int
                      f"'{v_codec.spec}' at head_dim {head_dim}: " + "; ".join(reasons))
 
 
+def encoded_cache(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots: int,
+                  head_dim: int, key: jax.Array) -> tuple:
+    """``(k_params, k_codes, v_codes)``: ``slots`` Gaussian keys and values of each of
+    ``batch`` rows and ``heads`` kv heads encoded by the codecs (codes ``[B, K, S, ...]``),
+    one parameter draw of the key codec per head."""
+    keys = jax.random.split(key, 3)
+    k = jax.random.normal(keys[0], (batch, heads, slots, head_dim))
+    v = jax.random.normal(keys[1], (batch, heads, slots, head_dim))
+    params = jax.vmap(lambda kk: k_codec.init(kk, head_dim))(jax.random.split(keys[2], heads))
+    k_codes = jax.vmap(k_codec.encode, in_axes=(0, 1), out_axes=1)(params, k)
+    return params, k_codes, v_codec.encode(None, v)
+
+
 def entry_arrays(k_codec: Codec, v_codec: Codec, k_fmt: RotatedKeyFormat,
                  v_fmt: GroupIntFormat, *, batch: int, heads: int, slots: int, head_dim: int,
                  key: jax.Array, distinct: int | None = None
@@ -282,12 +285,8 @@ def entry_arrays(k_codec: Codec, v_codec: Codec, k_fmt: RotatedKeyFormat,
     kernel's speed depends on the bytes, not on which tokens repeat; encoding a 32k
     cache would cost more than the benchmark)."""
     count = slots if distinct is None else min(slots, distinct)
-    keys = jax.random.split(key, 3)
-    k = jax.random.normal(keys[0], (batch, heads, count, head_dim))
-    v = jax.random.normal(keys[1], (batch, heads, count, head_dim))
-    params = jax.vmap(lambda kk: k_codec.init(kk, head_dim))(jax.random.split(keys[2], heads))
-    k_codes = jax.vmap(k_codec.encode, in_axes=(0, 1), out_axes=1)(params, k)
-    v_codes = v_codec.encode(None, v)
+    params, k_codes, v_codes = encoded_cache(k_codec, v_codec, batch=batch, heads=heads,
+                                             slots=count, head_dim=head_dim, key=key)
     if count < slots:
         index = jnp.arange(slots) % count
         k_codes, v_codes = (jax.tree.map(lambda a: jnp.take(a, index, axis=2), c)

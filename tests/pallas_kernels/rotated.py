@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.attention.fused import encoded_cache
 from kvjax.codec import GroupIntFormat, RotatedKeyFormat
 from kvjax.spec import parse_cache
 from tests.pallas_kernels.suite import KernelSuite, Shape
@@ -65,14 +66,10 @@ def encoded(spec, batch, heads, group, slots, head_dim, seed=0):
     encoded by the spec's codecs, one parameter draw per kv head (codes ``[B, K, S,
     ...]``)."""
     config = parse_cache(spec)
-    keys = jax.random.split(jax.random.key(seed), 4)
+    keys = jax.random.split(jax.random.key(seed))
     q = jax.random.normal(keys[0], (batch, heads, group, head_dim))
-    k = jax.random.normal(keys[1], (batch, heads, slots, head_dim))
-    v = jax.random.normal(keys[2], (batch, heads, slots, head_dim))
-    params = jax.vmap(lambda key: config.k.init(key, head_dim))(
-        jax.random.split(keys[3], heads))
-    k_codes = jax.vmap(config.k.encode, in_axes=(0, 1), out_axes=1)(params, k)
-    return q, params, k_codes, config.v.encode(None, v)
+    return q, *encoded_cache(config.k, config.v, batch=batch, heads=heads, slots=slots,
+                             head_dim=head_dim, key=keys[1])
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
