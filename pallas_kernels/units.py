@@ -257,40 +257,6 @@ def _table_registers(magnitudes: tuple[float, ...]) -> list[int]:
     return words(lo) + words(hi)
 
 
-def _lookup_ptx(source: str, offset: int, magnitudes: tuple[float, ...], out: str) -> str:
-    """PTX that reads the magnitude ranks at bit ``offset`` of both 16-bit halves of
-    register ``source`` and writes their two float16 magnitudes to ``out`` (no sign)."""
-    count = len(magnitudes)
-    mask = count - 1
-    byte = offset // 8
-    # the two ranks' bytes to bytes 0 and 1 (8 bits apart, as prmt's selectors are)
-    gather = byte | (2 + byte) << 4
-    regs = _table_registers(magnitudes)
-    lines = [f"prmt.b32 x, {source}, {source}, {gather:#06x};"]
-    if offset % 8:
-        lines.append(f"shr.b32 x, x, {offset % 8};")
-    lines.append(f"and.b32 x, x, {mask * 0x0101:#06x};")
-    if count <= 4:
-        # one register pair: low bytes at 0..3, high bytes at 4..7
-        lines += ["mad.lo.u32 x, x, 0x11, 0x4040;",
-                  f"mov.b32 a0, {regs[0]:#010x};", f"mov.b32 a1, {regs[1]:#010x};",
-                  f"prmt.b32 {out}, a0, a1, x;"]
-    else:
-        lines += ["mul.lo.u32 x, x, 0x11;",
-                  f"mov.b32 a0, {regs[0]:#010x};", f"mov.b32 a1, {regs[1]:#010x};",
-                  f"mov.b32 h0, {regs[2]:#010x};", f"mov.b32 h1, {regs[3]:#010x};",
-                  "prmt.b32 a0, a0, a1, x;", "prmt.b32 h0, h0, h1, x;",
-                  f"prmt.b32 {out}, a0, h0, 0x7250;"]
-    return " ".join(lines)
-
-
-def _shift_to_sign(reg: str, bit: int, out: str) -> str:
-    """PTX moving bit ``bit`` (and ``bit + 16``) of ``reg`` to bits 15 and 31 of ``out``."""
-    if bit <= 15:
-        return f"shl.b32 {out}, {reg}, {15 - bit};"
-    return f"shr.b32 {out}, {reg}, {bit - 15};"
-
-
 def select_table(values: tuple[float, ...], index: jax.Array) -> jax.Array:
     """``values[index]`` as float32, by a chain of selects: gathers do not lower to
     Triton. An index past the end reads ``values[0]``. Two operations (a compare and a
@@ -347,7 +313,6 @@ def table_ptx(unit: int, offset: int, width: int, table: tuple[float, ...],
         raise ValueError(f"a {code}-bit field at bit {offset} of a {unit}-bit unit: "
                          f"offsets 0..{unit - code} are supported")
     count = 4 if width <= 2 else 8
-    regs = _table_registers(tuple(table) + (0.0,) * (count - len(table)))
     lines = []
     if unit == 8:
         source, shift = "$2", offset
@@ -366,30 +331,43 @@ def table_ptx(unit: int, offset: int, width: int, table: tuple[float, ...],
         lines += [f"shr.b32 x, {source}, {shift};", f"and.b32 x, x, {mask:#010x};"]
     else:
         lines.append(f"and.b32 x, {source}, {mask:#010x};")
+    signs = []
+    if sign:
+        top = shift + width
+        signs_from = source
+        if top < 7:
+            signs.append(f"shl.b32 y, {source}, {7 - top};")
+            signs_from = "y"
+        # the sign bits in the order the selector put the high bytes in
+        signs += [f"prmt.b32 y, {signs_from}, {signs_from}, 0x3120;",
+                  f"lop3.b32 hb, hb, y, 0x80808080, {XOR_AND:#x};"]
+    return _byte_fields_ptx(lines, table, count, signs, "r" if unit == 8 else "r,r")
+
+
+def _byte_fields_ptx(lines: list[str], table: tuple[float, ...], count: int,
+                     signs: list[str], operands: str) -> Ptx:
+    """The :class:`Ptx` of ``lines`` (which leave a field in each byte of register
+    ``x``, bits above it zero) followed by their lookup in ``table`` padded to ``count``
+    (4 or 8) entries, out to two registers of float16 pairs (bytes 0, 1 and 2, 3).
+    ``signs``: lines run between the two halves of an 8-entry lookup, which may flip the
+    float16 signs in ``hb`` (the high bytes, in the order 0, 2, 1, 3)."""
+    regs = _table_registers(tuple(table) + (0.0,) * (count - len(table)))
+    lines = list(lines)
     if count == 4:
         # prmt reads only the low 16 bits of its selector: the high pair is shifted down
         lines += ["mad.lo.u32 x, x, 0x11, 0x40404040;",
                   f"mov.b32 a0, {regs[0]:#010x};", f"mov.b32 a1, {regs[1]:#010x};",
                   "prmt.b32 $0, a0, a1, x;", "shr.b32 x, x, 16;", "prmt.b32 $1, a0, a1, x;"]
         return Ptx("{ .reg .b32 g, x, a0, a1; " + " ".join(lines) + " }",
-                   "=r,=r," + ("r" if unit == 8 else "r,r"), 4)
+                   "=r,=r," + operands, 4)
     # fields 1 and 3 leave bits 8 and 24 for 4 and 12; bits 16 and up are ignored
     lines += ["shr.b32 y, x, 12;", "or.b32 x, x, y;",
               f"mov.b32 a0, {regs[0]:#010x};", f"mov.b32 a1, {regs[1]:#010x};",
               f"mov.b32 h0, {regs[2]:#010x};", f"mov.b32 h1, {regs[3]:#010x};",
-              "prmt.b32 lb, a0, a1, x;", "prmt.b32 hb, h0, h1, x;"]
-    if sign:
-        top = shift + width
-        signs = source
-        if top < 7:
-            lines.append(f"shl.b32 y, {source}, {7 - top};")
-            signs = "y"
-        # the sign bits in the order the selector put the high bytes in
-        lines += [f"prmt.b32 y, {signs}, {signs}, 0x3120;",
-                  f"lop3.b32 hb, hb, y, 0x80808080, {XOR_AND:#x};"]
-    lines += ["prmt.b32 $0, lb, hb, 0x6240;", "prmt.b32 $1, lb, hb, 0x7351;"]
+              "prmt.b32 lb, a0, a1, x;", "prmt.b32 hb, h0, h1, x;", *signs,
+              "prmt.b32 $0, lb, hb, 0x6240;", "prmt.b32 $1, lb, hb, 0x7351;"]
     return Ptx("{ .reg .b32 g, x, y, a0, a1, h0, h1, lb, hb; " + " ".join(lines) + " }",
-               "=r,=r," + ("r" if unit == 8 else "r,r"), 4)
+               "=r,=r," + operands, 4)
 
 
 def table_plane(tile: jax.Array, offset: int, width: int, table: tuple[float, ...],
@@ -429,17 +407,30 @@ def codebook_table_ptx(unit: int, j: int, bits: int, magnitudes: tuple[float, ..
 
 def codebook_ptx(j: int, bits: int, magnitudes: tuple[float, ...]) -> Ptx:
     """:func:`codebook_plane` of split codes (3 bits: the 2 magnitude bits in 16-bit
-    units, the sign bits in bytes): four units per call, each pair's magnitude ranks
-    gathered into one ``prmt`` selector, their float16 magnitudes picked from registers,
-    and the sign bits of the units' byte moved onto float16's."""
-    parts = []
-    for pair, (source, spread) in enumerate((("$2", 0x1100), ("$3", 0x3322))):
-        parts.append(
-            _lookup_ptx(source, j * (bits - 1), magnitudes, "x")
-            + f" prmt.b32 t, $4, $4, {spread:#06x}; shl.b32 t, t, {7 - j};"
-            + f" lop3.b32 ${pair}, x, t, 0x80008000, {XOR_AND:#x};")
-    return Ptx("{ .reg .b32 x, a0, a1, h0, h1, t; " + " ".join(parts) + " }",
-               "=r,=r,r,r,r", 4)
+    units, the sign bits in bytes), four units per call: the magnitude ranks of the four
+    units are gathered into the bytes of one register, bit ``j`` of each unit's sign
+    byte is merged in above them, and the 3-bit fields are looked up in the table of the
+    magnitudes and their negatives (:func:`table_ptx`'s 8-entry lookup): 8 to 10
+    instructions per four codes, where a lookup per pair with the signs moved onto the
+    float16 values took 14 to 16."""
+    if bits != 3 or len(magnitudes) != 4:
+        raise ValueError(f"split codes are 3 bits with 4 magnitudes, got {bits} bits "
+                         f"and {len(magnitudes)}")
+    if not 0 <= j < 8:
+        raise ValueError(f"a 16-bit unit holds 8 2-bit ranks, not plane {j}")
+    byte, shift = divmod(2 * j, 8)
+    lines = [f"prmt.b32 g, $2, $3, {_gather_selector(byte):#06x};"]
+    if shift:
+        lines.append(f"shr.b32 g, g, {shift};")
+    lines.append("and.b32 x, g, 0x03030303;")
+    signs = "$4"
+    if j != 2:
+        # bit j of every sign byte to bit 2 of the same byte (the mask drops the rest)
+        lines.append(f"{'shl' if j < 2 else 'shr'}.b32 y, $4, {abs(2 - j)};")
+        signs = "y"
+    lines.append(f"lop3.b32 x, {signs}, 0x04040404, x, 0xea;")
+    table = (*magnitudes, *(-m for m in magnitudes))
+    return _byte_fields_ptx(lines, table, 8, [], "r,r,r")
 
 
 def codebook_plane(tile: jax.Array, j: int, bits: int, magnitudes: tuple[float, ...],
