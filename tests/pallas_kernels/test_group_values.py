@@ -49,7 +49,7 @@ def test_reference_dequantizes_like_the_codec(spec):
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_planes_read_the_codes(bits):
     """Column ``c`` of plane ``j`` read the value side's way (16-bit units, bytes, or
-    bytes with the top byte of unit ``c // 2`` gathered) is the code of dim
+    bytes beside the low or high nibble of unit ``c // 2``'s top byte) is the code of dim
     ``perm[j * width + c]``."""
     head_dim = 128
     codes = np.random.default_rng(1).integers(0, 1 << bits, (5, head_dim))
