@@ -724,27 +724,35 @@ class KernelFormat:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IntFormat(KernelFormat):
-    """Token-wise integer codes: each stored vector is ``zero + scale * c`` with ``c``
-    the ``bits``-bit codes of its ``D`` dims.
+    """Token-wise integer codes: each stored vector is ``R^T (zero + scale * c)`` with
+    ``c`` the ``bits``-bit codes of its ``D`` dims.
 
     Codes pytree: ``"codes"`` uint32 ``[..., T, W]`` (:func:`kvjax.primitives.packing.
-    pack_codes` words), ``"scale"`` and ``"zero"`` ``[..., T, 1]``. ``rotate``: None, or
-    the orthogonal map ``(params, x) -> R x`` (on the last axis) that every vector went
-    through before it was quantized; attention then takes ``q . k = (R q) . (R k)`` for
-    keys and rotates a weighted sum of values back (``R^T``) once.
+    pack_codes` words), ``"scale"`` and ``"zero"`` ``[..., T, 1]``; with ``offset``, signed
+    codes stored with that bias and no zeros (``zero = -offset * scale``), the scale
+    under the key ``scale_key``. ``rotate``: None (``R = I``), or the linear map ``(params,
+    x) -> R x`` (on the last axis); attention then takes ``q . k = (R q) . (zero + scale
+    c)`` for keys and maps a weighted sum of values back with ``R^T`` once. For a codec
+    that rotated every vector by an orthogonal ``R`` before quantizing it (SAW), ``R^T``
+    is the inverse; a codec whose codes need a linear map of its own to become the vector
+    (HyperQuant: lattice coordinates, a scale and an inverse rotation) gives its
+    transpose as ``R``.
     """
 
     bits: int
     rotate: Callable[[Params, jax.Array], jax.Array] | None = None
+    offset: int | None = None
+    scale_key: str = "scale"
 
-    def arrays(self, codes: Codes) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(codes [..., T, W], scale [..., T], zero [..., T])`` of a codes pytree (the
-        unit axis of the scales dropped: a reshape, no copy)."""
-        return codes["codes"], codes["scale"][..., 0], codes["zero"][..., 0]
+    def arrays(self, codes: Codes) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """``(codes [..., T, W], scale [..., T], zero [..., T] or None)`` of a codes
+        pytree (the unit axis of the scales dropped: a reshape, no copy)."""
+        zero = None if self.offset is not None else codes["zero"][..., 0]
+        return codes["codes"], codes[self.scale_key][..., 0], zero
 
     def rotation(self, params: Params, head_dim: int) -> jax.Array | None:
-        """The matrix ``R [D, D]`` (stored ``y = R x``) of one head's ``params``, or None
-        when the vectors are stored as they are."""
+        """The matrix ``R [D, D]`` of one head's ``params``, or None when the codes are
+        the vector itself."""
         if self.rotate is None:
             return None
         # row i of rotate(I) is (R e_i)^T, the i-th column of R

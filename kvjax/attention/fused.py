@@ -104,7 +104,7 @@ def int_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry:
         return entry(qg, *k_fmt.arrays(k_store.codes), *v_fmt.arrays(v_store.codes), n_comp,
                      k_store.layer, _rotations(k_fmt, k_store.params, head_dim),
                      _rotations(v_fmt, v_store.params, head_dim),
-                     bits=k_fmt.bits, sm_scale=scale, **options)
+                     bits=k_fmt.bits, offset=k_fmt.offset, sm_scale=scale, **options)
 
     return merged_decode(q, layer, lengths, scale, coded)
 
@@ -126,6 +126,8 @@ def int_codes_supports(call: Call, unsupported: Callable[[int, int], str | None]
     k_fmt, v_fmt = formats
     if k_fmt.bits != v_fmt.bits:
         return f"K and V bit widths differ ({k_fmt.bits} vs {v_fmt.bits})"
+    if k_fmt.offset != v_fmt.offset:
+        return f"K and V code offsets differ ({k_fmt.offset} vs {v_fmt.offset})"
     return unsupported(k_fmt.bits, call.head_dim)
 
 

@@ -63,10 +63,16 @@ Bits per element: ``32 (W + n_sub) / (tN D) + 16 / D``: the budget, not the real
 rate, is what a fixed-capacity cache holds (:meth:`HyperQuantCodec.payload_bits` measures
 the realized rate from the stored words).
 
-``int8``: no entropy coding; the lattice codes themselves are stored as int8 (clamped to
-+-127, the paper's fallback for Tensor-Core formats) at the SNR of ``RATEbps``::
+``int8``: no entropy coding; the lattice codes themselves are stored in 8 bits (clamped
+to +-127, the paper's fallback for Tensor-Core formats) at the SNR of ``RATEbps``, biased
+by 128 and packed four to a word (:func:`kvjax.primitives.packing.pack_codes`, the
+layout of ``int:8``)::
 
-    codes   int8[..., T, D]          norm  float16[..., T, 1]          8 + 16 / D bits
+    codes   uint32[..., T, D / 4]    norm  float16[..., T, 1]          8 + 16 / D bits
+
+so that the INT decode kernel reads them (:meth:`HyperQuantCodec.kernel_formats`:
+without dither, a token is ``R^T (norm (c - 128))`` with ``R`` the rotation, the
+lattice's point scale and ``1 / (alpha sqrt D)`` folded into one matrix).
 
 Values use the same codec (the paper's symmetric K = V).
 """
@@ -92,6 +98,7 @@ from kvjax.codec import (
     CodecError,
     Codes,
     Example,
+    IntFormat,
     Limits,
     Option,
     Params,
@@ -102,7 +109,7 @@ from kvjax.codecs.rotated import stored_norm
 from kvjax.primitives import rice
 from kvjax.primitives.codebooks import codebook_dir
 from kvjax.primitives.lattices import LATTICES, Lattice, lattice
-from kvjax.primitives.packing import pack_bits, unpack_bits
+from kvjax.primitives.packing import pack_bits, pack_codes, unpack_bits, unpack_codes
 from kvjax.primitives.rotations import (
     haar_orthogonal,
     inverse_randomized_hadamard,
@@ -112,6 +119,8 @@ from kvjax.primitives.rotations import (
 
 MIN_RATE, MAX_RATE = 1.5, 5.0
 ROTATIONS = ("none", "signs", "haar")
+#: the bias of stored int8 codes: ``c + 128`` in 1..255
+INT8_BIAS = 128
 #: symbols per Rice sub-stream (the paper's S)
 SUBSTREAM = 512
 #: scales tried, ``alpha 2^(-j/2)`` for ``j < LADDER``, besides the sign fallback
@@ -498,8 +507,8 @@ class HyperQuantCodec(Codec):
         lat = self.lat
         if self.int8:
             codes, _ = quantize_symbols(lat, plan.alpha * y, u)
-            codes = jnp.clip(codes, -127, 127).astype(jnp.int8)
-            return {"codes": codes.reshape(*lead, nb * tokens, head_dim),
+            biased = jnp.clip(codes, -127, 127) + INT8_BIAS
+            return {"codes": pack_codes(biased.reshape(*lead, nb * tokens, head_dim), 8),
                     "norm": norm.astype(jnp.float16)}
         elements = tokens * head_dim
         capacity = 32 * plan.words
@@ -557,7 +566,7 @@ class HyperQuantCodec(Codec):
         plan = self.plan(head_dim)
         lat = self.lat
         if self.int8:
-            c = codes["codes"].astype(jnp.int32)
+            c = unpack_codes(codes["codes"], 8, head_dim).astype(jnp.int32) - INT8_BIAS
             lead = c.shape[:-2]
             norm = codes["norm"].astype(jnp.float32)
             u = (self._dither(params, norm.reshape(*lead, c.shape[-2], 1), head_dim)
@@ -599,6 +608,24 @@ class HyperQuantCodec(Codec):
         elements = self.block_tokens * head_dim
         return exact_bits(32 * (plan.words + plan.n_sub) + 16 * self.block_tokens, elements)
 
+    def kernel_formats(self) -> tuple[IntFormat, ...]:
+        """``int8`` without dither: the biased lattice codes as an
+        :class:`~kvjax.codec.IntFormat` (scale: the norm; ``R``: :meth:`kernel_map`).
+        The Rice streams and a dither (drawn per token from a hash of the stored norms)
+        have no kernel format."""
+        if not self.int8 or self.dither:
+            return ()
+        return (IntFormat(bits=8, offset=INT8_BIAS, scale_key="norm", rotate=self.kernel_map),)
+
+    def kernel_map(self, params: Params, x: jax.Array) -> jax.Array:
+        """``R x`` for the int8 codes' :class:`~kvjax.codec.IntFormat`: a token decodes
+        to ``|x| U (p * c) / (alpha sqrt D)`` (``U`` the inverse rotation, ``p`` the
+        lattice's point scale per coordinate), so ``R = diag(p) U^T / (alpha sqrt D)``."""
+        head_dim = x.shape[-1]
+        plan = self.plan(head_dim)
+        scale = np.tile(self.lat.point_scale, head_dim // self.lat.dim)
+        return self._rotate(params, x, plan.tile) * (scale / (plan.alpha * math.sqrt(head_dim)))
+
     # -- diagnostics -------------------------------------------------------------------
     def fallback_levels(self, codes: Codes) -> jax.Array:
         """Per block: 0 at the calibrated scale, 1..3 a coarser one, 4 the sign fallback."""
@@ -613,7 +640,7 @@ class HyperQuantCodec(Codec):
     def payload_bits(self, codes: Codes) -> jax.Array:
         """Realized bits of each block's stream (int32 ``[..., nb]``), read from the words."""
         if self.int8:
-            return jnp.full(codes["norm"].shape[:-1], 8 * codes["codes"].shape[-1], jnp.int32)
+            return jnp.full(codes["norm"].shape[:-1], 32 * codes["codes"].shape[-1], jnp.int32)
         return rice.used_bits(codes["stream"])
 
 

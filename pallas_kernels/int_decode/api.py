@@ -47,9 +47,16 @@ def unsupported(bits: int, head_dim: int) -> str | None:
 
 
 def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
-                 q_rotation, v_rotation, bits: int) -> None:
+                 q_rotation, v_rotation, bits: int, offset: int | None = None) -> None:
     """The checks of :func:`int_decode` (and of its reference): ``NotImplementedError``
     where the kernel cannot serve the arrays, ``ValueError`` where they are malformed."""
+    if offset is None and (k_zero is None or v_zero is None):
+        raise ValueError("k_zero and v_zero are needed unless offset is given (codes "
+                         "scale * (code - offset))")
+    if offset is not None and (k_zero is not None or v_zero is not None):
+        raise ValueError("with offset the codes are scale * (code - offset): pass no zeros")
+    if offset is not None and not 0 <= offset < 1 << bits:
+        raise ValueError(f"offset {offset} is not a {bits}-bit code")
     if q.ndim != 4:
         raise ValueError(f"q must be [B, K, G, D], got shape {q.shape}")
     batch, heads, _, head_dim = q.shape
@@ -71,7 +78,7 @@ def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
                            ("v_scale", v_scale, codes_shape[:-1]),
                            ("v_zero", v_zero, codes_shape[:-1]),
                            ("lengths", lengths, (batch,))):
-        if a.shape != shape:
+        if a is not None and a.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
     for name, a in (("k_codes", k_codes), ("v_codes", v_codes)):
         if a.dtype != jnp.uint32:
@@ -84,23 +91,24 @@ def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
 
 @functools.partial(
     jax.jit,
-    static_argnames=("bits", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "research"),
+    static_argnames=("bits", "offset", "sm_scale", "block_s", "splits", "num_warps",
+                     "num_stages", "interpret", "research"),
 )
 def int_decode(
     q: jax.Array,        # [B, K, G, D] float: the query rows that read kv head k
     k_codes: jax.Array,  # uint32 [B, K, S, W] ([L, B, K, S, W] with layer): planar codes
     k_scale: jax.Array,  # [B, K, S] ([L, ...]) fp16 or float32: key = zero + scale * code
-    k_zero: jax.Array,   # [B, K, S] ([L, ...]) fp16 or float32
+    k_zero: jax.Array | None,  # [B, K, S] ([L, ...]) fp16 or float32; None with offset
     v_codes: jax.Array,  # uint32, like k_codes
     v_scale: jax.Array,  # like k_scale
-    v_zero: jax.Array,   # like k_zero
+    v_zero: jax.Array | None,  # like k_zero
     lengths: jax.Array,  # int32 [B]: coded tokens per row, the first lengths[b] of S
     layer: jax.Array | None = None,       # int32 []: the layer of stacked codes to read
     q_rotation: jax.Array | None = None,  # [K, D, D]: keys stored as R k; reads R q
     v_rotation: jax.Array | None = None,  # [K, D, D]: values stored as R v; R^T o out
     *,
     bits: int,               # code width: 2, 4 or 8 (planar-packed)
+    offset: int | None = None,  # no zeros: every token is scale * (code - offset)
     sm_scale: float,         # logits are sm_scale * q . k
     block_s: int | None = None,     # tokens per block (default_blocking)
     splits: int | None = None,      # slices of S, one program each (default_splits)
@@ -114,7 +122,8 @@ def int_decode(
     Returns ``o [B, K, G, D]``, ``m [B, K, G]``, ``l [B, K, G]`` in float32
     (:mod:`pallas_kernels.partial`); a row with no coded token gets ``o = 0, l = 0,
     m = NEG``. Codes are :func:`kvjax.primitives.packing.pack_bits` words of the
-    token-wise integer codes, each token ``zero + scale * code``. With ``layer``, the
+    token-wise integer codes, each token ``zero + scale * code`` (with ``offset``, and no
+    zeros: ``scale * (code - offset)``, signed codes stored with a bias). With ``layer``, the
     codes, scales and zeros are a whole stack of layers and the kernel reads layer
     ``layer`` in place (a cache segment's codes inside a scan over layers). Operands of
     the kernel's matmuls are float16, accumulation float32 (see :mod:`.kernel`).
@@ -122,7 +131,7 @@ def int_decode(
     (:func:`unsupported`), ``ValueError`` when they are malformed.
     """
     check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
-                 q_rotation, v_rotation, bits)
+                 q_rotation, v_rotation, bits, offset)
     batch, heads, group, head_dim = q.shape
     slots = k_codes.shape[-2]
     if slots == 0:
@@ -136,7 +145,8 @@ def int_decode(
     rows = pad_query_rows(q.astype(jnp.float32), operand_width(head_dim, bits, research.layout))
     o, m, l = codes_partial(
         rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, q_rotation, layer,
-        bits=bits, sm_scale=sm_scale, block_s=block_s, splits=splits, num_warps=num_warps,
+        bits=bits, offset=offset, sm_scale=sm_scale, block_s=block_s, splits=splits,
+        num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, research=research,
     )
     o, m, l = merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)

@@ -86,11 +86,13 @@ class Research:
 
 
 def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_scale,
-            rotated, asm):
-    if rotated:
-        rot_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
-    else:
+            rotated, offset, asm):
+    refs = list(refs)
+    rot_ref = refs.pop(0) if rotated else None
+    if offset is None:
         kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, o_ref, m_ref, l_ref = refs
+    else:
+        (kc_ref, ks_ref, vc_ref, vs_ref, o_ref, m_ref, l_ref), kz_ref, vz_ref = refs, None, None
     planes = 8 * jnp.dtype(kc_ref.dtype).itemsize // bits
     rows = q_ref.shape[0]
 
@@ -108,17 +110,25 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_
     def scores(load):
         kc = load(kc_ref)
         ks = load(ks_ref).astype(jnp.float32)
-        kz = load(kz_ref).astype(jnp.float32)
         dots = sum(dot_nt(q_slots[j], int_plane(kc, j, bits, asm)) for j in range(planes))
+        if offset is not None:
+            # scale * (code - offset), with the offset's share from the same float16 query
+            return (dots - float(offset) * q_sum[:, None]) * (ks[None, :] * sm_scale)
+        kz = load(kz_ref).astype(jnp.float32)
         return (dots * ks[None, :] + q_sum[:, None] * kz[None, :]) * sm_scale
 
     def accumulate(acc, p, correction, load):
         o_slots, o_zero = acc
         vc = load(vc_ref)
         vs = load(vs_ref).astype(jnp.float32)
-        vz = load(vz_ref).astype(jnp.float32)
         pv = (p * vs[None, :]).astype(OPERAND)
-        o_zero = o_zero * correction + jnp.sum(p * vz[None, :], axis=1)
+        if offset is None:
+            zero = p * load(vz_ref).astype(jnp.float32)[None, :]
+        else:
+            # biased codes are ~offset, their differences small: the offset's share must
+            # come from the same rounded operand, or its rounding error would not cancel
+            zero = -float(offset) * pv.astype(jnp.float32)
+        o_zero = o_zero * correction + jnp.sum(zero, axis=1)
         o_slots = tuple(o_slots[j] * correction[:, None] + dot_nn(pv, int_plane(vc, j, bits, asm))
                         for j in range(planes))
         return o_slots, o_zero
@@ -137,8 +147,8 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_
 
 @functools.partial(
     jax.jit,
-    static_argnames=("bits", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "research"),
+    static_argnames=("bits", "offset", "sm_scale", "block_s", "splits", "num_warps",
+                     "num_stages", "interpret", "research"),
 )
 def codes_partial(
     q: jax.Array,
@@ -153,6 +163,7 @@ def codes_partial(
     layer: jax.Array | None = None,
     *,
     bits: int,
+    offset: int | None = None,
     sm_scale: float,
     block_s: int = 64,
     splits: int = 1,
@@ -168,7 +179,8 @@ def codes_partial(
     :func:`operand_width` is; :func:`pad_query_rows`), the codes always stacked
     (``[L, B, K, S, W]``; ``layer`` None reads a stack of one), and no check of what the
     kernel supports (:func:`.api.int_decode` does them). Returns ``o [B, K, splits, R,
-    D]``, ``m, l [B, K, splits, R]`` (float32), one partial per split. A SAW
+    D]``, ``m, l [B, K, splits, R]`` (float32), one partial per split. With ``offset``
+    the zeros are None and every token is ``scale * (code - offset)``. A SAW
     ``rotation`` ``[K, D, D]`` is applied to the query by one XLA product before the
     kernel, together with the column permutation (``research.rotate_in_kernel``: inside
     every program, measured 1.6x slower at one row and 128k tokens: each of the ~500
@@ -179,7 +191,8 @@ def codes_partial(
     if layer is None:
         # one layer's arrays: a stack of one (a reshape, no copy)
         k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
-            a[None] for a in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
+            None if a is None else a[None]
+            for a in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
         layer = 0
     layers = k_codes.shape[0]
     slots_total = k_codes.shape[3]
@@ -199,7 +212,8 @@ def codes_partial(
     kernel = functools.partial(
         _kernel, bits=bits, width=width, block_s=block_s,
         split_len=split_len(slots_total, splits, block_s),
-        sm_scale=sm_scale, rotated=rotated, asm=not interpret and research.asm,
+        sm_scale=sm_scale, rotated=rotated, offset=offset,
+        asm=not interpret and research.asm,
     )
     args, in_specs = leading_inputs(n_comp, layer, q)
     if rotated:
@@ -207,8 +221,12 @@ def codes_partial(
         args.append(rotation.astype(OPERAND))
     code_spec = stacked_spec(layers, slots_total, k_codes.shape[4])
     meta_spec = stacked_spec(layers, slots_total)
-    in_specs += [code_spec, meta_spec, meta_spec, code_spec, meta_spec, meta_spec]
-    args += [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero]
+    for codes, scale, zero in ((k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero)):
+        present = [(codes, code_spec), (scale, meta_spec)]
+        if offset is None:
+            present.append((zero, meta_spec))
+        args += [a for a, _ in present]
+        in_specs += [spec for _, spec in present]
     o, m, l = decode_call(kernel, args, in_specs, batch=batch, heads=heads, splits=splits,
                           rows=rows, head_dim=head_dim, num_warps=num_warps,
                           num_stages=num_stages, interpret=interpret,

@@ -20,33 +20,37 @@ from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.partial import EXACT, dense_partial, unrotate_output
 
 
-def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array, bits: int,
-               head_dim: int) -> jax.Array:
+def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array | None, bits: int,
+               head_dim: int, offset: int | None = None) -> jax.Array:
     """Tokens ``zero + scale * code`` in float32 from ``uint32[..., S, W]`` words and
-    ``[..., S]`` scales and zeros: ``[..., S, D]``."""
+    ``[..., S]`` scales and zeros (with ``offset`` and no zeros: ``scale * (code -
+    offset)``): ``[..., S, D]``."""
     c = unpack_codes(codes, bits, head_dim).astype(jnp.float32)
+    if zero is None:
+        return (c - offset) * scale[..., None].astype(jnp.float32)
     return zero[..., None].astype(jnp.float32) + c * scale[..., None].astype(jnp.float32)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("bits", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "research"),
+    static_argnames=("bits", "offset", "sm_scale", "block_s", "splits", "num_warps",
+                     "num_stages", "interpret", "research"),
 )
 def int_decode(
     q: jax.Array,        # [B, K, G, D] float: the query rows that read kv head k
     k_codes: jax.Array,  # uint32 [B, K, S, W] ([L, B, K, S, W] with layer): planar codes
     k_scale: jax.Array,  # [B, K, S] ([L, ...]) fp16 or float32: key = zero + scale * code
-    k_zero: jax.Array,   # [B, K, S] ([L, ...]) fp16 or float32
+    k_zero: jax.Array | None,  # [B, K, S] ([L, ...]) fp16 or float32; None with offset
     v_codes: jax.Array,  # uint32, like k_codes
     v_scale: jax.Array,  # like k_scale
-    v_zero: jax.Array,   # like k_zero
+    v_zero: jax.Array | None,  # like k_zero
     lengths: jax.Array,  # int32 [B]: coded tokens per row, the first lengths[b] of S
     layer: jax.Array | None = None,       # int32 []: the layer of stacked codes to read
     q_rotation: jax.Array | None = None,  # [K, D, D]: keys stored as R k; reads R q
     v_rotation: jax.Array | None = None,  # [K, D, D]: values stored as R v; R^T o out
     *,
     bits: int,
+    offset: int | None = None,
     sm_scale: float,
     block_s: int | None = None,
     splits: int | None = None,
@@ -61,18 +65,19 @@ def int_decode(
     ignored here."""
     del block_s, splits, num_warps, num_stages, interpret, research
     check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
-                 q_rotation, v_rotation, bits)
+                 q_rotation, v_rotation, bits, offset)
     head_dim = q.shape[-1]
     arrays = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
     if layer is not None:
-        arrays = tuple(jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+        arrays = tuple(None if a is None else
+                       jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
                        for a in arrays)
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = arrays
     q = q.astype(jnp.float32)
     if q_rotation is not None:
         q = jnp.einsum("bkgd,ked->bkge", q, q_rotation.astype(jnp.float32), precision=EXACT)
-    keys = dequantize(k_codes, k_scale, k_zero, bits, head_dim)
-    values = dequantize(v_codes, v_scale, v_zero, bits, head_dim)
+    keys = dequantize(k_codes, k_scale, k_zero, bits, head_dim, offset)
+    values = dequantize(v_codes, v_scale, v_zero, bits, head_dim, offset)
     valid = jnp.arange(k_codes.shape[2])[None, :] < lengths[:, None]
     o, m, l = dense_partial(q, keys, values, valid, sm_scale=sm_scale)
     if v_rotation is not None:

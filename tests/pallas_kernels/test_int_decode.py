@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 from kvjax.codecs import IntCodec, SawCodec
+from kvjax.codecs.hyperquant import INT8_BIAS
 from kvjax.primitives.packing import unpack_codes
+from kvjax.spec import parse_codec
 from pallas_kernels.int_decode import api, reference
 from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.units import unit_permutation, unit_view
@@ -35,6 +37,7 @@ class Case(Shape):
     lengths: tuple[int, ...]
     saw: int | None = None     # SAW rotation block of the keys (None: int:N keys)
     saw_values: bool = False   # values rotated too (SAW "kv")
+    hyperquant: str | None = None  # keys and values of this int8 HyperQuant spec
     layers: int | None = None  # codes stacked over this many layers; layer 1 is read
     block_s: int | None = 16
     splits: int | None = 2
@@ -43,6 +46,7 @@ class Case(Shape):
     @property
     def id(self) -> str:
         extra = [f"saw{self.saw}" * bool(self.saw), "kv" * self.saw_values,
+                 (self.hyperquant or "").replace(":", "-").replace(",", "-"),
                  f"L{self.layers}" * bool(self.layers),
                  f"{self.research}" * bool(self.research)]
         return "-".join([f"{self.shape_id}b{self.bits}", f"bs{self.block_s}",
@@ -55,16 +59,34 @@ def coded(codec, params, x):
     return codes["codes"], codes["scale"][..., 0], codes["zero"][..., 0]
 
 
+def int_format_case(spec, key, k, v, heads, head_dim):
+    """Keys and values of a codec with an offset IntFormat (HyperQuant int8): the arrays
+    it gives the kernel, and its matrices ``R`` per head."""
+    codec = parse_codec(spec)
+    fmt = codec.kernel_formats()[0]
+    out = []
+    for i, x in enumerate((k, v)):
+        params = codec.init(jax.random.fold_in(key, i), head_dim)
+        r = fmt.rotation(params, head_dim)
+        out += [fmt.arrays(codec.encode(params, x)), jnp.broadcast_to(r, (heads, *r.shape))]
+    return out
+
+
 # One compiled program per shape: op-by-op dispatch would compile dozens of small
 # programs for every new shape, which costs more than the kernel itself.
 @functools.partial(jax.jit, static_argnames=("batch", "heads", "group", "slots", "head_dim",
-                                             "bits", "saw_block", "saw_values", "seed"))
+                                             "bits", "saw_block", "saw_values", "hyperquant",
+                                             "seed"))
 def random_case(batch, heads, group, slots, head_dim, bits, saw_block=None, saw_values=False,
-                seed=0):
+                hyperquant=None, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (batch, heads, group, head_dim))
     k = jax.random.normal(keys[1], (batch, heads, slots, head_dim))
     v = jax.random.normal(keys[2], (batch, heads, slots, head_dim))
+    if hyperquant:
+        k_arrays, q_rotation, v_arrays, v_rotation = int_format_case(
+            hyperquant, keys[3], k, v, heads, head_dim)
+        return q, k_arrays, v_arrays, q_rotation, v_rotation
     q_rotation = v_rotation = None
     if saw_block:
         saw = SawCodec(block=saw_block, bits=bits, signs=True)
@@ -107,6 +129,10 @@ CASES = (
     Case(2, 1, 4, 45, 64, 4, (45, 13), saw=32, saw_values=True, splits=3),
     # a stack of layers read in place at a traced index, an empty row
     Case(2, 2, 4, 40, 64, 4, (40, 0), layers=3),
+    # HyperQuant int8: biased signed codes without zeros, a linear map that is not a
+    # rotation (lattice point scale, 1 / (alpha sqrt D)) on the query and the output
+    Case(2, 2, 4, 50, 128, 8, (50, 19), hyperquant="hyperquant:e8,4bps,int8", splits=3),
+    Case(1, 1, 7, 33, 64, 8, (33,), hyperquant="hyperquant:a2,3bps,haar,int8", layers=2),
     # the library's default blocking and splits (S not a multiple of its 128-token block)
     Case(2, 1, 4, 130, 64, 4, (130, 1), block_s=None, splits=None),
 )
@@ -123,26 +149,31 @@ class TestIntDecode(KernelSuite):
     DROP = (Case(1, 1, 4, 48, 128, 4, (48,)), [32])
     TOLERANCE: ClassVar[dict[str, float]] = {"out": ATOL, "lse": LSE_ATOL}
     IMPL = "int_decode"
-    NEEDLE_SPECS = ("int:4 window=16 sinks=4", "k=saw:h32,signs v=int:4 window=16 sinks=4")
+    NEEDLE_SPECS = ("int:4 window=16 sinks=4", "k=saw:h32,signs v=int:4 window=16 sinks=4",
+                    "hyperquant:e8,4bps,int8 window=16 sinks=4")
 
     def inputs(self, case: Case) -> dict:
-        args = random_case(case.batch, case.heads, case.group, case.slots, case.head_dim,
-                           case.bits, case.saw, case.saw_values)
-        q, k_arrays, v_arrays, q_rotation, v_rotation = args
+        def one(seed=0):
+            return random_case(case.batch, case.heads, case.group, case.slots,
+                               case.head_dim, case.bits, case.saw, case.saw_values,
+                               case.hyperquant, seed=seed)
+
+        q, k_arrays, v_arrays, q_rotation, v_rotation = one()
         layer = None
         if case.layers:
             # other layers hold other codes: reading the wrong one cannot pass
-            stacks = [random_case(case.batch, case.heads, case.group, case.slots,
-                                  case.head_dim, case.bits, case.saw, case.saw_values,
-                                  seed=seed) for seed in (1, 0, 2)[:case.layers]]
-            k_arrays = [jnp.stack([s[1][i] for s in stacks]) for i in range(3)]
-            v_arrays = [jnp.stack([s[2][i] for s in stacks]) for i in range(3)]
+            stacks = [one(seed) for seed in (1, 0, 2)[:case.layers]]
+            k_arrays, v_arrays = (
+                [None if s0[i] is None else jnp.stack([s[role][i] for s in stacks])
+                 for i, s0 in ((i, stacks[0][role]) for i in range(3))]
+                for role in (1, 2))
             layer = jnp.int32(1)
         names = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+        offset = INT8_BIAS if case.hyperquant else None
         return {"q": q, **dict(zip(names, (*k_arrays, *v_arrays), strict=True)),
                 "lengths": jnp.asarray(case.lengths, jnp.int32), "layer": layer,
                 "q_rotation": q_rotation, "v_rotation": v_rotation, "bits": case.bits,
-                "sm_scale": case.head_dim**-0.5, "block_s": case.block_s,
+                "offset": offset, "sm_scale": case.head_dim**-0.5, "block_s": case.block_s,
                 "splits": case.splits, "research": case.research}
 
     def lengths(self, case: Case) -> list[int]:
@@ -172,6 +203,12 @@ class TestIntDecode(KernelSuite):
         with pytest.raises(ValueError, match="uint32"):
             api.int_decode(**{**kw, "k_codes": kw["k_codes"].astype(jnp.int32),
                               "v_codes": kw["v_codes"].astype(jnp.int32)})
+        with pytest.raises(ValueError, match="pass no zeros"):
+            api.int_decode(**{**kw, "offset": 8})
+        with pytest.raises(ValueError, match="needed unless offset"):
+            api.int_decode(**{**kw, "k_zero": None})
+        with pytest.raises(ValueError, match="is not a 4-bit code"):
+            api.int_decode(**{**kw, "k_zero": None, "v_zero": None, "offset": 16})
 
     def test_no_code_slot_is_an_empty_partial(self):
         kw = self.inputs(Case(2, 1, 4, 20, 64, 4, (0, 0)))
