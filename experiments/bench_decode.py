@@ -15,12 +15,11 @@ over the packed codes with the library's default blocking and split count (``saw
 with SAW's query rotation, which the entry applies with the column permutation in one
 XLA product) and normalize its partial; ``saw-in-kernel`` and ``--variant`` are
 benchmark-only kernel variants (:class:`~pallas_kernels.int_decode.kernel.Research`).
-Each ``--codec`` (a cache spec whose K is a rotated codec read by a registered kernel:
-TurboQuant MSE or QJL, PolarQuant, OCTOPUS; default :data:`CODECS`) adds its fused path,
-``<spec> [<kernel>]``, the kernel's entry (:func:`kvjax.attention.fused.rotated_entry`)
-over that cache's arrays (Gaussian vectors encoded by its codecs,
-:func:`~kvjax.attention.fused.entry_arrays`), and ``<spec> dequant``, the same codes
-decoded by the codecs to bf16 and attended by cuDNN.
+Each ``--codec`` (a cache spec read by a registered fused kernel: TurboQuant MSE or
+QJL, PolarQuant, OCTOPUS, HyperQuant int8; default :data:`CODECS`) adds its fused path,
+``<spec> [<kernel>]``, the kernel's entry over that cache's arrays
+(:func:`kvjax.attention.fused.kernel_call`: Gaussian vectors encoded by its codecs), and
+``<spec> dequant``, the same codes decoded by the codecs to bf16 and attended by cuDNN.
 
 Timing: every path is compiled and run once before timing (compile time reported
 apart); a timed sample is one jitted call that runs the path ``--inner`` times in a
@@ -57,10 +56,10 @@ FULL_GRID = [(1, 4096), (8, 4096), (32, 4096), (1, 32768), (8, 32768), (32, 3276
              (1, 131072)]
 QUICK_GRID = [(32, 32768), (1, 131072)]
 BITS = 4
-#: the cache specs timed through their kernel over rotated keys by default
+#: the cache specs timed through their fused kernel by default
 CODECS = ("turboquant:b4", "turboquant:b3", "turboquant:b4,qjl", "turboquant:b3,qjl",
-          "polarquant:b3", "octopus:b3", "octopus:b4,qjl")
-#: tokens encoded per (row, kv head) for a rotated codec's cache, repeated to its length
+          "polarquant:b3", "octopus:b3", "octopus:b4,qjl", "hyperquant:e8,4bps,int8")
+#: tokens encoded per (row, kv head) for a codec's cache, repeated to its length
 DISTINCT_TOKENS = 1024
 
 
@@ -98,45 +97,43 @@ def parse_variant(text: str) -> dict:
             "splits": int(splits[0]) if splits else None}
 
 
-def rotated_kernel(spec: str, head_dim: int):
-    """``(config, kernel, K format, V format)`` of the registered kernel over rotated keys
-    that reads a cache spec at ``head_dim``, or a ValueError."""
+def codec_kernel(spec: str, head_dim: int):
+    """``(config, kernel)`` of the registered fused kernel that reads a cache spec at
+    ``head_dim`` (:func:`kvjax.attention.fused.find_kernel`), or a ValueError."""
     config = parse_cache(spec)
-    return (config, *fused.rotated_entry(config.k, config.v, head_dim))
+    return config, fused.find_kernel(config.k, config.v, head_dim)[0]
 
 
-def bench_rotated(spec, q, batch, heads, group, slots, head_dim, inner, repeats, options):
-    """``{path: (compile s, s per call, bytes)}`` of a rotated-key codec's fused kernel
-    (:func:`kvjax.attention.fused.rotated_entry`) and its dequantize-then-cuDNN path."""
-    config, impl, k_fmt, v_fmt = rotated_kernel(spec, head_dim)
-    arrays, (params, k_codes, v_codes) = fused.entry_arrays(
-        config.k, config.v, k_fmt, v_fmt, batch=batch, heads=heads, slots=slots,
-        head_dim=head_dim, key=jax.random.key(1), distinct=DISTINCT_TOKENS)
-    static = fused.rotated_options(k_fmt, v_fmt, head_dim)
-    stored = ("k_codes", "k_norm", "v_codes", "v_scale", "v_zero", "k_qjl",
-              "k_residual_norm")
-    read = nbytes(*(arrays[k] for k in stored if k in arrays))
+def bench_codec(spec, q, batch, heads, group, slots, head_dim, inner, repeats, options):
+    """``{path: (compile s, s per call, bytes)}`` of the fused kernel that reads a cache
+    spec (:func:`kvjax.attention.fused.kernel_call`) and of its dequantize-then-cuDNN
+    path."""
+    config = parse_cache(spec)
+    call = fused.kernel_call(config.k, config.v, batch=batch, heads=heads, slots=slots,
+                             head_dim=head_dim, key=jax.random.key(1),
+                             distinct=DISTINCT_TOKENS)
     num_heads = heads * group
 
     def kernel(q, arrays):
         qg = q.reshape(batch, heads, group, head_dim)
-        out = normalize(*impl.entry(qg, **arrays, **static, **options))
-        return out.reshape(batch, num_heads, head_dim)
+        return normalize(*call(qg, arrays, **options)).reshape(batch, num_heads, head_dim)
 
-    def dequant(q, params, k_codes, v_codes):
+    def dequant(q, codecs):
         # what a cache without a fused kernel pays: the codecs' own decode (QJL's
         # reconstruction included), then cuDNN over [B, S, K, D] bf16
-        keys = jax.vmap(config.k.decode, in_axes=(0, 1), out_axes=1)(params, k_codes)
-        values = config.v.decode(None, v_codes)
+        k_params, k_codes, v_params, v_codes = codecs
+        keys, values = (jax.vmap(codec.decode, in_axes=(0, 1), out_axes=1)(params, codes)
+                        for codec, params, codes in ((config.k, k_params, k_codes),
+                                                     (config.v, v_params, v_codes)))
         k, v = (jnp.swapaxes(a.astype(jnp.bfloat16), 1, 2) for a in (keys, values))
         out = jax.nn.dot_product_attention(
             q.reshape(batch, 1, num_heads, head_dim).astype(jnp.bfloat16), k, v,
             implementation="cudnn")
         return out[:, 0]
 
-    return {f"{spec} [{impl.name}]": (*timed(kernel, (q, arrays), inner, repeats), read),
-            f"{spec} dequant": (*timed(dequant, (q, params, k_codes, v_codes), inner,
-                                       repeats), read)}
+    read = call.read_bytes
+    return {f"{spec} [{call.name}]": (*timed(kernel, (q, call.arrays), inner, repeats), read),
+            f"{spec} dequant": (*timed(dequant, (q, call.codecs), inner, repeats), read)}
 
 
 def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stages, peak,
@@ -206,8 +203,8 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
     options = {"block_s": block_s, "num_warps": num_warps, "num_stages": num_stages}
     for spec in codecs:
         try:
-            results.update(bench_rotated(spec, q, batch, heads, group, slots, head_dim,
-                                          inner, repeats, options))
+            results.update(bench_codec(spec, q, batch, heads, group, slots, head_dim,
+                                        inner, repeats, options))
         except Exception as err:  # report, keep benchmarking the other codecs
             print(f"  {spec} failed: {str(err).splitlines()[0][:160]}", file=sys.stderr)
     return {"shape": name, "batch": batch, "slots": slots, "splits": splits,
@@ -251,7 +248,7 @@ def main(argv=None) -> int:
                    help="extra kernel configurations to time, e.g. bytes:128:8:3 or "
                         "halves-jnp:64:4:2:66 (-jnp: unpack without inline PTX)")
     p.add_argument("--codec", action="append", metavar="SPEC",
-                   help="cache specs read by a kernel over rotated keys "
+                   help="cache specs read by a fused kernel "
                         f"(default: {', '.join(CODECS)})")
     args = p.parse_args(argv)
     shapes = args.shape or list(SHAPES)
@@ -263,7 +260,7 @@ def main(argv=None) -> int:
         codecs = tuple(args.codec or CODECS)
         for spec in codecs:
             for name in shapes:
-                rotated_kernel(spec, model_shape(name).head_dim)
+                codec_kernel(spec, model_shape(name).head_dim)
     except (ValueError, TypeError) as err:  # CodecError is a ValueError
         print(f"bench_decode: {err}", file=sys.stderr)
         return 2

@@ -7,9 +7,9 @@
 Runs the kernel's entry a few times so a profiler such as Nsight Compute sees a warm,
 compiled kernel: the INT kernel's (:func:`pallas_kernels.int_decode.api.int_decode`) on
 random packed codes (its speed depends only on the bytes), or with ``--codec`` the
-kernel over rotated keys that reads that cache spec
-(:func:`kvjax.attention.fused.rotated_entry`: codebook, polar or octopus) over a cache of
-its codes.
+registered fused kernel that reads that cache spec
+(:func:`kvjax.attention.fused.kernel_call`: codebook, polar, octopus, or the INT kernel
+over HyperQuant's int8 codes) over a cache of its codes.
 """
 
 from __future__ import annotations
@@ -27,18 +27,15 @@ from pallas_kernels.int_decode.api import int_decode, random_inputs
 from pallas_kernels.int_decode.kernel import Research
 
 
-def rotated_call(spec: str, batch: int, heads: int, group: int, slots: int, head_dim: int):
-    """``(kernel name, options -> partial)``: the registered kernel over rotated keys that
-    reads ``spec`` (:func:`kvjax.attention.fused.rotated_entry`), over a cache of that
-    spec's codes; a ValueError when none reads it."""
+def codec_call(spec: str, batch: int, heads: int, group: int, slots: int, head_dim: int):
+    """``(kernel name, options -> partial)``: the registered fused kernel that reads
+    ``spec`` (:func:`kvjax.attention.fused.kernel_call`), over a cache of that spec's
+    codes; a ValueError when none reads it."""
     config = parse_cache(spec)
-    impl, k_fmt, v_fmt = fused.rotated_entry(config.k, config.v, head_dim)
-    arrays, _ = fused.entry_arrays(config.k, config.v, k_fmt, v_fmt, batch=batch,
-                                   heads=heads, slots=slots, head_dim=head_dim,
-                                   key=jax.random.key(0), distinct=1024)
+    call = fused.kernel_call(config.k, config.v, batch=batch, heads=heads, slots=slots,
+                             head_dim=head_dim, key=jax.random.key(0), distinct=1024)
     q = jax.random.normal(jax.random.key(1), (batch, heads, group, head_dim))
-    static = fused.rotated_options(k_fmt, v_fmt, head_dim)
-    return impl.name, lambda **options: impl.entry(q, **arrays, **static, **options)
+    return call.name, lambda **options: call(q, **options)
 
 
 def main(argv=None) -> int:
@@ -55,7 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-stages", type=int)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--codec", metavar="SPEC",
-                   help="a cache spec for the codebook kernel (e.g. turboquant:b3)")
+                   help="a cache spec read by a fused kernel (e.g. turboquant:b3)")
     args = p.parse_args(argv)
     try:
         shape = model_shape(args.shape)
@@ -63,7 +60,7 @@ def main(argv=None) -> int:
         heads, head_dim = shape.num_kv_heads, shape.head_dim
         group = shape.num_heads // heads
         if args.codec:
-            name, call = rotated_call(args.codec, args.batch, heads, group, args.slots,
+            name, call = codec_call(args.codec, args.batch, heads, group, args.slots,
                                       head_dim)
     except ValueError as err:  # CodecError is a ValueError
         print(f"profile_decode: {err}", file=sys.stderr)

@@ -11,13 +11,17 @@ A kernel over :class:`~kvjax.codec.IntFormat` codes registers with
 :func:`int_codes_kernel`; one over rotated keys (a :class:`~kvjax.codec.RotatedKeyFormat`:
 TurboQuant's codebook codes, ...) and :class:`~kvjax.codec.GroupIntFormat` values with
 :func:`rotated_kernel`, naming its key format. A kernel over a new kind of format adds
-its own small adapter here (how its entry takes the arrays of that format) and reuses
-:func:`merged_decode` and :func:`decode_reason`.
+its own small adapter here (how its entry takes the arrays of that format, and which
+formats it ``reads``) and registers through :func:`kernel_impl`, reusing
+:func:`merged_decode` and :func:`decode_reason`. Benchmarks and profilers reach every
+registered kernel the same way: :func:`find_kernel` (which kernel reads a K and a V
+codec) and :func:`kernel_call` (that kernel bound to a cache of their codes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -109,14 +113,11 @@ def int_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry:
     return merged_decode(q, layer, lengths, scale, coded)
 
 
-def int_codes_supports(call: Call, unsupported: Callable[[int, int], str | None]) -> str | None:
-    """Why a kernel over IntFormat codes cannot serve ``call`` (None: it can);
-    ``unsupported(bits, head_dim)`` is the kernel's own rule."""
-    reason = decode_reason(call)
-    if reason is not None:
-        return reason
+def int_formats(k_codec: Codec, v_codec: Codec) -> tuple[IntFormat, IntFormat] | str:
+    """The :class:`~kvjax.codec.IntFormat` of a K and a V codec that one kernel call can
+    read together (same width, same offset), or why there is none."""
     formats = []
-    for role, codec in (("K", call.layer.k.codec), ("V", call.layer.v.codec)):
+    for role, codec in (("K", k_codec), ("V", v_codec)):
         fmt = int_format(codec)
         if fmt is None:
             return f"{role} '{codec.spec}' offers no int-codes kernel format"
@@ -128,22 +129,57 @@ def int_codes_supports(call: Call, unsupported: Callable[[int, int], str | None]
         return f"K and V bit widths differ ({k_fmt.bits} vs {v_fmt.bits})"
     if k_fmt.offset != v_fmt.offset:
         return f"K and V code offsets differ ({k_fmt.offset} vs {v_fmt.offset})"
-    return unsupported(k_fmt.bits, call.head_dim)
+    return k_fmt, v_fmt
+
+
+def int_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
+              unsupported: Callable[[int, int], str | None]
+              ) -> tuple[IntFormat, IntFormat] | str:
+    """The formats a kernel over IntFormat codes reads from these codecs at ``head_dim``,
+    or why it cannot; ``unsupported(bits, head_dim)`` is the kernel's own rule."""
+    formats = int_formats(k_codec, v_codec)
+    if isinstance(formats, str):
+        return formats
+    return unsupported(formats[0].bits, head_dim) or formats
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelImpl(Impl):
+    """A registered fused decode kernel, with what a benchmark needs to call it directly:
+    its array-level ``entry`` and ``reads(k_codec, v_codec, head_dim)``, the K and V
+    formats it reads from those codecs or why it cannot."""
+
+    entry: Entry | None = None
+    reads: Callable[[Codec, Codec, int], tuple | str] | None = None
+
+
+def kernel_impl(name: str, entry: Entry, reads: Callable[[Codec, Codec, int], tuple | str],
+                decode: Callable[..., jax.Array], auto: bool = True) -> KernelImpl:
+    """The registry entry of a fused one-token decode kernel: it serves a call whose
+    codecs it ``reads`` and runs ``decode(q [B, N, D], layer, lengths, scale=...)``."""
+
+    def supports(call: Call) -> str | None:
+        reason = decode_reason(call)
+        if reason is None:
+            formats = reads(call.layer.k.codec, call.layer.v.codec, call.head_dim)
+            reason = formats if isinstance(formats, str) else None
+        return reason
+
+    def run(call: Call) -> jax.Array:
+        return decode(call.q[:, 0], call.layer, call.lengths, scale=call.scale)[:, None]
+
+    return KernelImpl(name=name, supports=supports, run=run, fused=True, auto=auto,
+                      entry=entry, reads=reads)
 
 
 def int_codes_kernel(name: str, entry: Entry,
-                     unsupported: Callable[[int, int], str | None]) -> Impl:
+                     unsupported: Callable[[int, int], str | None]) -> KernelImpl:
     """The registry entry of a fused decode kernel over IntFormat codes: ``entry`` takes
     the arrays of :func:`pallas_kernels.int_decode.api.int_decode`'s signature and
     ``unsupported(bits, head_dim)`` says what it cannot read."""
-
-    def run(call: Call) -> jax.Array:
-        out = int_codes_decode(call.q[:, 0], call.layer, call.lengths, entry=entry,
-                               scale=call.scale)
-        return out[:, None]
-
-    return Impl(name=name, supports=lambda call: int_codes_supports(call, unsupported),
-                run=run, fused=True)
+    return kernel_impl(name, entry,
+                       functools.partial(int_reads, unsupported=unsupported),
+                       functools.partial(int_codes_decode, entry=entry))
 
 
 # -- kernels over rotated keys and GroupIntFormat values -----------------------------------
@@ -194,110 +230,129 @@ def rotated_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, en
     return merged_decode(q, layer, lengths, static["sm_scale"], coded)
 
 
-def rotated_supports(call: Call, key_format: type[RotatedKeyFormat],
-                     unsupported: Callable[..., str | None]) -> str | None:
-    """Why a kernel over ``key_format`` keys and group-wise INT values cannot serve
-    ``call`` (None: it can); ``unsupported(head_dim, value_bits, value_group,
-    **key_options)`` is the kernel's own rule."""
-    reason = decode_reason(call)
-    if reason is not None:
-        return reason
-    formats = rotated_formats(call.layer.k.codec, call.layer.v.codec, key_format)
+def rotated_reads(k_codec: Codec, v_codec: Codec, head_dim: int, *,
+                  key_format: type[RotatedKeyFormat], unsupported: Callable[..., str | None]
+                  ) -> tuple[RotatedKeyFormat, GroupIntFormat] | str:
+    """The formats a kernel over ``key_format`` keys and group-wise INT values reads from
+    these codecs at ``head_dim``, or why it cannot; ``unsupported(head_dim, value_bits,
+    value_group, **key_options)`` is the kernel's own rule."""
+    formats = rotated_formats(k_codec, v_codec, key_format)
     if isinstance(formats, str):
         return formats
     k_fmt, v_fmt = formats
-    return unsupported(call.head_dim, v_fmt.bits, v_fmt.group, **k_fmt.options(call.head_dim))
-
-
-@dataclasses.dataclass(frozen=True)
-class RotatedImpl(Impl):
-    """A registered kernel over rotated keys and group-wise INT values, with what a
-    benchmark needs to call it directly: its array-level ``entry``, the ``key_format``
-    it reads and its ``unsupported(head_dim, value_bits, value_group, **key_options)``
-    rule."""
-
-    entry: Entry | None = None
-    key_format: type[RotatedKeyFormat] | None = None
-    unsupported: Callable[..., str | None] | None = None
+    return unsupported(head_dim, v_fmt.bits, v_fmt.group, **k_fmt.options(head_dim)) or formats
 
 
 def rotated_kernel(name: str, entry: Entry, key_format: type[RotatedKeyFormat],
-                   unsupported: Callable[..., str | None], auto: bool = True) -> RotatedImpl:
+                   unsupported: Callable[..., str | None], auto: bool = True) -> KernelImpl:
     """The registry entry of a fused decode kernel over ``key_format`` keys and
     group-wise INT values: ``entry`` takes the arrays of :func:`pallas_kernels.
     codebook_decode.api.codebook_decode`'s signature with the key options of the format,
-    ``unsupported`` says what it cannot read (:func:`rotated_supports`); ``auto``:
-    whether ``"auto"`` includes it."""
-
-    def run(call: Call) -> jax.Array:
-        out = rotated_codes_decode(call.q[:, 0], call.layer, call.lengths, entry=entry,
-                                   key_format=key_format, scale=call.scale)
-        return out[:, None]
-
-    return RotatedImpl(
-        name=name, supports=lambda call: rotated_supports(call, key_format, unsupported),
-        run=run, fused=True, auto=auto, entry=entry, key_format=key_format,
-        unsupported=unsupported)
-
-
-def rotated_entry(k_codec: Codec, v_codec: Codec, head_dim: int
-                  ) -> tuple[RotatedImpl, RotatedKeyFormat, GroupIntFormat]:
-    """The first registered kernel over rotated keys (registration order) that reads
-    these codecs at ``head_dim``, with the formats it reads; a ``ValueError`` naming each
-    kernel's reason otherwise."""
-    reasons = []
-    for impl in REGISTRY.values():
-        if not isinstance(impl, RotatedImpl):
-            continue
-        formats = rotated_formats(k_codec, v_codec, impl.key_format)
-        if isinstance(formats, str):
-            reasons.append(f"{impl.name}: {formats}")
-            continue
-        k_fmt, v_fmt = formats
-        reason = impl.unsupported(head_dim, v_fmt.bits, v_fmt.group, **k_fmt.options(head_dim))
-        if reason is None:
-            return impl, k_fmt, v_fmt
-        reasons.append(f"{impl.name}: {reason}")
-    raise ValueError(f"no kernel over rotated keys reads K '{k_codec.spec}' and V "
-                     f"'{v_codec.spec}' at head_dim {head_dim}: " + "; ".join(reasons))
+    ``unsupported`` says what it cannot read (:func:`rotated_reads`); ``auto``: whether
+    ``"auto"`` includes it."""
+    return kernel_impl(name, entry,
+                       functools.partial(rotated_reads, key_format=key_format,
+                                         unsupported=unsupported),
+                       functools.partial(rotated_codes_decode, entry=entry,
+                                         key_format=key_format), auto=auto)
 
 
 def encoded_cache(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots: int,
                   head_dim: int, key: jax.Array) -> tuple:
-    """``(k_params, k_codes, v_codes)``: ``slots`` Gaussian keys and values of each of
-    ``batch`` rows and ``heads`` kv heads encoded by the codecs (codes ``[B, K, S, ...]``),
-    one parameter draw of the key codec per head."""
-    keys = jax.random.split(key, 3)
-    k = jax.random.normal(keys[0], (batch, heads, slots, head_dim))
-    v = jax.random.normal(keys[1], (batch, heads, slots, head_dim))
-    params = jax.vmap(lambda kk: k_codec.init(kk, head_dim))(jax.random.split(keys[2], heads))
-    k_codes = jax.vmap(k_codec.encode, in_axes=(0, 1), out_axes=1)(params, k)
-    return params, k_codes, v_codec.encode(None, v)
+    """``(k_params, k_codes, v_params, v_codes)``: ``slots`` Gaussian keys and values of
+    each of ``batch`` rows and ``heads`` kv heads encoded by the codecs (codes ``[B, K,
+    S, ...]``), one parameter draw of each codec per head (leaves ``[K, ...]``)."""
+    out = []
+    for codec, k in zip((k_codec, v_codec), jax.random.split(key), strict=True):
+        kx, kp = jax.random.split(k)
+        x = jax.random.normal(kx, (batch, heads, slots, head_dim))
+        params = jax.vmap(lambda kk, codec=codec: codec.init(kk, head_dim))(
+            jax.random.split(kp, heads))
+        out += [params, jax.vmap(codec.encode, in_axes=(0, 1), out_axes=1)(params, x)]
+    return tuple(out)
 
 
-def entry_arrays(k_codec: Codec, v_codec: Codec, k_fmt: RotatedKeyFormat,
-                 v_fmt: GroupIntFormat, *, batch: int, heads: int, slots: int, head_dim: int,
-                 key: jax.Array, distinct: int | None = None
-                 ) -> tuple[dict[str, jax.Array], tuple]:
-    """The arrays a rotated-key kernel's entry takes (``k_codes`` .. ``qjl_sketch``,
-    every row full) for ``slots`` tokens of ``heads`` kv heads encoded by the codecs
-    from Gaussian vectors (one parameter draw per head) and read through the formats
-    (:func:`rotated_entry`), and ``(k_params, k_codes, v_codes)``, the codecs' own
-    pytrees. ``distinct``: encode that many tokens and repeat them along the cache (a
+def find_kernel(k_codec: Codec, v_codec: Codec, head_dim: int
+                ) -> tuple[KernelImpl, KernelFormat, KernelFormat]:
+    """The first registered fused kernel (registration order) that reads these codecs at
+    ``head_dim``, with the K and V formats it reads; a ``ValueError`` naming each
+    kernel's reason otherwise."""
+    reasons = []
+    for impl in REGISTRY.values():
+        if not isinstance(impl, KernelImpl):
+            continue
+        formats = impl.reads(k_codec, v_codec, head_dim)
+        if not isinstance(formats, str):
+            return impl, *formats
+        reasons.append(f"{impl.name}: {formats}")
+    raise ValueError(f"no fused kernel reads K '{k_codec.spec}' and V '{v_codec.spec}' at "
+                     f"head_dim {head_dim}: " + "; ".join(reasons))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """A registered fused kernel bound to a cache of a K and a V codec's codes, for
+    benchmarks and profilers: ``name``, the entry's array arguments ``arrays`` (every
+    row full), its static ones ``static``, the bytes a call must read ``read_bytes``,
+    and the codecs' own pytrees ``codecs`` (``k_params, k_codes, v_params, v_codes``)."""
+
+    name: str
+    entry: Entry
+    arrays: dict
+    static: dict
+    read_bytes: int
+    codecs: tuple
+
+    def __call__(self, qg: jax.Array, arrays: dict | None = None, **options):
+        """The partial ``(o, m, l)`` of ``qg [B, K, G, D]`` over the cache (``arrays``:
+        the same arrays, passed as a traced argument)."""
+        return self.entry(qg, **(self.arrays if arrays is None else arrays), **self.static,
+                          **options)
+
+
+def _nbytes(arrays) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(arrays))
+
+
+def kernel_call(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots: int,
+                head_dim: int, key: jax.Array, distinct: int | None = None,
+                scale: float | None = None) -> KernelCall:
+    """The kernel :func:`find_kernel` picks for these codecs, bound to ``slots`` tokens of
+    ``heads`` kv heads encoded from Gaussian vectors (:func:`encoded_cache`).
+    ``distinct``: encode that many tokens and repeat them along the cache (a
     kernel's speed depends on the bytes, not on which tokens repeat; encoding a 32k
     cache would cost more than the benchmark)."""
+    impl, k_fmt, v_fmt = find_kernel(k_codec, v_codec, head_dim)
     count = slots if distinct is None else min(slots, distinct)
-    params, k_codes, v_codes = encoded_cache(k_codec, v_codec, batch=batch, heads=heads,
-                                             slots=count, head_dim=head_dim, key=key)
+    codecs = encoded_cache(k_codec, v_codec, batch=batch, heads=heads, slots=count,
+                           head_dim=head_dim, key=key)
+    k_params, k_codes, v_params, v_codes = codecs
     if count < slots:
         index = jnp.arange(slots) % count
         k_codes, v_codes = (jax.tree.map(lambda a: jnp.take(a, index, axis=2), c)
                             for c in (k_codes, v_codes))
-    codes, norm, *qjl = k_fmt.arrays(k_codes)
-    v_words, v_scale, v_zero = v_fmt.arrays(v_codes)
-    arrays = {"k_codes": codes, "k_norm": norm, "v_codes": v_words, "v_scale": v_scale,
-              "v_zero": v_zero, "lengths": jnp.full((batch,), slots, jnp.int32),
-              "k_signs": params["signs"]}
-    if k_fmt.qjl:
-        arrays.update(k_qjl=qjl[0], k_residual_norm=qjl[1], qjl_sketch=params["sketch"])
-    return arrays, (params, k_codes, v_codes)
+        codecs = k_params, k_codes, v_params, v_codes
+    lengths = jnp.full((batch,), slots, jnp.int32)
+    sm_scale = head_dim**-0.5 if scale is None else scale
+    if isinstance(k_fmt, RotatedKeyFormat):
+        codes, norm, *qjl = k_fmt.arrays(k_codes)
+        v_words, v_scale, v_zero = v_fmt.arrays(v_codes)
+        stored = {"k_codes": codes, "k_norm": norm, "v_codes": v_words, "v_scale": v_scale,
+                  "v_zero": v_zero}
+        if k_fmt.qjl:
+            stored.update(k_qjl=qjl[0], k_residual_norm=qjl[1])
+        arrays = {**stored, "lengths": lengths, "k_signs": k_params["signs"]}
+        if k_fmt.qjl:
+            arrays["qjl_sketch"] = k_params["sketch"]
+        static = rotated_options(k_fmt, v_fmt, head_dim, sm_scale)
+    else:
+        names = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+        stored = dict(zip(names, (*k_fmt.arrays(k_codes), *v_fmt.arrays(v_codes)),
+                          strict=True))
+        arrays = {**stored, "lengths": lengths,
+                  "q_rotation": _rotations(k_fmt, k_params, head_dim),
+                  "v_rotation": _rotations(v_fmt, v_params, head_dim)}
+        static = {"bits": k_fmt.bits, "offset": k_fmt.offset, "sm_scale": sm_scale}
+    return KernelCall(name=impl.name, entry=impl.entry, arrays=arrays, static=static,
+                      read_bytes=_nbytes([a for a in stored.values() if a is not None]),
+                      codecs=codecs)

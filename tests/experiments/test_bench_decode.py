@@ -10,8 +10,8 @@ def test_bad_arguments_exit_with_status_2(capsys):
     assert "known models: " in capsys.readouterr().err
     assert bench_decode.main(["--variant", "words:64:4:2"]) == 2
     assert "layout must be one of" in capsys.readouterr().err
-    assert bench_decode.main(["--codec", "int:4"]) == 2
-    assert "no kernel over rotated keys reads K 'int:4'" in capsys.readouterr().err
+    assert bench_decode.main(["--codec", "fp8"]) == 2
+    assert "no fused kernel reads K 'fp8'" in capsys.readouterr().err
     assert bench_decode.main(["--codec", "turboquant:b9"]) == 2
     assert profile_decode.main(["--shape", "nope"]) == 2
     assert profile_decode.main(["--layout", "words"]) == 2
@@ -38,4 +38,6 @@ def test_profile_runs_the_entry(capsys):
     assert "ran 1 calls: B=1 S=40 block 16" in capsys.readouterr().out
     assert profile_decode.main([*args, "--codec", "turboquant:b3,qjl"]) == 0
     assert "turboquant:b3,qjl" in capsys.readouterr().out
-    assert profile_decode.main([*args, "--codec", "int:4"]) == 2
+    assert profile_decode.main([*args, "--codec", "hyperquant:e8,4bps,int8"]) == 0
+    assert "[int_decode]" in capsys.readouterr().out
+    assert profile_decode.main([*args, "--codec", "fp8"]) == 2

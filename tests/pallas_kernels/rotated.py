@@ -68,8 +68,10 @@ def encoded(spec, batch, heads, group, slots, head_dim, seed=0):
     config = parse_cache(spec)
     keys = jax.random.split(jax.random.key(seed))
     q = jax.random.normal(keys[0], (batch, heads, group, head_dim))
-    return q, *encoded_cache(config.k, config.v, batch=batch, heads=heads, slots=slots,
-                             head_dim=head_dim, key=keys[1])
+    k_params, k_codes, _, v_codes = encoded_cache(config.k, config.v, batch=batch,
+                                                  heads=heads, slots=slots,
+                                                  head_dim=head_dim, key=keys[1])
+    return q, k_params, k_codes, v_codes
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))

@@ -15,6 +15,7 @@ from kvjax.attention import REGISTRY, Call, NoImplementationError, attend, fused
 from kvjax.codec import DenseFormat, IntFormat
 from kvjax.spec import parse_cache, parse_codec
 from pallas_kernels.int_decode import api, reference
+from pallas_kernels.partial import normalize
 from tests.kvjax.attention.helpers import build_layer
 
 ATOL = 3e-3   # the kernel's float16 operands (tests/pallas_kernels/test_int_decode.py)
@@ -79,6 +80,8 @@ def _decode(q, view, lengths, kernel, options=()):
         ("saw:h32,kv", "saw:h32,kv", 4, 0, [33], 1),  # rotated V, rotated back
         ("int:8", "int:8", 64, 0, [40], 4),          # window holds everything
         ("int:4", "saw:h32", 4, 0, [33], 4),         # V by SAW without "kv": still rotated
+        # biased int8 lattice codes, a linear map (not a rotation) on the query and output
+        ("hyperquant:e8,4bps,int8", "hyperquant:e8,4bps,int8", 8, 2, [45, 3], 4),
     ],
 )
 def test_layer_decode_matches_reference_attention(spec_k, spec_v, window, sinks, lengths,
@@ -125,6 +128,9 @@ def test_merged_decode_hands_the_coded_region_to_the_kernel():
     ("int:4", "int:4", 80, {}, "power of two"),
     ("int:4", "int:4", 128, {"num_queries": 2}, "one query token"),
     ("int:4", "int:4", 128, {"sliding_window": 8}, "sliding window"),
+    ("hyperquant:e8,4bps,dither,int8", "int:8", 128, {},
+     "K 'hyperquant:e8,4bps,dither,int8' offers no int-codes kernel format"),
+    ("hyperquant:e8,4bps,int8", "int:8", 128, {}, "code offsets differ (128 vs None)"),
 ])
 def test_why_the_kernel_does_not_apply(spec_k, spec_v, head_dim, kw, reason):
     config = kc.CacheConfig(k=spec_k, v=spec_v)
@@ -146,6 +152,7 @@ def test_why_the_kernel_does_not_apply(spec_k, spec_v, head_dim, kw, reason):
 @pytest.mark.parametrize("k,v,kernel", [
     ("saw:h32", "int:4", "int_decode"),
     ("turboquant:b3,qjl", "kivi:3,g32,token", "codebook_decode"),
+    ("hyperquant:d4,4bps,int8", "hyperquant:d4,4bps,int8", "int_decode"),
 ])
 def test_model_decode_step_through_the_kernel(k, v, kernel):
     """A decode step of a tiny llama (two layers scanned over stacked codes): kernel vs
@@ -189,3 +196,43 @@ def test_when_the_codebook_kernel_applies(spec, reason):
                 lengths=step.start + step.valid, scale=1.0, sliding_window=None)
     got = REGISTRY["codebook_decode"].supports(call)
     assert got == reason if reason is None else reason in got
+
+
+@pytest.mark.parametrize("spec,name", [
+    ("int:4", "int_decode"),
+    ("k=saw:h32,signs v=int:4", "int_decode"),
+    ("hyperquant:e8,4bps,int8", "int_decode"),
+    ("turboquant:b4", "codebook_decode"),
+    ("octopus:b4,qjl", "octopus_decode"),
+])
+def test_kernel_call_binds_the_kernel_to_a_cache(spec, name):
+    """What the benchmarks time: the kernel that reads the spec, over arrays taken from
+    the codecs' own codes (per-head parameters, tokens repeated), equals attention over
+    the codecs' decode of those codes."""
+    config = parse_cache(spec)
+    batch, heads, group, slots, head_dim = 2, 2, 4, 40, 128
+    call = fused.kernel_call(config.k, config.v, batch=batch, heads=heads, slots=slots,
+                             head_dim=head_dim, key=jax.random.key(3), distinct=24)
+    assert call.name == name and call.read_bytes > 0
+    q = jax.random.normal(jax.random.key(4), (batch, heads, group, head_dim))
+    got = normalize(*call(q, block_s=16, interpret=INTERPRET))
+    k_params, k_codes, v_params, v_codes = call.codecs
+    keys, values = (jax.vmap(codec.decode, in_axes=(0, 1), out_axes=1)(params, codes)
+                    for codec, params, codes in ((config.k, k_params, k_codes),
+                                                 (config.v, v_params, v_codes)))
+    assert keys.shape == (batch, heads, slots, head_dim)
+    np.testing.assert_array_equal(keys[:, :, 24:], keys[:, :, :16])  # repeated tokens
+    if config.k.scores_reconstruct:
+        s = jnp.einsum("bkgd,bksd->bkgs", q, keys, precision="highest")
+    else:
+        s = jax.vmap(config.k.scores, in_axes=(0, 1, 1), out_axes=1)(k_params, q, k_codes)
+    want = jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(s * head_dim**-0.5, axis=-1), values,
+                      precision="highest")
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+def test_no_kernel_reads_names_every_reason():
+    config = parse_cache("fp8")
+    with pytest.raises(ValueError, match=r"int_decode: K 'fp8' offers no int-codes.*"
+                                         r"codebook_decode: K 'fp8' offers no Codebook"):
+        fused.find_kernel(config.k, config.v, 128)
