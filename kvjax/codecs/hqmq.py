@@ -114,8 +114,25 @@ class HqmqCodec(Codec):
         return {"secondary": haar_quaternions(key, self.secondary)}
 
     def _widths(self, head_dim: int) -> list[tuple[int, int]]:
+        """The stream's ``(count, bits)`` fields: the digits' groups, a pad that
+        byte-aligns the fields after them where that costs no stored byte (so a kernel
+        reads the low index bits and the radii as whole bytes or nibbles), the low
+        index bits, the radii."""
         c = num_chunks(head_dim)
-        return [*radix_widths(c, self.alphabet), (c, self.radius_bits)]
+        radix = radix_widths(c, self.alphabet)
+        low = radix.pop() if self.alphabet % 2 == 0 else None
+        digits = fields_bits(radix)
+        pad = -digits % 8
+        rest = [*([low] if low else []), (c, self.radius_bits)]
+        total = digits + fields_bits(rest)
+        if pad and math.ceil((total + pad) / 8) == math.ceil(total / 8):
+            radix.append((1, pad))
+        return [*radix, *rest]
+
+    def _pad_fields(self, head_dim: int) -> int:
+        """How many pad fields (0 or 1) follow the digits' groups."""
+        c = num_chunks(head_dim)
+        return len(self._widths(head_dim)) - len(radix_widths(c, self.alphabet)) - 1
 
     def _stream_bits(self, head_dim: int) -> int:
         return fields_bits(self._widths(head_dim))
@@ -133,7 +150,12 @@ class HqmqCodec(Codec):
         positive = scale > 0
         q = jnp.round(radius / jnp.where(positive, scale, 1.0) * levels)
         q = jnp.where(positive, jnp.clip(q, 0, levels), 0).astype(jnp.uint32)
-        words = pack_fields([*radix_fields(index, self.alphabet), (q, self.radius_bits)])
+        fields = radix_fields(index, self.alphabet)
+        if self._pad_fields(head_dim):
+            low = [fields.pop()] if self.alphabet % 2 == 0 else []
+            pad = self._widths(head_dim)[len(fields)][1]
+            fields += [(jnp.zeros((*q.shape[:-1], 1), jnp.uint32), pad), *low]
+        words = pack_fields([*fields, (q, self.radius_bits)])
         return {
             "stream": to_units(words, self._stream_bits(head_dim)),
             "scale": scale.astype(jnp.float16),
@@ -168,7 +190,11 @@ class HqmqCodec(Codec):
         widths = self._widths(head_dim)
         fields = unpack_fields(from_units(codes["stream"], self._stream_bits(head_dim)),
                                widths)
-        index = radix_indices(fields[:-1], c, self.alphabet)
+        digits = fields[:-1]
+        if self._pad_fields(head_dim):
+            pad_at = len(radix_widths(c, self.alphabet)) - (self.alphabet % 2 == 0)
+            del digits[pad_at]
+        index = radix_indices(digits, c, self.alphabet)
         q = fields[-1]
         s = (index // NUM_HURWITZ).astype(jnp.int32)
         p = (index % NUM_HURWITZ).astype(jnp.int32)
