@@ -16,7 +16,7 @@ with SAW's query rotation, which the entry applies with the column permutation i
 XLA product) and normalize its partial; ``saw-in-kernel`` and ``--variant`` are
 benchmark-only kernel variants (:class:`~pallas_kernels.int_decode.kernel.Research`).
 Each ``--codec`` (a cache spec read by a registered fused kernel: TurboQuant MSE or
-QJL, PolarQuant, OCTOPUS, HyperQuant int8; default :data:`CODECS`) adds its fused path,
+QJL, PolarQuant, OCTOPUS, HyperQuant int8, HQMQ; default :data:`CODECS`) adds its fused path,
 ``<spec> [<kernel>]``, the kernel's entry over that cache's arrays
 (:func:`kvjax.attention.fused.kernel_call`: Gaussian vectors encoded by its codecs), and
 ``<spec> dequant``, the same codes decoded by the codecs to bf16 and attended by cuDNN.
@@ -58,7 +58,7 @@ QUICK_GRID = [(32, 32768), (1, 131072)]
 BITS = 4
 #: the cache specs timed through their fused kernel by default
 CODECS = ("turboquant:b4", "turboquant:b3", "turboquant:b4,qjl", "turboquant:b3,qjl",
-          "polarquant:b3", "octopus:b3", "octopus:b4,qjl", "hyperquant:e8,4bps,int8")
+          "polarquant:b3", "octopus:b3", "octopus:b4,qjl", "hyperquant:e8,4bps,int8", "hqmq")
 #: tokens encoded per (row, kv head) for a codec's cache, repeated to its length
 DISTINCT_TOKENS = 1024
 

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.primitives.quaternion import HqmqLayout
+
 Codes = dict[str, jax.Array]
 Params = Any
 
@@ -757,6 +759,26 @@ class IntFormat(KernelFormat):
             return None
         # row i of rotate(I) is (R e_i)^T, the i-th column of R
         return self.rotate(params, jnp.eye(head_dim, dtype=jnp.float32)).T
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HqmqFormat(KernelFormat):
+    """HQMQ codes (:mod:`kvjax.codecs.hqmq`): per 4-dim chunk a joint index ``24 s + p``
+    of the codeword ``q_p q_s`` and a radius code ``k``, the chunk ``scale * k / (2**B -
+    1) * (q_p q_s)``. Codes pytree: ``"stream"`` uint8 ``[..., T, H]``, ``"scale"``
+    float16 ``[..., T, 1]``. ``layout(head_dim)``: the stream's
+    :class:`~kvjax.primitives.quaternion.HqmqLayout`,
+    or None where its fields are not whole bytes and nibbles; ``codewords(params)``: the
+    ``24 S`` codewords ``float32[24 S, 4]`` of one head's parameters, by joint index."""
+
+    secondary: int
+    radius_bits: int
+    layout: Callable[[int], HqmqLayout | None]
+    codewords: Callable[[Params], jax.Array]
+
+    def arrays(self, codes: Codes) -> tuple[jax.Array, jax.Array]:
+        """``(stream [..., T, H], scale [..., T])``."""
+        return codes["stream"], codes["scale"][..., 0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -94,8 +94,9 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 #: ``load(ref, columns=None)``: a block's tokens of a ``[L, S]`` or ``[L, S, C]`` ref,
-#: masked rows read as 0; ``columns`` a ``pl.ds`` of the columns (a load gathering
-#: columns by an index vector issues one load per element: slow)
+#: masked rows read as 0; ``columns`` a ``pl.ds`` of the columns, or an int vector whose
+#: entry ``c`` names the ref column that tile column ``c`` reads (a gather: one load per
+#: element, where a window loads a row's columns together)
 Load = Callable[..., jax.Array]
 
 
@@ -104,6 +105,11 @@ def _loader(layer, tile, ok) -> Load:
         mask = None if ok is None else ok[:, None]
         if len(ref.shape) == 2:
             index, mask = (layer, tile), ok
+        elif isinstance(columns, jax.Array):
+            shape = (tile.size, columns.shape[0])
+            rows = tile.start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+            index = (layer, rows, jnp.broadcast_to(columns[None, :], shape))
+            mask = None if ok is None else jnp.broadcast_to(mask, shape)
         else:
             index = (layer, tile, slice(None) if columns is None else columns)
         if ok is None:

@@ -29,7 +29,14 @@ import jax.numpy as jnp
 
 from kvjax.attention.dispatch import REGISTRY, Call, Impl
 from kvjax.cache import Segment
-from kvjax.codec import Codec, GroupIntFormat, IntFormat, KernelFormat, RotatedKeyFormat
+from kvjax.codec import (
+    Codec,
+    GroupIntFormat,
+    HqmqFormat,
+    IntFormat,
+    KernelFormat,
+    RotatedKeyFormat,
+)
 from pallas_kernels.partial import dense_partial, merge_partials, normalize
 
 #: a kernel's array-level entry, e.g. :func:`pallas_kernels.int_decode.api.int_decode`
@@ -257,6 +264,60 @@ def rotated_kernel(name: str, entry: Entry, key_format: type[RotatedKeyFormat],
                                          key_format=key_format), auto=auto)
 
 
+# -- kernels over HQMQ codes ---------------------------------------------------------------
+
+
+def hqmq_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
+               unsupported: Callable[..., str | None]) -> tuple[HqmqFormat, HqmqFormat] | str:
+    """The formats a kernel over HQMQ keys and values reads from these codecs at
+    ``head_dim``, or why it cannot; ``unsupported(layout, head_dim)`` is the kernel's
+    own rule. K and V streams must share a layout (one kernel call reads both)."""
+    formats = []
+    for role, codec in (("K", k_codec), ("V", v_codec)):
+        fmt = kernel_format(codec, HqmqFormat)
+        if fmt is None:
+            return f"{role} '{codec.spec}' offers no HQMQ kernel format"
+        formats.append(fmt)
+    k_fmt, v_fmt = formats
+    layout = k_fmt.layout(head_dim)
+    if v_fmt.layout(head_dim) != layout:
+        return f"K '{k_codec.spec}' and V '{v_codec.spec}' streams differ in layout"
+    return unsupported(layout, head_dim) or (k_fmt, v_fmt)
+
+
+def hqmq_tables(fmt: HqmqFormat, params) -> jax.Array:
+    """``[K, 4, 24 S]`` codeword tables of a store's per-head ``params``."""
+    return jax.vmap(lambda p: fmt.codewords(p).T)(params)
+
+
+def hqmq_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
+                      scale: float | None = None, **options) -> jax.Array:
+    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
+    and V offer :class:`~kvjax.codec.HqmqFormat` codes, with ``entry`` (the signature of
+    :func:`pallas_kernels.hqmq_decode.api.hqmq_decode`) over the coded region."""
+    k_store, v_store = layer.k, layer.v
+    k_fmt = kernel_format(k_store.codec, HqmqFormat)
+    v_fmt = kernel_format(v_store.codec, HqmqFormat)
+    head_dim = q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+
+    def coded(qg, n_comp):
+        return entry(qg, *k_fmt.arrays(k_store.codes), *v_fmt.arrays(v_store.codes), n_comp,
+                     hqmq_tables(k_fmt, k_store.params), hqmq_tables(v_fmt, v_store.params),
+                     k_store.layer, layout=k_fmt.layout(head_dim), sm_scale=scale, **options)
+
+    return merged_decode(q, layer, lengths, scale, coded)
+
+
+def hqmq_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],
+                auto: bool = True) -> KernelImpl:
+    """The registry entry of a fused decode kernel over HQMQ keys and values: ``entry``
+    takes the arrays of :func:`pallas_kernels.hqmq_decode.api.hqmq_decode`'s signature,
+    ``unsupported(layout, head_dim)`` says what it cannot read."""
+    return kernel_impl(name, entry, functools.partial(hqmq_reads, unsupported=unsupported),
+                       functools.partial(hqmq_codes_decode, entry=entry), auto=auto)
+
+
 def encoded_cache(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots: int,
                   head_dim: int, key: jax.Array) -> tuple:
     """``(k_params, k_codes, v_params, v_codes)``: ``slots`` Gaussian keys and values of
@@ -334,7 +395,13 @@ def kernel_call(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots
         codecs = k_params, k_codes, v_params, v_codes
     lengths = jnp.full((batch,), slots, jnp.int32)
     sm_scale = head_dim**-0.5 if scale is None else scale
-    if isinstance(k_fmt, RotatedKeyFormat):
+    if isinstance(k_fmt, HqmqFormat):
+        stored = dict(zip(("k_stream", "k_scale", "v_stream", "v_scale"),
+                          (*k_fmt.arrays(k_codes), *v_fmt.arrays(v_codes)), strict=True))
+        arrays = {**stored, "lengths": lengths, "k_table": hqmq_tables(k_fmt, k_params),
+                  "v_table": hqmq_tables(v_fmt, v_params)}
+        static = {"layout": k_fmt.layout(head_dim), "sm_scale": sm_scale}
+    elif isinstance(k_fmt, RotatedKeyFormat):
         codes, norm, *qjl = k_fmt.arrays(k_codes)
         v_words, v_scale, v_zero = v_fmt.arrays(v_codes)
         stored = {"k_codes": codes, "k_norm": norm, "v_codes": v_words, "v_scale": v_scale,

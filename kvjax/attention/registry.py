@@ -4,7 +4,8 @@ kernels first (registration order), then ``"xla"``, then ``"reference"`` on a GP
 A new kernel: a folder in :mod:`pallas_kernels` with its array-level entry, and one
 line here (for a kernel over :class:`~kvjax.codec.IntFormat` codes,
 :func:`~kvjax.attention.fused.int_codes_kernel`; over rotated keys and group-wise INT
-values, :func:`~kvjax.attention.fused.rotated_kernel` with its key format).
+values, :func:`~kvjax.attention.fused.rotated_kernel` with its key format; over HQMQ
+codes, :func:`~kvjax.attention.fused.hqmq_kernel`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import kvjax.attention.reference as reference
 import kvjax.attention.xla as xla
 import pallas_kernels.codebook_decode.api as codebook_decode
+import pallas_kernels.hqmq_decode.api as hqmq_decode
 import pallas_kernels.int_decode.api as int_decode
 import pallas_kernels.octopus_decode.api as octopus_decode
 import pallas_kernels.polar_decode.api as polar_decode
 from kvjax.attention.dispatch import Impl, register
-from kvjax.attention.fused import int_codes_kernel, rotated_kernel
+from kvjax.attention.fused import hqmq_kernel, int_codes_kernel, rotated_kernel
 from kvjax.codec import CodebookFormat, OctopusFormat, PolarFormat
 
 register(Impl(name="reference", supports=reference.supports, run=reference.run))
@@ -28,3 +30,6 @@ register(rotated_kernel("octopus_decode", octopus_decode.octopus_decode, Octopus
                         octopus_decode.unsupported))
 register(rotated_kernel("polar_decode", polar_decode.polar_decode, PolarFormat,
                         polar_decode.unsupported))
+# "auto" takes it once its compiled suite has passed on a GPU
+register(hqmq_kernel("hqmq_decode", hqmq_decode.hqmq_decode, hqmq_decode.unsupported,
+                     auto=False))

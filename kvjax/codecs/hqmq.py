@@ -46,20 +46,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.codec import FP16_MAX, Codec, Codes, Example, Limits, Option, Params, register
+from kvjax.codec import (
+    FP16_MAX,
+    Codec,
+    Codes,
+    Example,
+    HqmqFormat,
+    Limits,
+    Option,
+    Params,
+    register,
+)
 from kvjax.codecs.intn import exact_bits, fp16_scale, head_dim_marker
 from kvjax.primitives.packing import (
     fields_bits,
     from_units,
     pack_fields,
     radix_fields,
+    radix_group_bits,
     radix_indices,
+    radix_plan,
     radix_widths,
     to_units,
     unpack_fields,
 )
 from kvjax.primitives.quaternion import (
     NUM_HURWITZ,
+    HqmqLayout,
     conjugate,
     haar_quaternions,
     hamilton,
@@ -205,6 +218,38 @@ class HqmqCodec(Codec):
         radius = q.astype(jnp.float32) * (codes["scale"].astype(jnp.float32) * levels)
         x = (radius[..., None] * codeword).reshape(*q.shape[:-1], 4 * c)
         return x[..., :head_dim].astype(dtype)
+
+    def kernel_formats(self) -> tuple[HqmqFormat, ...]:
+        """The byte stream and its codewords as an :class:`~kvjax.codec.HqmqFormat`."""
+        return (HqmqFormat(secondary=self.secondary, radius_bits=self.radius_bits,
+                           layout=self.kernel_layout, codewords=self.codewords),)
+
+    def codewords(self, params: Params) -> jax.Array:
+        """``float32[24 S, 4]``: codeword ``q_p q_s`` of joint index ``24 s + p``."""
+        units = jnp.asarray(hurwitz_units())
+        secondary = params["secondary"].astype(jnp.float32)
+        return hamilton(units[None, :, :], secondary[:, None, :]).reshape(-1, 4)
+
+    def kernel_layout(self, head_dim: int) -> HqmqLayout | None:
+        """Where each chunk's fields lie in a token's stream (:class:`~kvjax.primitives.
+        quaternion.HqmqLayout`), or None when the low index bits are not whole bytes, the radius
+        codes not nibbles, or a digits' group not one or two whole bytes."""
+        c = num_chunks(head_dim)
+        odd, low, group, full, rest = radix_plan(c, self.alphabet)
+        widths = self._widths(head_dim)
+        digit_bits = radix_group_bits(odd, group)
+        rest_bits = radix_group_bits(odd, rest) if rest else 0
+        pad_field = bool(full) + bool(rest)
+        padded = rest_bits + (widths[pad_field][1] if self._pad_fields(head_dim) else 0)
+        low_offset = full * digit_bits + padded
+        radius_offset = low_offset + c * low
+        if (low != 8 or self.radius_bits != 4 or digit_bits != 16
+                or padded not in (0, 8) or low_offset % 8):
+            return None
+        return HqmqLayout(chunks=c, odd=odd, group=group, full=full, low_bits=low,
+                          radius_bits=self.radius_bits, low_offset=low_offset // 8,
+                          radius_offset=radius_offset // 8,
+                          size=math.ceil(self._stream_bits(head_dim) / 8))
 
     def bits_per_element(self, head_dim: int) -> float:
         """The stored stream's bytes plus the fp16 scale, per element."""

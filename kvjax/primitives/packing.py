@@ -324,8 +324,10 @@ def unpack_field_bytes(units: jax.Array, widths: Sequence[tuple[int, int]]) -> l
 # -- mixed-radix fields: an alphabet's odd part in radix groups, its power of two in bits --
 
 
-def _radix_plan(num_indices: int, alphabet: int):
-    """``(odd, low_bits, group, full_groups, rest)`` of :func:`radix_fields`."""
+def radix_plan(num_indices: int, alphabet: int):
+    """``(odd, low_bits, group, full_groups, rest)`` of :func:`radix_fields`: ``alphabet =
+    odd * 2**low_bits``, the odd digits combined ``group`` at a time in ``full_groups``
+    groups and one of ``rest``."""
     if not isinstance(alphabet, int) or alphabet < 1:
         raise ValueError(f"alphabet must be a positive int, got {alphabet!r}")
     low = (alphabet & -alphabet).bit_length() - 1
@@ -336,7 +338,7 @@ def _radix_plan(num_indices: int, alphabet: int):
 
 def radix_widths(num_indices: int, alphabet: int) -> list[tuple[int, int]]:
     """The ``(count, bits)`` fields :func:`radix_fields` produces."""
-    odd, low, group, full, rest = _radix_plan(num_indices, alphabet)
+    odd, low, group, full, rest = radix_plan(num_indices, alphabet)
     widths = []
     if odd > 1:
         widths.append((full, radix_group_bits(odd, group)))
@@ -359,7 +361,7 @@ def radix_fields(indices: jax.Array, alphabet: int) -> list[tuple[jax.Array, int
     bits against log2 9 = 3.17).
     """
     n = indices.shape[-1]
-    odd, low, group, full, rest = _radix_plan(n, alphabet)
+    odd, low, group, full, rest = radix_plan(n, alphabet)
     idx = indices.astype(jnp.uint32)
     fields = []
     if odd > 1:
@@ -378,7 +380,7 @@ def radix_fields(indices: jax.Array, alphabet: int) -> list[tuple[jax.Array, int
 def radix_indices(codes: Sequence[jax.Array], num_indices: int, alphabet: int) -> jax.Array:
     """Inverse of :func:`radix_fields` from the fields' codes (as :func:`unpack_fields`
     returns them)."""
-    odd, low, group, full, rest = _radix_plan(num_indices, alphabet)
+    odd, low, group, full, rest = radix_plan(num_indices, alphabet)
     codes = list(codes)
     if not codes:  # an alphabet of one index
         return jnp.zeros((num_indices,), jnp.uint32)

@@ -19,6 +19,8 @@ set (indices 8..23).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,3 +107,25 @@ def to_chunks(x: jax.Array) -> jax.Array:
     c = num_chunks(x.shape[-1])
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 4 * c - x.shape[-1])])
     return x.reshape(*x.shape[:-1], c, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class HqmqLayout:
+    """Where a kernel finds each chunk's fields in an HQMQ byte stream of one token
+    (:mod:`kvjax.codecs.hqmq`), for ``chunks`` chunks. Chunk ``c``'s joint index is
+    ``digit * 2**low_bits + low``: ``digit`` is place ``c % group`` (least significant
+    first) in base ``odd`` of the little-endian group at byte ``2 (c // group)``, two
+    bytes wide for the first ``full`` groups and one byte for the last (shorter) one;
+    ``low`` (``low_bits`` 8) the byte at ``low_offset + c``; the radius code (``radius_bits``
+    4) nibble ``c`` from byte ``radius_offset``, low nibble first. ``size``: bytes per
+    token."""
+
+    chunks: int
+    odd: int
+    group: int
+    full: int
+    low_bits: int
+    radius_bits: int
+    low_offset: int
+    radius_offset: int
+    size: int

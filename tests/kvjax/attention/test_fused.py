@@ -204,6 +204,7 @@ def test_when_the_codebook_kernel_applies(spec, reason):
     ("hyperquant:e8,4bps,int8", "int_decode"),
     ("turboquant:b4", "codebook_decode"),
     ("octopus:b4,qjl", "octopus_decode"),
+    ("hqmq", "hqmq_decode"),
 ])
 def test_kernel_call_binds_the_kernel_to_a_cache(spec, name):
     """What the benchmarks time: the kernel that reads the spec, over arrays taken from
@@ -236,3 +237,18 @@ def test_no_kernel_reads_names_every_reason():
     with pytest.raises(ValueError, match=r"int_decode: K 'fp8' offers no int-codes.*"
                                          r"codebook_decode: K 'fp8' offers no Codebook"):
         fused.find_kernel(config.k, config.v, 128)
+
+
+@pytest.mark.parametrize("spec,reason", [
+    ("hqmq", None),
+    ("k=hqmq v=int:4", "V 'int:4' offers no HQMQ kernel format"),
+    ("k=hqmq v=hqmq:s48,r4", "streams differ in layout"),
+    ("hqmq:s24,r3", "not whole bytes and nibbles"),
+])
+def test_when_the_hqmq_kernel_applies(spec, reason):
+    config = parse_cache(spec)
+    got = REGISTRY["hqmq_decode"].reads(config.k, config.v, 128)
+    if reason is None:
+        assert not isinstance(got, str)
+    else:
+        assert reason in got

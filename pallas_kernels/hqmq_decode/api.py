@@ -1,0 +1,121 @@
+"""The array-level entry of the HQMQ decode-attention kernel: :func:`hqmq_decode`.
+
+One decode query per row attends to HQMQ keys and values: arrays in (the byte streams
+and fp16 scales of K and V, per-row token counts, the codeword tables of each kv head),
+the partial softmax ``(o, m, l)`` over the coded tokens out (:mod:`pallas_kernels.partial`).
+The streams' :class:`kvjax.primitives.quaternion.HqmqLayout` says where each chunk's fields lie.
+:func:`.reference.hqmq_decode` has the same signature and is the specification.
+
+Dimension letters: ``B`` rows, ``K`` kv heads, ``G`` query rows per kv head, ``S`` code
+slots, ``H`` bytes per token, ``N`` codewords (``24 S``), ``D`` head dim, ``L`` layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.primitives.quaternion import HqmqLayout
+from pallas_kernels.flash import (
+    MIN_DOT,
+    NUM_WARPS,
+    default_blocking,
+    default_splits,
+    pad_query_rows,
+)
+from pallas_kernels.hqmq_decode.kernel import COMPONENTS, codes_partial
+from pallas_kernels.partial import empty_partial, merge_partials
+
+
+def unsupported(layout: HqmqLayout | None, head_dim: int) -> str | None:
+    """Why the kernel cannot read streams of this layout (None: it can)."""
+    if layout is None:
+        return ("the stream's fields are not whole bytes and nibbles (the kernel reads "
+                "8-bit low index bits and 4-bit radii: hqmq:s96,r4)")
+    chunks = layout.chunks
+    if COMPONENTS * chunks != head_dim or chunks < MIN_DOT or chunks & (chunks - 1):
+        return (f"head_dim {head_dim}: the kernel reads a power-of-two number >= {MIN_DOT} "
+                "of whole chunks of 4 (head dims 64, 128, ...)")
+    return None
+
+
+def check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table, v_table,
+                 layout: HqmqLayout | None) -> None:
+    """The checks of :func:`hqmq_decode` (and of its reference): ``NotImplementedError``
+    where the kernel cannot serve the arrays, ``ValueError`` where they are malformed."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, K, G, D], got shape {q.shape}")
+    batch, heads, _, head_dim = q.shape
+    reason = unsupported(layout, head_dim)
+    if reason is not None:
+        raise NotImplementedError(f"hqmq_decode: {reason}")
+    lead = 5 if layer is not None else 4
+    shape = k_stream.shape
+    if (k_stream.ndim != lead or shape[-4:-2] != (batch, heads) or shape[-1] != layout.size):
+        stack = "[L, B, K, S, H]" if layer is not None else "[B, K, S, H]"
+        raise ValueError(f"k_stream must be {stack} with B, K = {batch}, {heads} and H = "
+                         f"{layout.size} bytes, got shape {shape}")
+    for name, a, want in (("v_stream", v_stream, shape), ("k_scale", k_scale, shape[:-1]),
+                          ("v_scale", v_scale, shape[:-1]), ("lengths", lengths, (batch,))):
+        if a.shape != want:
+            raise ValueError(f"{name} must have shape {want}, got {a.shape}")
+    for name, a in (("k_stream", k_stream), ("v_stream", v_stream)):
+        if a.dtype != jnp.uint8:
+            raise ValueError(f"{name} must be uint8 bytes, got {a.dtype}")
+    for name, t in (("k_table", k_table), ("v_table", v_table)):
+        if t.ndim != 3 or t.shape[:2] != (heads, COMPONENTS):
+            raise ValueError(f"{name} must be [K, 4, N] codewords, got {t.shape}")
+        if t.shape[2] != layout.odd << layout.low_bits:
+            raise ValueError(f"{name} holds {t.shape[2]} codewords; the layout's indices "
+                             f"reach {layout.odd << layout.low_bits}")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
+                     "interpret"),
+)
+def hqmq_decode(
+    q: jax.Array,         # [B, K, G, D] float: the query rows that read kv head k
+    k_stream: jax.Array,  # uint8 [B, K, S, H] ([L, B, K, S, H] with layer)
+    k_scale: jax.Array,   # [B, K, S] ([L, ...]) fp16: the largest chunk radius
+    v_stream: jax.Array,  # like k_stream
+    v_scale: jax.Array,   # like k_scale
+    lengths: jax.Array,   # int32 [B]: coded tokens per row, the first lengths[b] of S
+    k_table: jax.Array,   # [K, 4, N]: codeword components by joint index, per kv head
+    v_table: jax.Array,   # like k_table, the values' codewords
+    layer: jax.Array | None = None,  # int32 []: the layer of stacked codes to read
+    *,
+    layout: HqmqLayout,      # where the stream holds each chunk's fields
+    sm_scale: float,         # logits are sm_scale * q . k
+    block_s: int | None = None,
+    splits: int | None = None,
+    num_warps: int = NUM_WARPS,
+    num_stages: int | None = None,
+    interpret: bool | None = None,  # Pallas interpret mode; default: off a GPU
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Partial softmax of the query rows over the first ``lengths[b]`` coded tokens:
+    ``o [B, K, G, D]``, ``m [B, K, G]``, ``l [B, K, G]`` in float32; a row with no coded
+    token gets ``o = 0, l = 0, m = NEG``. Each token is, per chunk ``c``, ``scale *
+    k_c / (2**B - 1) * w_c`` with ``w_c`` the codeword of its joint index (the table's
+    column) and ``k_c`` its radius code. Raises ``NotImplementedError`` when the kernel
+    cannot serve these arrays (:func:`unsupported`), ``ValueError`` when they are
+    malformed."""
+    check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table, v_table,
+                 layout)
+    batch, heads, group, _ = q.shape
+    slots = k_stream.shape[-2]
+    if slots == 0:
+        return empty_partial(q)
+    block_s, num_stages = default_blocking(block_s, num_stages)
+    splits = splits or default_splits(batch, heads, slots, block_s, num_warps)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    rows = pad_query_rows(q.astype(jnp.float32), layout.chunks)
+    o, m, l = codes_partial(
+        rows, k_stream, k_scale, v_stream, v_scale, lengths, k_table, v_table, layer,
+        layout=layout, sm_scale=sm_scale, block_s=block_s, splits=splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)

@@ -1,0 +1,153 @@
+"""The fused HQMQ decode-attention kernel's entry against its pure-jnp reference (the
+kernel suite, over streams the codec really stores), and the stream layout it reads.
+
+Tolerance: the kernel rounds its operands (the query, codewords times radius codes, the
+probabilities times the scales) to float16 and accumulates in float32: about 1e-3 of
+the outputs, which are O(1) here; 3e-3 absolute, as for the other kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.attention.fused import hqmq_tables
+from kvjax.codec import HqmqFormat
+from kvjax.spec import parse_codec
+from pallas_kernels.hqmq_decode import api, reference
+from tests.pallas_kernels.suite import KernelSuite, Shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Case(Shape):
+    """One call of the entry: shapes, the codec and blocking."""
+
+    lengths: tuple[int, ...]
+    spec: str = "hqmq"
+    layers: int | None = None  # streams stacked over this many layers; layer 1 is read
+    block_s: int | None = 16
+    splits: int | None = 2
+
+    @property
+    def id(self) -> str:
+        return "-".join(filter(None, [
+            f"{self.shape_id}-{self.spec.replace(':', '-').replace(',', '-')}",
+            f"bs{self.block_s}", f"sp{self.splits}", "n" + ",".join(map(str, self.lengths)),
+            f"L{self.layers}" * bool(self.layers)]))
+
+
+# One compiled program per shape and spec: op by op, encoding costs more than the kernel.
+@functools.partial(jax.jit, static_argnames=("spec", "batch", "heads", "group", "slots",
+                                             "head_dim"))
+def coded(spec, batch, heads, group, slots, head_dim, seed=0):
+    """``(q, (k_stream, k_scale), (v_stream, v_scale), k_table, v_table)`` of Gaussian
+    vectors encoded by the codec, one parameter draw per kv head and role."""
+    codec = parse_codec(spec)
+    [fmt] = [f for f in codec.kernel_formats() if isinstance(f, HqmqFormat)]
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (batch, heads, group, head_dim))
+    out = [q]
+    tables = []
+    for i in range(2):
+        params = jax.vmap(lambda k: codec.init(k, head_dim))(jax.random.split(keys[1 + i],
+                                                                              heads))
+        x = jax.random.normal(keys[3 + i], (batch, heads, slots, head_dim))
+        codes = jax.vmap(codec.encode, in_axes=(0, 1), out_axes=1)(params, x)
+        out.append(fmt.arrays(codes))
+        tables.append(hqmq_tables(fmt, params))
+    return (*out, *tables)
+
+
+CASES = (
+    # D = 128 (32 chunks), GQA 4, ragged rows with an empty one, 3 splits
+    Case(3, 2, 4, 70, 128, (70, 23, 0), splits=3),
+    # GQA 1 and 7, lengths not multiples of the block
+    Case(1, 1, 1, 37, 128, (37,)),
+    Case(2, 1, 7, 41, 128, (41, 17)),
+    # D = 64 (16 chunks: the narrowest matmul operands)
+    Case(2, 2, 3, 33, 64, (33, 5)),
+    # a stack of layers read in place at a traced index
+    Case(2, 2, 4, 40, 64, (40, 9), layers=3),
+    # the library's default blocking and splits (S not a multiple of its block)
+    Case(2, 1, 4, 130, 64, (130, 1), block_s=None, splits=None),
+)
+
+
+class TestHqmqDecode(KernelSuite):
+    entry = staticmethod(api.hqmq_decode)
+    reference = staticmethod(reference.hqmq_decode)
+    CASES = CASES
+    UNSUPPORTED = (
+        (Case(1, 1, 4, 20, 128, (20,), spec="hqmq:s24,r3"), "not whole bytes and nibbles"),
+        (Case(1, 1, 4, 20, 80, (20,)), "head_dim 80"),
+    )
+    DROP = (Case(1, 1, 4, 48, 128, (48,)), [32])
+    TOLERANCE: ClassVar[dict[str, float]] = {"out": 3e-3, "lse": 2e-3}
+    IMPL = "hqmq_decode"
+    NEEDLE_SPECS = ("hqmq window=16 sinks=4",)
+
+    def inputs(self, case: Case) -> dict:
+        def one(seed=0):
+            return coded(case.spec, case.batch, case.heads, case.group, case.slots,
+                         case.head_dim, seed)
+
+        q, (ks, kscale), (vs, vscale), k_table, v_table = one()
+        layer = None
+        if case.layers:
+            # other layers hold other codes: reading the wrong one cannot pass
+            stacks = [one(seed)[1:3] for seed in (1, 0, 2)[:case.layers]]
+            ks, kscale = (jnp.stack([s[0][i] for s in stacks]) for i in range(2))
+            vs, vscale = (jnp.stack([s[1][i] for s in stacks]) for i in range(2))
+            layer = jnp.int32(1)
+        return {"q": q, "k_stream": ks, "k_scale": kscale, "v_stream": vs, "v_scale": vscale,
+                "lengths": jnp.asarray(case.lengths, jnp.int32), "k_table": k_table,
+                "v_table": v_table, "layer": layer,
+                "layout": parse_codec(case.spec).kernel_layout(case.head_dim),
+                "sm_scale": case.head_dim**-0.5, "block_s": case.block_s,
+                "splits": case.splits}
+
+    def lengths(self, case: Case) -> list[int]:
+        return list(case.lengths)
+
+    def test_malformed_arrays_raise_value_errors(self):
+        kw = self.inputs(Case(2, 1, 4, 20, 64, (20, 3)))
+        for name, bad, match in (
+                ("k_stream", kw["k_stream"][..., :-1], "k_stream must be"),
+                ("v_scale", kw["v_scale"][:, :, :-1], "v_scale must have shape"),
+                ("k_table", kw["k_table"][:, :3], "k_table must be"),
+                ("v_table", kw["v_table"][..., :-1], "v_table holds"),
+                ("q", kw["q"][0], "q must be")):
+            with pytest.raises(ValueError, match=match):
+                api.hqmq_decode(**{**kw, name: bad})
+        with pytest.raises(ValueError, match="uint8"):
+            api.hqmq_decode(**{**kw, "k_stream": kw["k_stream"].astype(jnp.int32),
+                               "v_stream": kw["v_stream"].astype(jnp.int32)})
+
+
+@pytest.mark.parametrize("spec,head_dim", [("hqmq", 128), ("hqmq", 64), ("hqmq:s96,r4", 48)])
+def test_layout_reads_what_the_codec_decodes(spec, head_dim):
+    """The stream read the layout's way (the reference's ``dequantize``) is the codec's
+    own decode, exactly."""
+    codec = parse_codec(spec)
+    [fmt] = codec.kernel_formats()
+    params = codec.init(jax.random.key(0), head_dim)
+    x = jax.random.normal(jax.random.key(1), (3, 50, head_dim)) * 3.0
+    codes = codec.encode(params, x)
+    stream, scale = fmt.arrays(codes)
+    layout = fmt.layout(head_dim)
+    assert layout.size == stream.shape[-1]
+    got = reference.dequantize(stream, scale, fmt.codewords(params).T, layout)
+    np.testing.assert_array_equal(got, codec.decode(params, codes))
+
+
+@pytest.mark.parametrize("spec,head_dim", [("hqmq:s24,r3", 128), ("hqmq:s192,r4", 128),
+                                           ("hqmq:s96,r5", 128), ("hqmq:s48,r4", 64),
+                                           ("hqmq", 256)])
+def test_layout_is_none_where_the_fields_are_not_bytes(spec, head_dim):
+    assert parse_codec(spec).kernel_layout(head_dim) is None
