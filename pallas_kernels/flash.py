@@ -67,6 +67,28 @@ def default_splits(batch: int, heads: int, slots: int, block_s: int,
     return good[0] if good else max(range(1, most + 1), key=fill)
 
 
+def schedule(batch: int, heads: int, slots: int, *, block_s: int | None,
+             num_stages: int | None, splits: int | None, num_warps: int,
+             interpret: bool | None) -> tuple[int, int, int, bool]:
+    """An entry's ``(block_s, num_stages, splits, interpret)``, each None replaced by the
+    library's choice (:func:`default_blocking`, :func:`default_splits`, interpret mode
+    off a GPU)."""
+    block_s, num_stages = default_blocking(block_s, num_stages)
+    splits = splits or default_splits(batch, heads, slots, block_s, num_warps)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return block_s, num_stages, splits, interpret
+
+
+def layer_arrays(arrays, layer):
+    """The arrays of layer ``layer`` of ``[L, ...]`` stacks (None entries pass through;
+    ``layer`` None: the arrays as they are): what a reference reads."""
+    if layer is None:
+        return list(arrays)
+    return [None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+            for a in arrays]
+
+
 def pad_query_rows(q: jax.Array, width: int) -> jax.Array:
     """``q [B, K, G, D]`` zero-padded to the power-of-two row count the kernel needs:
     at least 16 when its matmul operands are ``width >= 16`` columns wide (the smallest

@@ -65,11 +65,11 @@ from pallas_kernels.flash import (
     OPERAND,
     Load,
     decode_call,
-    default_blocking,
-    default_splits,
     dot_nt,
+    layer_arrays,
     leading_inputs,
     pad_query_rows,
+    schedule,
     split_len,
     split_softmax,
     stacked_spec,
@@ -216,10 +216,9 @@ def decode(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero, leng
     slots = k_codes.shape[-2]
     if slots == 0:
         return empty_partial(q)
-    block_s, num_stages = default_blocking(block_s, num_stages)
-    splits = splits or default_splits(batch, heads, slots, block_s, num_warps)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    block_s, num_stages, splits, interpret = schedule(
+        batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
+        num_warps=num_warps, interpret=interpret)
     q_rot, gq = query_sides(q, k_signs, qjl_sketch)
     width = max(reader.width, group_values.plane_width(head_dim, value_bits))
     q_rot = kernel_query(pad_query_rows(q_rot, width), reader.columns)
@@ -419,11 +418,8 @@ def reference(reader: KeyReader, vectors: Callable[..., jax.Array], q, k_codes, 
                  k_signs, k_qjl, k_residual_norm, qjl_sketch, value_bits=value_bits,
                  value_group=value_group)
     head_dim = q.shape[-1]
-    arrays = [k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm]
-    if layer is not None:
-        arrays = [None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, False)
-                  for a in arrays]
-    k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm = arrays
+    k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm = layer_arrays(
+        (k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm), layer)
     q_rot, gq = query_sides(q, k_signs, qjl_sketch)
     y = vectors(k_codes, head_dim=head_dim)
     s = jnp.einsum("bkgd,bksd->bkgs", q_rot, y, precision=EXACT)

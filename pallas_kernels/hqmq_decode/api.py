@@ -21,9 +21,8 @@ from kvjax.primitives.quaternion import HqmqLayout
 from pallas_kernels.flash import (
     MIN_DOT,
     NUM_WARPS,
-    default_blocking,
-    default_splits,
     pad_query_rows,
+    schedule,
 )
 from pallas_kernels.hqmq_decode.kernel import COMPONENTS, codes_partial
 from pallas_kernels.partial import empty_partial, merge_partials
@@ -109,10 +108,9 @@ def hqmq_decode(
     slots = k_stream.shape[-2]
     if slots == 0:
         return empty_partial(q)
-    block_s, num_stages = default_blocking(block_s, num_stages)
-    splits = splits or default_splits(batch, heads, slots, block_s, num_warps)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    block_s, num_stages, splits, interpret = schedule(
+        batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
+        num_warps=num_warps, interpret=interpret)
     rows = pad_query_rows(q.astype(jnp.float32), layout.chunks)
     o, m, l = codes_partial(
         rows, k_stream, k_scale, v_stream, v_scale, lengths, k_table, v_table, layer,

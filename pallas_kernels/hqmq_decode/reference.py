@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.primitives.quaternion import HqmqLayout
-from pallas_kernels.flash import NUM_WARPS
+from pallas_kernels.flash import NUM_WARPS, layer_arrays
 from pallas_kernels.hqmq_decode.api import check_arrays
 from pallas_kernels.hqmq_decode.kernel import COMPONENTS
 from pallas_kernels.partial import dense_partial
@@ -70,11 +70,8 @@ def hqmq_decode(
     del block_s, splits, num_warps, num_stages, interpret
     check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table, v_table,
                  layout)
-    arrays = (k_stream, k_scale, v_stream, v_scale)
-    if layer is not None:
-        arrays = tuple(jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
-                       for a in arrays)
-    k_stream, k_scale, v_stream, v_scale = arrays
+    k_stream, k_scale, v_stream, v_scale = layer_arrays(
+        (k_stream, k_scale, v_stream, v_scale), layer)
     per_head = jax.vmap(dequantize, in_axes=(1, 1, 0, None), out_axes=1)
     keys = per_head(k_stream, k_scale, k_table, layout)
     values = per_head(v_stream, v_scale, v_table, layout)

@@ -25,9 +25,8 @@ from kvjax.primitives.rotations import block_hadamard, random_signs
 from pallas_kernels.flash import (
     MIN_DOT,
     NUM_WARPS,
-    default_blocking,
-    default_splits,
     pad_query_rows,
+    schedule,
 )
 from pallas_kernels.int_decode.kernel import Research, codes_partial
 from pallas_kernels.partial import empty_partial, merge_partials, unrotate_output
@@ -138,10 +137,9 @@ def int_decode(
         # no code slot at all (a residual window as long as the cache)
         return empty_partial(q)
     research = research or Research()
-    block_s, num_stages = default_blocking(block_s, num_stages)
-    splits = splits or default_splits(batch, heads, slots, block_s, num_warps)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    block_s, num_stages, splits, interpret = schedule(
+        batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
+        num_warps=num_warps, interpret=interpret)
     rows = pad_query_rows(q.astype(jnp.float32), operand_width(head_dim, bits, research.layout))
     o, m, l = codes_partial(
         rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, q_rotation, layer,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.primitives.packing import unpack_codes
+from pallas_kernels.flash import layer_arrays
 from pallas_kernels.int_decode.api import NUM_WARPS, check_arrays
 from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.partial import EXACT, dense_partial, unrotate_output
@@ -67,12 +68,8 @@ def int_decode(
     check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
                  q_rotation, v_rotation, bits, offset)
     head_dim = q.shape[-1]
-    arrays = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    if layer is not None:
-        arrays = tuple(None if a is None else
-                       jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
-                       for a in arrays)
-    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = arrays
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = layer_arrays(
+        (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), layer)
     q = q.astype(jnp.float32)
     if q_rotation is not None:
         q = jnp.einsum("bkgd,ked->bkge", q, q_rotation.astype(jnp.float32), precision=EXACT)
