@@ -149,6 +149,7 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
     codes = (arrays["k_codes"], arrays["k_scale"], arrays["k_zero"], arrays["v_codes"],
              arrays["v_scale"], arrays["v_zero"])
     lengths = arrays["lengths"]
+    block_arg, stages_arg = block_s, num_stages
     block_s, num_stages = default_blocking(block_s, num_stages)
     splits = default_splits(batch, heads, slots, block_s, num_warps)
     results = {}
@@ -200,7 +201,8 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
                                     (q, *codes, lengths), inner, repeats), code_bytes)
         except Exception as err:  # report, keep benchmarking the other variants
             print(f"  {path} failed: {str(err).splitlines()[0][:160]}", file=sys.stderr)
-    options = {"block_s": block_s, "num_warps": num_warps, "num_stages": num_stages}
+    # each codec's kernel takes its own default blocking unless the command line sets one
+    options = {"block_s": block_arg, "num_warps": num_warps, "num_stages": stages_arg}
     for spec in codecs:
         try:
             results.update(bench_codec(spec, q, batch, heads, group, slots, head_dim,

@@ -43,10 +43,16 @@ GOOD_WAVES = 0.9
 MAX_WAVES = 4
 
 
-def default_blocking(block_s: int | None, num_stages: int | None) -> tuple[int, int]:
-    """Tokens per block and pipeline stages: 128 and 3, measured best on the H200 at
-    one row and 128k tokens as at 32 rows and 32k tokens (docs/kernels.md)."""
-    return block_s or 128, num_stages or 3
+#: tokens per block unless a kernel says otherwise (:func:`default_blocking`)
+BLOCK_S = 128
+
+
+def default_blocking(block_s: int | None, num_stages: int | None,
+                     block: int = BLOCK_S) -> tuple[int, int]:
+    """Tokens per block and pipeline stages: ``block`` (the kernel's own choice; 128,
+    measured best on the H200 at one row and 128k tokens as at 32 rows and 32k tokens
+    for the INT kernel, docs/kernels.md) and 3."""
+    return block_s or block, num_stages or 3
 
 
 def default_splits(batch: int, heads: int, slots: int, block_s: int,
@@ -69,11 +75,11 @@ def default_splits(batch: int, heads: int, slots: int, block_s: int,
 
 def schedule(batch: int, heads: int, slots: int, *, block_s: int | None,
              num_stages: int | None, splits: int | None, num_warps: int,
-             interpret: bool | None) -> tuple[int, int, int, bool]:
+             interpret: bool | None, block: int = BLOCK_S) -> tuple[int, int, int, bool]:
     """An entry's ``(block_s, num_stages, splits, interpret)``, each None replaced by the
-    library's choice (:func:`default_blocking`, :func:`default_splits`, interpret mode
-    off a GPU)."""
-    block_s, num_stages = default_blocking(block_s, num_stages)
+    library's choice (:func:`default_blocking` with the kernel's ``block``,
+    :func:`default_splits`, interpret mode off a GPU)."""
+    block_s, num_stages = default_blocking(block_s, num_stages, block)
     splits = splits or default_splits(batch, heads, slots, block_s, num_warps)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

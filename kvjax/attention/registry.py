@@ -30,6 +30,4 @@ register(rotated_kernel("octopus_decode", octopus_decode.octopus_decode, Octopus
                         octopus_decode.unsupported))
 register(rotated_kernel("polar_decode", polar_decode.polar_decode, PolarFormat,
                         polar_decode.unsupported))
-# "auto" takes it once its compiled suite has passed on a GPU
-register(hqmq_kernel("hqmq_decode", hqmq_decode.hqmq_decode, hqmq_decode.unsupported,
-                     auto=False))
+register(hqmq_kernel("hqmq_decode", hqmq_decode.hqmq_decode, hqmq_decode.unsupported))

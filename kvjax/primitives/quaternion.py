@@ -31,14 +31,22 @@ NUM_HURWITZ = 24
 
 def hamilton(a: jax.Array, b: jax.Array) -> jax.Array:
     """The Hamilton product ``a * b`` (broadcast over leading axes)."""
-    aw, ax, ay, az = (a[..., i] for i in range(4))
-    bw, bx, by, bz = (b[..., i] for i in range(4))
-    return jnp.stack([
+    return jnp.stack(hamilton_components([a[..., i] for i in range(4)],
+                                         [b[..., i] for i in range(4)]), axis=-1)
+
+
+def hamilton_components(a, b) -> list:
+    """The Hamilton product of quaternions given as their four components (arrays of
+    one shape each, or scalars): the form of :func:`hamilton` for code that keeps each
+    component in its own array (a kernel's tiles)."""
+    aw, ax, ay, az = a
+    bw, bx, by, bz = b
+    return [
         aw * bw - ax * bx - ay * by - az * bz,
         aw * bx + ax * bw + ay * bz - az * by,
         aw * by - ax * bz + ay * bw + az * bx,
         aw * bz + ax * by - ay * bx + az * bw,
-    ], axis=-1)
+    ]
 
 
 def conjugate(q: jax.Array) -> jax.Array:

@@ -24,8 +24,12 @@ from pallas_kernels.flash import (
     pad_query_rows,
     schedule,
 )
-from pallas_kernels.hqmq_decode.kernel import COMPONENTS, codes_partial
+from pallas_kernels.hqmq_decode.kernel import COMPONENTS, LOOKUPS, codes_partial
 from pallas_kernels.partial import empty_partial, merge_partials
+
+#: tokens per block: at 128 (the INT kernel's) the four component tiles of keys and
+#: values spill, 20x slower on the H200; 16 to 64 measure within 8% (docs/kernels.md)
+BLOCK_S = 16
 
 
 def unsupported(layout: HqmqLayout | None, head_dim: int) -> str | None:
@@ -74,7 +78,7 @@ def check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_tabl
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret"),
+                     "interpret", "lookup"),
 )
 def hqmq_decode(
     q: jax.Array,         # [B, K, G, D] float: the query rows that read kv head k
@@ -94,6 +98,7 @@ def hqmq_decode(
     num_warps: int = NUM_WARPS,
     num_stages: int | None = None,
     interpret: bool | None = None,  # Pallas interpret mode; default: off a GPU
+    lookup: str = LOOKUPS[0],  # how codewords are formed (.kernel's doc)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmax of the query rows over the first ``lengths[b]`` coded tokens:
     ``o [B, K, G, D]``, ``m [B, K, G]``, ``l [B, K, G]`` in float32; a row with no coded
@@ -104,16 +109,18 @@ def hqmq_decode(
     malformed."""
     check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table, v_table,
                  layout)
+    if lookup not in LOOKUPS:
+        raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
     batch, heads, group, _ = q.shape
     slots = k_stream.shape[-2]
     if slots == 0:
         return empty_partial(q)
     block_s, num_stages, splits, interpret = schedule(
         batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
-        num_warps=num_warps, interpret=interpret)
+        num_warps=num_warps, interpret=interpret, block=BLOCK_S)
     rows = pad_query_rows(q.astype(jnp.float32), layout.chunks)
     o, m, l = codes_partial(
         rows, k_stream, k_scale, v_stream, v_scale, lengths, k_table, v_table, layer,
         layout=layout, sm_scale=sm_scale, block_s=block_s, splits=splits,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, lookup=lookup)
     return merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)

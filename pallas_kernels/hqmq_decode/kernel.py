@@ -13,9 +13,15 @@ Per block and chunk the kernel rebuilds the joint index from the stream
 gathered by column) gives its digit by float arithmetic, ``floor((v + 1/2) / place)``
 modulo the odd base (exact: the quotient's error is far below the half-step margin); the
 low index bits are a window of bytes, the radius codes a window of nibbles interleaved
-in registers. The codewords come from the head's table ``[4, 24 S]`` (float16, computed
-once per call), gathered by index: the whole table stays in the L1 cache. Operands of
-the dots are float16, accumulation float32; the reference is exact float32.
+in registers. A codeword ``q_p q_s`` is formed one of two ways (``lookup``): ``"product"``
+gathers the secondary quaternion ``q_s`` from the head's ``S`` secondaries (float16, 768
+bytes at ``S = 96``) and multiplies it by the Hurwitz unit ``q_p``, whose components follow
+from its index by comparisons (no table); ``"table"`` gathers the whole codeword from the
+head's ``24 S`` codewords (18 KB). Either table stays in the L1 cache, but a gather costs
+one L1 wavefront per distinct 128-byte line its lanes touch: ~29 for random indices
+into the large table, at most 6 into the small one, which is what the product's sixteen
+multiply-adds buy back. Operands of the dots are float16, accumulation float32; the
+reference is exact float32.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kvjax.primitives.quaternion import HqmqLayout
+from kvjax.primitives.quaternion import NUM_HURWITZ, HqmqLayout, hamilton_components
 from pallas_kernels.flash import (
     OPERAND,
     decode_call,
@@ -41,6 +47,8 @@ from pallas_kernels.flash import (
 
 #: quaternion components
 COMPONENTS = 4
+#: how the kernel forms codewords (module doc); the first is the default
+LOOKUPS = ("product", "table")
 
 
 def query_columns(chunks: int) -> np.ndarray:
@@ -63,9 +71,34 @@ def _chunk_columns(layout: HqmqLayout):
     return digit_byte, wide, inverse[None, :]
 
 
-def _decoded(load, ref, table_ref, layout: HqmqLayout, columns):
+def _unit_components(p: jax.Array) -> list:
+    """The four components (float32 tiles) of the Hurwitz units of indices ``p`` (int32),
+    in the order of :func:`kvjax.primitives.quaternion.hurwitz_units`: ``2 c + n`` is
+    ``(-1)**n`` on axis ``c``, ``8 + m`` has component ``c`` at ``-1/2`` iff bit ``c`` of
+    ``m`` is set, else ``+1/2``."""
+    half = p >= 8
+    out = []
+    for c in range(COMPONENTS):
+        axis = jnp.where(p == 2 * c, 1.0, jnp.where(p == 2 * c + 1, -1.0, 0.0))
+        negative = jax.lax.shift_right_logical(p - 8, c) & 1
+        out.append(jnp.where(half, 0.5 - negative.astype(jnp.float32), axis))
+    return out
+
+
+def _codewords(table_ref, index: jax.Array, lookup: str) -> list:
+    """The four components (float32 tiles) of the codewords of joint indices ``index``:
+    ``table_ref`` holds ``[4, 24 S]`` codewords (``"table"``) or ``[4, S]`` secondaries
+    (``"product"``)."""
+    if lookup == "table":
+        return [table_ref[m, index].astype(jnp.float32) for m in range(COMPONENTS)]
+    s = jax.lax.div(index, np.int32(NUM_HURWITZ))
+    secondary = [table_ref[m, s].astype(jnp.float32) for m in range(COMPONENTS)]
+    return hamilton_components(_unit_components(index - NUM_HURWITZ * s), secondary)
+
+
+def _decoded(load, ref, table_ref, layout: HqmqLayout, columns, lookup: str):
     """The block's four ``[block, C]`` float16 tiles ``k_c * w_m[c]`` of the tokens in
-    ``ref`` (a byte stream), codewords from ``table_ref [4, 24 S]``."""
+    ``ref`` (a byte stream), codewords by ``lookup`` from ``table_ref``."""
     digit_byte, wide, inverse = columns
     lo = load(ref, digit_byte).astype(jnp.float32)
     hi = load(ref, digit_byte + 1).astype(jnp.float32)
@@ -80,12 +113,11 @@ def _decoded(load, ref, table_ref, layout: HqmqLayout, columns):
     radius = jnp.stack([radius & jnp.asarray(15, radius.dtype),
                         radius >> jnp.asarray(4, radius.dtype)], axis=-1)
     radius = radius.reshape(radius.shape[0], layout.chunks).astype(jnp.float32)
-    return [(table_ref[m, index].astype(jnp.float32) * radius).astype(OPERAND)
-            for m in range(COMPONENTS)]
+    return [(w * radius).astype(OPERAND) for w in _codewords(table_ref, index, lookup)]
 
 
 def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_ref, vt_ref,
-            o_ref, m_ref, l_ref, *, layout, block_s, split_len, sm_scale):
+            o_ref, m_ref, l_ref, *, layout, block_s, split_len, sm_scale, lookup):
     chunks = layout.chunks
     rows = q_ref.shape[0]
     levels = np.float32(1.0 / (2**layout.radius_bits - 1))
@@ -93,13 +125,13 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
     columns = _chunk_columns(layout)
 
     def scores(load):
-        tiles = _decoded(load, ks_ref, kt_ref, layout, columns)
+        tiles = _decoded(load, ks_ref, kt_ref, layout, columns, lookup)
         dots = sum(dot_nt(q_slots[m], tiles[m]) for m in range(COMPONENTS))
         scale = load(kscale_ref).astype(jnp.float32) * (levels * sm_scale)
         return dots * scale[None, :]
 
     def accumulate(acc, p, correction, load):
-        tiles = _decoded(load, vs_ref, vt_ref, layout, columns)
+        tiles = _decoded(load, vs_ref, vt_ref, layout, columns, lookup)
         scale = load(vscale_ref).astype(jnp.float32) * levels
         pv = (p * scale[None, :]).astype(OPERAND)
         return tuple(acc[m] * correction[:, None] + dot_nn(pv, tiles[m])
@@ -118,15 +150,17 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret"),
+                     "interpret", "lookup"),
 )
 def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_table,
                   layer=None, *, layout: HqmqLayout, sm_scale: float, block_s: int,
-                  splits: int, num_warps: int, num_stages: int, interpret: bool):
+                  splits: int, num_warps: int, num_stages: int, interpret: bool,
+                  lookup: str = LOOKUPS[0]):
     """Per-split partial softmaxes over the coded tokens: ``q [B, K, R, D]`` with ``R``
     query rows already padded (:func:`pallas_kernels.flash.pad_query_rows`), the streams
     and scales stacked ``[L, B, K, S, ...]`` (``layer`` None reads a stack of one), the
-    codeword tables ``[K, 4, 24 S]`` float16. Returns ``o [B, K, splits, R, D]``, ``m, l
+    codeword tables ``[K, 4, 24 S]`` (of which ``"product"`` reads the secondaries, the
+    columns of unit 0). Returns ``o [B, K, splits, R, D]``, ``m, l
     [B, K, splits, R]`` (float32) in dim order; no check (:func:`.api.hqmq_decode` does
     them)."""
     batch, heads, rows, head_dim = q.shape
@@ -137,7 +171,10 @@ def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_ta
     layers, slots = k_stream.shape[0], k_stream.shape[3]
     perm = query_columns(layout.chunks)
     kernel = functools.partial(_kernel, layout=layout, block_s=block_s,
-                               split_len=split_len(slots, splits, block_s), sm_scale=sm_scale)
+                               split_len=split_len(slots, splits, block_s), sm_scale=sm_scale,
+                               lookup=lookup)
+    if lookup == "product":  # codeword 24 s is q_s times the unit 1
+        k_table, v_table = k_table[..., ::NUM_HURWITZ], v_table[..., ::NUM_HURWITZ]
     args, in_specs = leading_inputs(n_comp, layer, q[..., perm])
     stream_spec = stacked_spec(layers, slots, k_stream.shape[4])
     scale_spec = stacked_spec(layers, slots)

@@ -43,7 +43,7 @@ def dequantize(stream: jax.Array, scale: jax.Array, table: jax.Array,
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret"),
+                     "interpret", "lookup"),
 )
 def hqmq_decode(
     q: jax.Array,
@@ -63,11 +63,12 @@ def hqmq_decode(
     num_warps: int = NUM_WARPS,
     num_stages: int | None = None,
     interpret: bool | None = None,
+    lookup: str = "product",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The specification of :func:`.api.hqmq_decode`: same arguments, same checks, the
-    exact partial. The blocking and interpret arguments only shape the kernel's schedule
-    and are ignored here."""
-    del block_s, splits, num_warps, num_stages, interpret
+    exact partial. The blocking, interpret and lookup arguments only shape how the kernel
+    computes and are ignored here."""
+    del block_s, splits, num_warps, num_stages, interpret, lookup
     check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table, v_table,
                  layout)
     k_stream, k_scale, v_stream, v_scale = layer_arrays(

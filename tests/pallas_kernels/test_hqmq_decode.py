@@ -21,6 +21,8 @@ from kvjax.attention.fused import hqmq_tables
 from kvjax.codec import HqmqFormat
 from kvjax.spec import parse_codec
 from pallas_kernels.hqmq_decode import api, reference
+from pallas_kernels.hqmq_decode.kernel import LOOKUPS
+from pallas_kernels.partial import normalize
 from tests.pallas_kernels.suite import KernelSuite, Shape
 
 
@@ -151,3 +153,20 @@ def test_layout_reads_what_the_codec_decodes(spec, head_dim):
                                            ("hqmq", 256)])
 def test_layout_is_none_where_the_fields_are_not_bytes(spec, head_dim):
     assert parse_codec(spec).kernel_layout(head_dim) is None
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS)
+def test_each_lookup_matches_the_reference(lookup):
+    """Codewords formed either way (the secondary times the unit from its index, or the
+    whole codeword gathered) give the reference's partial."""
+    suite = TestHqmqDecode()
+    kw = suite.inputs(CASES[0])
+    want = normalize(*reference.hqmq_decode(**kw))
+    got = normalize(*api.hqmq_decode(**kw, lookup=lookup))
+    np.testing.assert_allclose(got, want, atol=TestHqmqDecode.TOLERANCE["out"])
+
+
+def test_unknown_lookup_raises():
+    kw = TestHqmqDecode().inputs(CASES[1])
+    with pytest.raises(ValueError, match="lookup must be one of"):
+        api.hqmq_decode(**kw, lookup="matmul")
