@@ -761,6 +761,17 @@ class IntFormat(KernelFormat):
         return self.rotate(params, jnp.eye(head_dim, dtype=jnp.float32)).T
 
 
+@dataclasses.dataclass(frozen=True)
+class OutlierBlocks:
+    """Med-C outliers over a token-wise format (:mod:`kvjax.codecs.outliers`): per
+    ``block`` tokens a flag bit per chunk of 4 (token-major) and a fixed number of fp16
+    chunk slots, filled in the flags' order; the base codes of a flagged chunk decode to
+    zero (the base encoded it zeroed), so a reader adds the stored chunks to the base's
+    vectors."""
+
+    block: int
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HqmqFormat(KernelFormat):
     """HQMQ codes (:mod:`kvjax.codecs.hqmq`): per 4-dim chunk a joint index ``24 s + p``
@@ -769,16 +780,33 @@ class HqmqFormat(KernelFormat):
     float16 ``[..., T, 1]``. ``layout(head_dim)``: the stream's
     :class:`~kvjax.primitives.quaternion.HqmqLayout`,
     or None where its fields are not whole bytes and nibbles; ``codewords(params)``: the
-    ``24 S`` codewords ``float32[24 S, 4]`` of one head's parameters, by joint index."""
+    ``24 S`` codewords ``float32[24 S, 4]`` of one head's parameters, by joint index.
+    ``outliers``: with Med-C outliers (:class:`OutlierBlocks`), the codes are the outlier
+    codec's (``"base"`` holds the HQMQ codes by block, beside ``"flags"`` and
+    ``"outliers"``)."""
 
     secondary: int
     radius_bits: int
     layout: Callable[[int], HqmqLayout | None]
     codewords: Callable[[Params], jax.Array]
+    outliers: OutlierBlocks | None = None
 
     def arrays(self, codes: Codes) -> tuple[jax.Array, jax.Array]:
         """``(stream [..., T, H], scale [..., T])``."""
-        return codes["stream"], codes["scale"][..., 0]
+        if self.outliers is None:
+            return codes["stream"], codes["scale"][..., 0]
+        base = codes["base"]
+        stream, scale = base["stream"], base["scale"][..., 0]
+        return (stream.reshape(*stream.shape[:-3], -1, stream.shape[-1]),
+                scale.reshape(*scale.shape[:-2], -1))
+
+    def outlier_arrays(self, codes: Codes) -> tuple[jax.Array, jax.Array] | None:
+        """``(flags uint32 [..., NB, W], outliers float16 [..., NB, 4 slots])`` (None
+        without outliers): per block of ``outliers.block`` tokens."""
+        if self.outliers is None:
+            return None
+        chunks = codes["outliers"]
+        return codes["flags"], chunks.reshape(*chunks.shape[:-2], -1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

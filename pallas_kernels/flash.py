@@ -121,15 +121,20 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
                    axis=1)
 
 
-#: ``load(ref, columns=None)``: a block's tokens of a ``[L, S]`` or ``[L, S, C]`` ref,
-#: masked rows read as 0; ``columns`` a ``pl.ds`` of the columns, or an int vector whose
-#: entry ``c`` names the ref column that tile column ``c`` reads (a gather: one load per
-#: element, where a window loads a row's columns together)
+#: ``load(ref, columns=None, per=1)``: a block's tokens of a ``[L, S]`` or ``[L, S, C]``
+#: ref, masked rows read as 0; ``columns`` a ``pl.ds`` of the columns, or an int vector
+#: whose entry ``c`` names the ref column that tile column ``c`` reads (a gather: one load
+#: per element, where a window loads a row's columns together). ``per > 1``: the ref
+#: ``[L, S / per, C]`` holds one entry per ``per`` tokens and the block (which must lie
+#: in one entry) reads its entry's columns, a vector ``[C]`` (no mask: entries are whole)
 Load = Callable[..., jax.Array]
 
 
 def _loader(layer, tile, ok) -> Load:
-    def load(ref, columns=None):
+    def load(ref, columns=None, per: int = 1):
+        if per > 1:
+            entry = tile.start // per
+            return ref[layer, entry, slice(None) if columns is None else columns]
         mask = None if ok is None else ok[:, None]
         if len(ref.shape) == 2:
             index, mask = (layer, tile), ok

@@ -270,8 +270,9 @@ def rotated_kernel(name: str, entry: Entry, key_format: type[RotatedKeyFormat],
 def hqmq_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
                unsupported: Callable[..., str | None]) -> tuple[HqmqFormat, HqmqFormat] | str:
     """The formats a kernel over HQMQ keys and values reads from these codecs at
-    ``head_dim``, or why it cannot; ``unsupported(layout, head_dim)`` is the kernel's
-    own rule. K and V streams must share a layout (one kernel call reads both)."""
+    ``head_dim``, or why it cannot; ``unsupported(layout, head_dim, outlier_blocks)``
+    (the Med-C blocks of the roles that have them) is the kernel's own rule. K and V
+    streams must share a layout (one kernel call reads both)."""
     formats = []
     for role, codec in (("K", k_codec), ("V", v_codec)):
         fmt = kernel_format(codec, HqmqFormat)
@@ -282,12 +283,24 @@ def hqmq_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
     layout = k_fmt.layout(head_dim)
     if v_fmt.layout(head_dim) != layout:
         return f"K '{k_codec.spec}' and V '{v_codec.spec}' streams differ in layout"
-    return unsupported(layout, head_dim) or (k_fmt, v_fmt)
+    blocks = tuple(f.outliers.block for f in (k_fmt, v_fmt) if f.outliers is not None)
+    return unsupported(layout, head_dim, blocks) or (k_fmt, v_fmt)
 
 
 def hqmq_tables(fmt: HqmqFormat, params) -> jax.Array:
     """``[K, 4, 24 S]`` codeword tables of a store's per-head ``params``."""
     return jax.vmap(lambda p: fmt.codewords(p).T)(params)
+
+
+def hqmq_outliers(k_fmt: HqmqFormat, k_codes, v_fmt: HqmqFormat, v_codes) -> dict:
+    """The Med-C arrays of the HQMQ kernel's entry (``k_outlier_flags``, ``k_outliers``,
+    ``v_...``) for the roles whose format has outliers."""
+    out = {}
+    for role, fmt, codes in (("k", k_fmt, k_codes), ("v", v_fmt, v_codes)):
+        arrays = fmt.outlier_arrays(codes)
+        if arrays is not None:
+            out[f"{role}_outlier_flags"], out[f"{role}_outliers"] = arrays
+    return out
 
 
 def hqmq_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
@@ -304,7 +317,8 @@ def hqmq_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry
     def coded(qg, n_comp):
         return entry(qg, *k_fmt.arrays(k_store.codes), *v_fmt.arrays(v_store.codes), n_comp,
                      hqmq_tables(k_fmt, k_store.params), hqmq_tables(v_fmt, v_store.params),
-                     k_store.layer, layout=k_fmt.layout(head_dim), sm_scale=scale, **options)
+                     k_store.layer, **hqmq_outliers(k_fmt, k_store.codes, v_fmt, v_store.codes),
+                     layout=k_fmt.layout(head_dim), sm_scale=scale, **options)
 
     return merged_decode(q, layer, lengths, scale, coded)
 
@@ -389,9 +403,11 @@ def kernel_call(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots
                            head_dim=head_dim, key=key)
     k_params, k_codes, v_params, v_codes = codecs
     if count < slots:
-        index = jnp.arange(slots) % count
-        k_codes, v_codes = (jax.tree.map(lambda a: jnp.take(a, index, axis=2), c)
-                            for c in (k_codes, v_codes))
+        # codes are per block of the codec's tokens: repeat whole blocks
+        k_codes, v_codes = (
+            jax.tree.map(lambda a, n=codec.block_tokens: jnp.take(
+                a, jnp.arange(slots // n) % (count // n), axis=2), c)
+            for codec, c in ((k_codec, k_codes), (v_codec, v_codes)))
         codecs = k_params, k_codes, v_params, v_codes
     lengths = jnp.full((batch,), slots, jnp.int32)
     sm_scale = head_dim**-0.5 if scale is None else scale
@@ -399,7 +415,8 @@ def kernel_call(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots
         stored = dict(zip(("k_stream", "k_scale", "v_stream", "v_scale"),
                           (*k_fmt.arrays(k_codes), *v_fmt.arrays(v_codes)), strict=True))
         arrays = {**stored, "lengths": lengths, "k_table": hqmq_tables(k_fmt, k_params),
-                  "v_table": hqmq_tables(v_fmt, v_params)}
+                  "v_table": hqmq_tables(v_fmt, v_params),
+                  **hqmq_outliers(k_fmt, k_codes, v_fmt, v_codes)}
         static = {"layout": k_fmt.layout(head_dim), "sm_scale": sm_scale}
     elif isinstance(k_fmt, RotatedKeyFormat):
         codes, norm, *qjl = k_fmt.arrays(k_codes)

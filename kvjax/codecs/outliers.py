@@ -41,7 +41,19 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import FP16_MAX, Codec, CodecError, Codes, Example, Limits, Option, Params
+from kvjax.codec import (
+    FP16_MAX,
+    Codec,
+    CodecError,
+    Codes,
+    Example,
+    HqmqFormat,
+    KernelFormat,
+    Limits,
+    Option,
+    OutlierBlocks,
+    Params,
+)
 from kvjax.codecs.intn import exact_bits
 from kvjax.primitives.packing import num_words, pack_bits, unpack_bits
 from kvjax.primitives.quaternion import num_chunks, to_chunks
@@ -180,15 +192,15 @@ class MedOutlierCodec(Codec):
         lead, nb, n = lead_nb[:-1], lead_nb[-1], self.block
         flat = jax.tree.map(lambda a: a.reshape(*lead, nb * n, *a.shape[len(lead) + 2:]), base)
         x = self.base.decode(params, flat, jnp.float32)
-        head_dim = x.shape[-1]
-        c4 = num_chunks(head_dim)
-        stored = unpack_bits(codes["flags"], 1, n * c4).astype(bool)
-        slot = jnp.clip(jnp.cumsum(stored, axis=-1) - 1, 0, codes["outliers"].shape[-2] - 1)
-        payload = jnp.take_along_axis(codes["outliers"].astype(jnp.float32), slot[..., None],
-                                      axis=-2)
-        chunks = to_chunks(x).reshape(*lead, nb, n * c4, 4)
-        chunks = jnp.where(stored[..., None], payload, chunks)
-        return chunks.reshape(*lead, nb * n, 4 * c4)[..., :head_dim].astype(dtype)
+        x = replace_outliers(x, codes["flags"], codes["outliers"], n)
+        return x.astype(dtype)
+
+    def kernel_formats(self) -> tuple[KernelFormat, ...]:
+        """The base's HQMQ format with these outliers (:class:`~kvjax.codec.OutlierBlocks`:
+        its codes decode a flagged chunk to zero, the kernel adds the stored chunk); no
+        other base's formats (their codes of a zeroed chunk are not zero)."""
+        return tuple(dataclasses.replace(f, outliers=OutlierBlocks(self.block))
+                     for f in self.base.kernel_formats() if isinstance(f, HqmqFormat))
 
     def outlier_counts(self, codes: Codes) -> tuple[jax.Array, jax.Array]:
         """Per block: (chunks stored as outliers, chunks over the threshold that did not
@@ -212,3 +224,19 @@ class MedOutlierCodec(Codec):
         base = getattr(self.base, "fractional_bits_per_element", self.base.bits_per_element)
         return (1 - fraction) * base(head_dim) + 16 * fraction + 0.25
 
+
+
+def replace_outliers(x: jax.Array, flags: jax.Array, outliers: jax.Array,
+                     block: int) -> jax.Array:
+    """Vectors ``x [..., NB * block, D]`` (float32) with each flagged chunk of 4 replaced
+    by its stored value: ``flags`` uint32 ``[..., NB, W]`` (a bit per chunk, token-major),
+    ``outliers [..., NB, K, 4]`` in the flags' order."""
+    head_dim = x.shape[-1]
+    c4 = num_chunks(head_dim)
+    lead, nb = flags.shape[:-2], flags.shape[-2]
+    stored = unpack_bits(flags, 1, block * c4).astype(bool)
+    slot = jnp.clip(jnp.cumsum(stored, axis=-1) - 1, 0, outliers.shape[-2] - 1)
+    payload = jnp.take_along_axis(outliers.astype(jnp.float32), slot[..., None], axis=-2)
+    chunks = to_chunks(x).reshape(*lead, nb, block * c4, 4)
+    chunks = jnp.where(stored[..., None], payload, chunks)
+    return chunks.reshape(*lead, nb * block, 4 * c4)[..., :head_dim]

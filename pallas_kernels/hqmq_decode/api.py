@@ -32,8 +32,10 @@ from pallas_kernels.partial import empty_partial, merge_partials
 BLOCK_S = 16
 
 
-def unsupported(layout: HqmqLayout | None, head_dim: int) -> str | None:
-    """Why the kernel cannot read streams of this layout (None: it can)."""
+def unsupported(layout: HqmqLayout | None, head_dim: int,
+                outlier_blocks: tuple[int, ...] = ()) -> str | None:
+    """Why the kernel cannot read streams of this layout with Med-C outliers in blocks
+    of ``outlier_blocks`` tokens (one per role that has them; None: it can)."""
     if layout is None:
         return ("the stream's fields are not whole bytes and nibbles (the kernel reads "
                 "8-bit low index bits and 4-bit radii: hqmq:s96,r4)")
@@ -41,13 +43,45 @@ def unsupported(layout: HqmqLayout | None, head_dim: int) -> str | None:
     if COMPONENTS * chunks != head_dim or chunks < MIN_DOT or chunks & (chunks - 1):
         return (f"head_dim {head_dim}: the kernel reads a power-of-two number >= {MIN_DOT} "
                 "of whole chunks of 4 (head dims 64, 128, ...)")
+    if len(set(outlier_blocks)) > 1:
+        return f"K and V outlier blocks differ ({outlier_blocks[0]}, {outlier_blocks[1]})"
+    for block in outlier_blocks:
+        if block < MIN_DOT or block & (block - 1):
+            return (f"outlier blocks of {block} tokens (the kernel reads a power of two >= "
+                    f"{MIN_DOT})")
     return None
 
 
+def check_outliers(name: str, outliers, stream, layout: HqmqLayout) -> int | None:
+    """The checks of one role's Med-C arrays; returns the outlier block (tokens)."""
+    flags, chunks = outliers
+    lead = stream.shape[:-2]
+    slots = stream.shape[-2]
+    if flags.ndim != stream.ndim or flags.shape[:-2] != lead or flags.dtype != jnp.uint32:
+        raise ValueError(f"{name}_outlier_flags must be uint32 [..., NB, W] beside a stream "
+                         f"of shape {stream.shape}, got {flags.dtype} {flags.shape}")
+    blocks = flags.shape[-2]
+    block = slots // blocks if blocks else 0
+    if not blocks or block * blocks != slots:
+        raise ValueError(f"{name}_outlier_flags: {blocks} blocks do not split {slots} tokens")
+    reason = unsupported(layout, layout.chunks * COMPONENTS, (block,))
+    if reason is not None:
+        raise NotImplementedError(f"hqmq_decode: {reason}")
+    if (block * layout.chunks) % 32 or flags.shape[-1] != block * layout.chunks // 32:
+        raise ValueError(f"{name}_outlier_flags must hold {block * layout.chunks // 32} "
+                         f"words per block (a bit per chunk), got {flags.shape[-1]}")
+    if (chunks.shape[:-1] != flags.shape[:-1] or chunks.shape[-1] % COMPONENTS
+            or not chunks.shape[-1]):
+        raise ValueError(f"{name}_outliers must be [..., NB, 4 P] beside flags of shape "
+                         f"{flags.shape}, got {chunks.shape}")
+    return block
+
+
 def check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table, v_table,
-                 layout: HqmqLayout | None) -> None:
+                 layout: HqmqLayout | None, k_outliers=None, v_outliers=None) -> int | None:
     """The checks of :func:`hqmq_decode` (and of its reference): ``NotImplementedError``
-    where the kernel cannot serve the arrays, ``ValueError`` where they are malformed."""
+    where the kernel cannot serve the arrays, ``ValueError`` where they are malformed.
+    Returns the Med-C outlier block in tokens (None without outliers)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, K, G, D], got shape {q.shape}")
     batch, heads, _, head_dim = q.shape
@@ -73,6 +107,22 @@ def check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_tabl
         if t.shape[2] != layout.odd << layout.low_bits:
             raise ValueError(f"{name} holds {t.shape[2]} codewords; the layout's indices "
                              f"reach {layout.odd << layout.low_bits}")
+    blocks = tuple(check_outliers(name, o, k_stream, layout)
+                   for name, o in (("k", k_outliers), ("v", v_outliers)) if o is not None)
+    reason = unsupported(layout, head_dim, blocks)
+    if reason is not None:
+        raise NotImplementedError(f"hqmq_decode: {reason}")
+    return blocks[0] if blocks else None
+
+
+def pairs(k_flags, k_outliers, v_flags, v_outliers):
+    """Each role's Med-C ``(flags, chunks)`` or None; a ValueError for half a pair."""
+    out = []
+    for name, flags, chunks in (("k", k_flags, k_outliers), ("v", v_flags, v_outliers)):
+        if (flags is None) != (chunks is None):
+            raise ValueError(f"{name}_outlier_flags and {name}_outliers go together")
+        out.append(None if flags is None else (flags, chunks))
+    return out
 
 
 @functools.partial(
@@ -90,6 +140,10 @@ def hqmq_decode(
     k_table: jax.Array,   # [K, 4, N]: codeword components by joint index, per kv head
     v_table: jax.Array,   # like k_table, the values' codewords
     layer: jax.Array | None = None,  # int32 []: the layer of stacked codes to read
+    k_outlier_flags: jax.Array | None = None,  # uint32 [B, K, NB, W] ([L, ...]): Med-C
+    k_outliers: jax.Array | None = None,       # [B, K, NB, 4 P] fp16 outlier chunks
+    v_outlier_flags: jax.Array | None = None,  # like k_outlier_flags
+    v_outliers: jax.Array | None = None,       # like k_outliers
     *,
     layout: HqmqLayout,      # where the stream holds each chunk's fields
     sm_scale: float,         # logits are sm_scale * q . k
@@ -104,11 +158,19 @@ def hqmq_decode(
     ``o [B, K, G, D]``, ``m [B, K, G]``, ``l [B, K, G]`` in float32; a row with no coded
     token gets ``o = 0, l = 0, m = NEG``. Each token is, per chunk ``c``, ``scale *
     k_c / (2**B - 1) * w_c`` with ``w_c`` the codeword of its joint index (the table's
-    column) and ``k_c`` its radius code. Raises ``NotImplementedError`` when the kernel
+    column) and ``k_c`` its radius code. With Med-C outliers (per role, optional: per
+    outlier block of ``S / NB`` tokens a flag bit per chunk, token-major, and ``P`` fp16
+    chunks in the flags' order), a flagged chunk is its stored value (its codes decode
+    to zero: the codec encoded it zeroed); the blocks are then the outlier blocks.
+    Raises ``NotImplementedError`` when the kernel
     cannot serve these arrays (:func:`unsupported`), ``ValueError`` when they are
     malformed."""
-    check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table, v_table,
-                 layout)
+    k_med, v_med = pairs(k_outlier_flags, k_outliers, v_outlier_flags, v_outliers)
+    block = check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table,
+                         v_table, layout, k_med, v_med)
+    if block is not None and block_s not in (None, block):
+        raise ValueError(f"block_s {block_s}: with outliers the kernel reads one outlier "
+                         f"block of {block} tokens at a time")
     if lookup not in LOOKUPS:
         raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
     batch, heads, group, _ = q.shape
@@ -117,10 +179,10 @@ def hqmq_decode(
         return empty_partial(q)
     block_s, num_stages, splits, interpret = schedule(
         batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
-        num_warps=num_warps, interpret=interpret, block=BLOCK_S)
+        num_warps=num_warps, interpret=interpret, block=block or BLOCK_S)
     rows = pad_query_rows(q.astype(jnp.float32), layout.chunks)
     o, m, l = codes_partial(
         rows, k_stream, k_scale, v_stream, v_scale, lengths, k_table, v_table, layer,
-        layout=layout, sm_scale=sm_scale, block_s=block_s, splits=splits,
+        k_med, v_med, layout=layout, sm_scale=sm_scale, block_s=block_s, splits=splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, lookup=lookup)
     return merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 
 from kvjax.primitives.quaternion import NUM_HURWITZ, HqmqLayout, hamilton_components
 from pallas_kernels.flash import (
+    MIN_DOT,
     OPERAND,
     decode_call,
     dot_nn,
@@ -116,8 +117,62 @@ def _decoded(load, ref, table_ref, layout: HqmqLayout, columns, lookup: str):
     return [(w * radius).astype(OPERAND) for w in _codewords(table_ref, index, lookup)]
 
 
+def _dot_f32(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
+    """``a @ b`` (``b^T`` with ``trans_b``) with float32 operands: IEEE products, for the
+    one-hot matmuls of the outliers, whose other operand float16 would round (or, at
+    fp16's range, overflow)."""
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
+                               preferred_element_type=jnp.float32)
+
+
+def _outliers(load, flags_ref, chunks_ref, *, block: int, chunks: int):
+    """The Med-C outliers of the block being read (one outlier block of ``block``
+    tokens): per slot ``j`` of ``P`` (the slots rounded up to a power of two >= 16), the
+    one-hot ``[P, block]`` of its token, the one-hot ``[P, C]`` of its chunk (both zero
+    for an empty slot) and its four components ``[P]`` (float32).
+
+    Slot ``j`` holds the ``j``-th set flag in chunk order ``i = t C + c``. The flags are
+    :func:`~kvjax.primitives.packing.pack_bits`' planar layout: flag ``i`` is bit ``i //
+    W`` of word ``i % W`` (``W`` words), so chunk order is bit-major. The slot's bit is
+    the number of bits whose inclusive flag count (over all words) is at most ``j``; its
+    word, the one among those with that bit set that has ``j`` minus the flags of the
+    lower bits set before it."""
+    words = jax.lax.bitcast_convert_type(load(flags_ref, per=block), jnp.int32)  # [W]
+    width = words.shape[0]
+    bit_iota = jax.lax.broadcasted_iota(jnp.int32, (width, 32), 1)
+    per_bit = jnp.sum(jax.lax.shift_right_logical(words[:, None], bit_iota) & 1, axis=0)
+    inclusive = jnp.cumsum(per_bit)  # [32]
+    exclusive = inclusive - per_bit
+    slots = chunks_ref.shape[-1] // COMPONENTS
+    padded = max(MIN_DOT, 1 << (slots - 1).bit_length())
+    # no slicing of values (Triton has none): each shape gets its own iota
+    slot = jax.lax.broadcasted_iota(jnp.int32, (padded,), 0)
+    b = jax.lax.broadcasted_iota(jnp.int32, (padded, 32), 1)
+    bit = jnp.sum((inclusive[None, :] <= slot[:, None]).astype(jnp.int32), axis=1)  # [P]
+    rank = slot - jnp.sum(jnp.where(b == bit[:, None], exclusive[None, :], 0), axis=1)
+    set_here = jax.lax.shift_right_logical(words[None, :], jnp.minimum(bit, 31)[:, None]) & 1
+    before = jnp.cumsum(set_here, axis=1) - set_here  # [P, W]
+    w = jax.lax.broadcasted_iota(jnp.int32, (padded, width), 1)
+    word = jnp.sum(jnp.where((set_here == 1) & (before == rank[:, None]), w, 0), axis=1)
+    position = bit * width + word
+    valid = slot < jnp.minimum(jnp.sum(per_bit), slots)
+    token_iota = jax.lax.broadcasted_iota(jnp.int32, (padded, block), 1)
+    chunk_iota = jax.lax.broadcasted_iota(jnp.int32, (padded, chunks), 1)
+    token = (token_iota == (position // chunks)[:, None]) & valid[:, None]
+    chunk = (chunk_iota == (position % chunks)[:, None]) & valid[:, None]
+    safe = jnp.minimum(slot, slots - 1) * COMPONENTS
+    values = [load(chunks_ref, safe + m, per=block).astype(jnp.float32)
+              for m in range(COMPONENTS)]
+    return token.astype(jnp.float32), chunk.astype(jnp.float32), values
+
+
 def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_ref, vt_ref,
-            o_ref, m_ref, l_ref, *, layout, block_s, split_len, sm_scale, lookup):
+            *refs, layout, block_s, split_len, sm_scale, lookup, k_outliers, v_outliers):
+    o_ref, m_ref, l_ref = refs[-3:]
+    extra = list(refs[:-3])
+    k_med = [extra.pop(0), extra.pop(0)] if k_outliers else None
+    v_med = [extra.pop(0), extra.pop(0)] if v_outliers else None
     chunks = layout.chunks
     rows = q_ref.shape[0]
     levels = np.float32(1.0 / (2**layout.radius_bits - 1))
@@ -128,14 +183,26 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
         tiles = _decoded(load, ks_ref, kt_ref, layout, columns, lookup)
         dots = sum(dot_nt(q_slots[m], tiles[m]) for m in range(COMPONENTS))
         scale = load(kscale_ref).astype(jnp.float32) * (levels * sm_scale)
-        return dots * scale[None, :]
+        s = dots * scale[None, :]
+        if k_med:
+            token, chunk, values = _outliers(load, *k_med, block=block_s, chunks=chunks)
+            # q . outlier per slot: the query's chunk picked by a one-hot product
+            qv = sum(_dot_f32(q_ref[:, pl.ds(m * chunks, chunks)], chunk, trans_b=True)
+                     * values[m][None, :] for m in range(COMPONENTS))  # [rows, P]
+            s = s + _dot_f32(qv, token) * sm_scale
+        return s
 
     def accumulate(acc, p, correction, load):
         tiles = _decoded(load, vs_ref, vt_ref, layout, columns, lookup)
         scale = load(vscale_ref).astype(jnp.float32) * levels
         pv = (p * scale[None, :]).astype(OPERAND)
-        return tuple(acc[m] * correction[:, None] + dot_nn(pv, tiles[m])
-                     for m in range(COMPONENTS))
+        out = [acc[m] * correction[:, None] + dot_nn(pv, tiles[m]) for m in range(COMPONENTS)]
+        if v_med:
+            token, chunk, values = _outliers(load, *v_med, block=block_s, chunks=chunks)
+            weight = _dot_f32(p, token, trans_b=True)  # [rows, P]: each slot's token's p
+            out = [out[m] + _dot_f32(weight * values[m][None, :], chunk)
+                   for m in range(COMPONENTS)]
+        return tuple(out)
 
     init = tuple(jnp.zeros((rows, chunks), jnp.float32) for _ in range(COMPONENTS))
     acc, m, l = split_softmax(
@@ -153,26 +220,30 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
                      "interpret", "lookup"),
 )
 def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_table,
-                  layer=None, *, layout: HqmqLayout, sm_scale: float, block_s: int,
-                  splits: int, num_warps: int, num_stages: int, interpret: bool,
-                  lookup: str = LOOKUPS[0]):
+                  layer=None, k_outliers=None, v_outliers=None, *, layout: HqmqLayout,
+                  sm_scale: float, block_s: int, splits: int, num_warps: int, num_stages: int,
+                  interpret: bool, lookup: str = LOOKUPS[0]):
     """Per-split partial softmaxes over the coded tokens: ``q [B, K, R, D]`` with ``R``
     query rows already padded (:func:`pallas_kernels.flash.pad_query_rows`), the streams
     and scales stacked ``[L, B, K, S, ...]`` (``layer`` None reads a stack of one), the
     codeword tables ``[K, 4, 24 S]`` (of which ``"product"`` reads the secondaries, the
-    columns of unit 0). Returns ``o [B, K, splits, R, D]``, ``m, l
-    [B, K, splits, R]`` (float32) in dim order; no check (:func:`.api.hqmq_decode` does
-    them)."""
+    columns of unit 0); ``k_outliers``, ``v_outliers``: None, or Med-C ``(flags [L, B,
+    K, NB, W], chunks [L, B, K, NB, 4 P])`` per outlier block of ``block_s`` tokens.
+    Returns ``o [B, K, splits, R, D]``, ``m, l [B, K, splits, R]`` (float32) in dim
+    order; no check (:func:`.api.hqmq_decode` does them)."""
     batch, heads, rows, head_dim = q.shape
     if layer is None:
         k_stream, k_scale, v_stream, v_scale = (
             a[None] for a in (k_stream, k_scale, v_stream, v_scale))
+        k_outliers, v_outliers = (None if o is None else tuple(a[None] for a in o)
+                                  for o in (k_outliers, v_outliers))
         layer = 0
     layers, slots = k_stream.shape[0], k_stream.shape[3]
     perm = query_columns(layout.chunks)
     kernel = functools.partial(_kernel, layout=layout, block_s=block_s,
                                split_len=split_len(slots, splits, block_s), sm_scale=sm_scale,
-                               lookup=lookup)
+                               lookup=lookup, k_outliers=k_outliers is not None,
+                               v_outliers=v_outliers is not None)
     if lookup == "product":  # codeword 24 s is q_s times the unit 1
         k_table, v_table = k_table[..., ::NUM_HURWITZ], v_table[..., ::NUM_HURWITZ]
     args, in_specs = leading_inputs(n_comp, layer, q[..., perm])
@@ -182,6 +253,10 @@ def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_ta
     args += [k_stream, k_scale, v_stream, v_scale, k_table.astype(OPERAND),
              v_table.astype(OPERAND)]
     in_specs += [stream_spec, scale_spec, stream_spec, scale_spec, table_spec, table_spec]
+    for arrays in (k_outliers, v_outliers):
+        if arrays is not None:
+            args += list(arrays)
+            in_specs += [stacked_spec(layers, a.shape[3], a.shape[4]) for a in arrays]
     o, m, l = decode_call(kernel, args, in_specs, batch=batch, heads=heads, splits=splits,
                           rows=rows, head_dim=head_dim, num_warps=num_warps,
                           num_stages=num_stages, interpret=interpret,

@@ -3,7 +3,8 @@
 :func:`hqmq_decode` has the signature of :func:`.api.hqmq_decode` and returns the same
 partial softmax ``(o, m, l)`` over the coded tokens, exactly: every chunk's index,
 radius and codeword are read from the stream as the layout says (:func:`dequantize`) and
-every product is float32 at HIGHEST precision. The kernel rounds its operands (the
+every product is float32 at HIGHEST precision; Med-C outlier chunks replace the
+flagged ones as the codec's decode does. The kernel rounds its operands (the
 query, the codewords times the radius codes, the probabilities times the scales) to
 float16; its tests state the tolerance that costs.
 """
@@ -15,9 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax.codecs.outliers import replace_outliers
 from kvjax.primitives.quaternion import HqmqLayout
 from pallas_kernels.flash import NUM_WARPS, layer_arrays
-from pallas_kernels.hqmq_decode.api import check_arrays
+from pallas_kernels.hqmq_decode.api import check_arrays, pairs
 from pallas_kernels.hqmq_decode.kernel import COMPONENTS
 from pallas_kernels.partial import dense_partial
 
@@ -40,6 +42,15 @@ def dequantize(stream: jax.Array, scale: jax.Array, table: jax.Array,
     return (radius[..., None] * codeword).reshape(*stream.shape[:-1], COMPONENTS * layout.chunks)
 
 
+def with_outliers(x: jax.Array, outliers, block: int) -> jax.Array:
+    """Tokens ``x [..., S, D]`` with the Med-C chunks ``(flags [..., NB, W], chunks [...,
+    NB, 4 P])`` in place of the flagged ones (the codec's own rule,
+    :func:`kvjax.codecs.outliers.replace_outliers`)."""
+    flags, chunks = outliers
+    chunks = chunks.reshape(*chunks.shape[:-1], -1, COMPONENTS)
+    return replace_outliers(x, flags, chunks, block)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
@@ -55,6 +66,10 @@ def hqmq_decode(
     k_table: jax.Array,
     v_table: jax.Array,
     layer: jax.Array | None = None,
+    k_outlier_flags: jax.Array | None = None,
+    k_outliers: jax.Array | None = None,
+    v_outlier_flags: jax.Array | None = None,
+    v_outliers: jax.Array | None = None,
     *,
     layout: HqmqLayout,
     sm_scale: float,
@@ -69,12 +84,17 @@ def hqmq_decode(
     exact partial. The blocking, interpret and lookup arguments only shape how the kernel
     computes and are ignored here."""
     del block_s, splits, num_warps, num_stages, interpret, lookup
-    check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table, v_table,
-                 layout)
+    k_med, v_med = pairs(k_outlier_flags, k_outliers, v_outlier_flags, v_outliers)
+    block = check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table,
+                         v_table, layout, k_med, v_med)
     k_stream, k_scale, v_stream, v_scale = layer_arrays(
         (k_stream, k_scale, v_stream, v_scale), layer)
     per_head = jax.vmap(dequantize, in_axes=(1, 1, 0, None), out_axes=1)
     keys = per_head(k_stream, k_scale, k_table, layout)
     values = per_head(v_stream, v_scale, v_table, layout)
+    if k_med is not None:
+        keys = with_outliers(keys, layer_arrays(k_med, layer), block)
+    if v_med is not None:
+        values = with_outliers(values, layer_arrays(v_med, layer), block)
     valid = jnp.arange(k_stream.shape[2])[None, :] < lengths[:, None]
     return dense_partial(q.astype(jnp.float32), keys, values, valid, sm_scale=sm_scale)

@@ -25,6 +25,8 @@ from pallas_kernels.hqmq_decode.kernel import LOOKUPS
 from pallas_kernels.partial import normalize
 from tests.pallas_kernels.suite import KernelSuite, Shape
 
+MED = "hqmq:s96,r4,med3"
+
 
 @dataclasses.dataclass(frozen=True)
 class Case(Shape):
@@ -44,15 +46,21 @@ class Case(Shape):
             f"L{self.layers}" * bool(self.layers)]))
 
 
+#: the share of elements made spikes (x12) where a spec has Med-C outliers: more
+#: chunks than the 3% of slots, so that full blocks and overflow are exercised
+SPIKES = 0.04
+
+
 # One compiled program per shape and spec: op by op, encoding costs more than the kernel.
 @functools.partial(jax.jit, static_argnames=("spec", "batch", "heads", "group", "slots",
                                              "head_dim"))
 def coded(spec, batch, heads, group, slots, head_dim, seed=0):
-    """``(q, (k_stream, k_scale), (v_stream, v_scale), k_table, v_table)`` of Gaussian
-    vectors encoded by the codec, one parameter draw per kv head and role."""
+    """``(q, (k_stream, k_scale, k_outliers), (v_...), k_table, v_table)`` of Gaussian
+    vectors (with spikes where the spec has outliers) encoded by the codec, one parameter
+    draw per kv head and role; ``*_outliers`` the Med-C ``(flags, chunks)`` or None."""
     codec = parse_codec(spec)
     [fmt] = [f for f in codec.kernel_formats() if isinstance(f, HqmqFormat)]
-    keys = jax.random.split(jax.random.key(seed), 5)
+    keys = jax.random.split(jax.random.key(seed), 7)
     q = jax.random.normal(keys[0], (batch, heads, group, head_dim))
     out = [q]
     tables = []
@@ -60,8 +68,10 @@ def coded(spec, batch, heads, group, slots, head_dim, seed=0):
         params = jax.vmap(lambda k: codec.init(k, head_dim))(jax.random.split(keys[1 + i],
                                                                               heads))
         x = jax.random.normal(keys[3 + i], (batch, heads, slots, head_dim))
+        if fmt.outliers is not None:
+            x = x * jnp.where(jax.random.bernoulli(keys[5 + i], SPIKES, x.shape), 12.0, 1.0)
         codes = jax.vmap(codec.encode, in_axes=(0, 1), out_axes=1)(params, x)
-        out.append(fmt.arrays(codes))
+        out.append((*fmt.arrays(codes), fmt.outlier_arrays(codes)))
         tables.append(hqmq_tables(fmt, params))
     return (*out, *tables)
 
@@ -78,6 +88,10 @@ CASES = (
     Case(2, 2, 4, 40, 64, (40, 9), layers=3),
     # the library's default blocking and splits (S not a multiple of its block)
     Case(2, 1, 4, 130, 64, (130, 1), block_s=None, splits=None),
+    # Med-C outliers: D = 128 (31 slots of 32 blocks), a row ending inside a block
+    Case(2, 2, 4, 96, 128, (96, 45), spec=MED, block_s=None, splits=2),
+    # D = 64 (16 slots, two tokens' flags a word), stacked layers, one split
+    Case(2, 1, 3, 64, 64, (64, 33), spec=MED, block_s=32, splits=1, layers=2),
 )
 
 
@@ -92,27 +106,38 @@ class TestHqmqDecode(KernelSuite):
     DROP = (Case(1, 1, 4, 48, 128, (48,)), [32])
     TOLERANCE: ClassVar[dict[str, float]] = {"out": 3e-3, "lse": 2e-3}
     IMPL = "hqmq_decode"
-    NEEDLE_SPECS = ("hqmq window=16 sinks=4",)
+    NEEDLE_SPECS = ("hqmq window=16 sinks=4", f"{MED} window=16 sinks=4")
 
     def inputs(self, case: Case) -> dict:
         def one(seed=0):
             return coded(case.spec, case.batch, case.heads, case.group, case.slots,
                          case.head_dim, seed)
 
-        q, (ks, kscale), (vs, vscale), k_table, v_table = one()
+        q, k, v, k_table, v_table = one()
         layer = None
         if case.layers:
             # other layers hold other codes: reading the wrong one cannot pass
             stacks = [one(seed)[1:3] for seed in (1, 0, 2)[:case.layers]]
-            ks, kscale = (jnp.stack([s[0][i] for s in stacks]) for i in range(2))
-            vs, vscale = (jnp.stack([s[1][i] for s in stacks]) for i in range(2))
+            k, v = (jax.tree.map(lambda *a: jnp.stack(a), *[s[r] for s in stacks])
+                    for r in range(2))
             layer = jnp.int32(1)
-        return {"q": q, "k_stream": ks, "k_scale": kscale, "v_stream": vs, "v_scale": vscale,
+        med = {}
+        for role, (_, _, outliers) in (("k", k), ("v", v)):
+            if outliers is not None:
+                med[f"{role}_outlier_flags"], med[f"{role}_outliers"] = outliers
+        return {"q": q, "k_stream": k[0], "k_scale": k[1], "v_stream": v[0], "v_scale": v[1],
                 "lengths": jnp.asarray(case.lengths, jnp.int32), "k_table": k_table,
-                "v_table": v_table, "layer": layer,
-                "layout": parse_codec(case.spec).kernel_layout(case.head_dim),
+                "v_table": v_table, "layer": layer, **med,
+                "layout": parse_codec(case.spec).kernel_formats()[0].layout(case.head_dim),
                 "sm_scale": case.head_dim**-0.5, "block_s": case.block_s,
                 "splits": case.splits}
+
+    def tolerance(self, case: Case) -> dict[str, float]:
+        """Four times wider with spikes: float16 operands err relative to the values
+        and logits, which the spikes make about ten times larger."""
+        if "med" in case.spec:
+            return {k: 4 * v for k, v in self.TOLERANCE.items()}
+        return self.TOLERANCE
 
     def lengths(self, case: Case) -> list[int]:
         return list(case.lengths)
@@ -170,3 +195,32 @@ def test_unknown_lookup_raises():
     kw = TestHqmqDecode().inputs(CASES[1])
     with pytest.raises(ValueError, match="lookup must be one of"):
         api.hqmq_decode(**kw, lookup="matmul")
+
+
+def test_outlier_cases_hold_outliers_that_matter():
+    """The Med-C cases store outliers in both roles (some blocks full), and leaving them
+    out changes the output far beyond the tolerance: the suite's comparison sees them."""
+    kw = TestHqmqDecode().inputs(CASES[-2])
+    for role in ("k", "v"):
+        per_block = jnp.sum(jax.lax.population_count(kw[f"{role}_outlier_flags"]), axis=-1)
+        slots = kw[f"{role}_outliers"].shape[-1] // 4
+        assert int(per_block.min()) > 0 and int(per_block.max()) == slots
+    without = {k: v for k, v in kw.items() if "outlier" not in k}
+    full = normalize(*reference.hqmq_decode(**kw))
+    base = normalize(*reference.hqmq_decode(**without))
+    assert float(jnp.max(jnp.abs(full - base))) > 30 * TestHqmqDecode.TOLERANCE["out"]
+
+
+def test_malformed_outlier_arrays_raise():
+    kw = TestHqmqDecode().inputs(CASES[-2])
+    flags, chunks = kw["k_outlier_flags"], kw["k_outliers"]
+    for change, error, match in (
+            ({"k_outliers": None}, ValueError, "go together"),
+            ({"k_outlier_flags": flags.astype(jnp.int32)}, ValueError, "must be uint32"),
+            ({"k_outlier_flags": flags[..., :-1]}, ValueError, "words per block"),
+            ({"k_outliers": chunks[..., :-1]}, ValueError, "4 P"),
+            ({"k_outlier_flags": flags[:, :, :1], "k_outliers": chunks[:, :, :1]},
+             NotImplementedError, "outlier blocks of 96 tokens"),
+            ({"block_s": 16}, ValueError, "one outlier block of 32 tokens")):
+        with pytest.raises(error, match=match):
+            api.hqmq_decode(**{**kw, **change})

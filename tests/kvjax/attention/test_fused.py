@@ -232,6 +232,28 @@ def test_kernel_call_binds_the_kernel_to_a_cache(spec, name):
     np.testing.assert_allclose(got, want, atol=ATOL)
 
 
+def test_kernel_call_repeats_whole_blocks_of_outlier_codes():
+    """A cache of Med-C codes (blocks of 32 tokens) bound to the HQMQ kernel: the
+    outliers reach it, and the kernel equals attention over the codecs' decode."""
+    config = parse_cache("hqmq:s96,r4,med3")
+    batch, heads, group, slots, head_dim = 1, 2, 4, 96, 64
+    call = fused.kernel_call(config.k, config.v, batch=batch, heads=heads, slots=slots,
+                             head_dim=head_dim, key=jax.random.key(3), distinct=64)
+    assert call.name == "hqmq_decode" and "k_outliers" in call.arrays
+    assert call.arrays["k_outlier_flags"].shape[2] == slots // 32
+    q = jax.random.normal(jax.random.key(4), (batch, heads, group, head_dim))
+    got = normalize(*call(q, interpret=INTERPRET))
+    k_params, k_codes, v_params, v_codes = call.codecs
+    keys, values = (jax.vmap(codec.decode, in_axes=(0, 1), out_axes=1)(params, codes)
+                    for codec, params, codes in ((config.k, k_params, k_codes),
+                                                 (config.v, v_params, v_codes)))
+    np.testing.assert_array_equal(keys[:, :, 64:], keys[:, :, :32])  # repeated blocks
+    s = jnp.einsum("bkgd,bksd->bkgs", q, keys, precision="highest")
+    want = jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(s * head_dim**-0.5, axis=-1), values,
+                      precision="highest")
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+
 def test_no_kernel_reads_names_every_reason():
     config = parse_cache("fp8")
     with pytest.raises(ValueError, match=r"int_decode: K 'fp8' offers no int-codes.*"
@@ -244,6 +266,11 @@ def test_no_kernel_reads_names_every_reason():
     ("k=hqmq v=int:4", "V 'int:4' offers no HQMQ kernel format"),
     ("k=hqmq v=hqmq:s48,r4", "streams differ in layout"),
     ("hqmq:s24,r3", "not whole bytes and nibbles"),
+    ("hqmq:s96,r4,med3", None),
+    ("k=hqmq:s96,r4,med3 v=hqmq", None),
+    ("k=hqmq:s96,r4,med3,mb16 v=hqmq:s96,r4,med3", "outlier blocks differ"),
+    ("hqmq:s96,r4,med3,mb8", "outlier blocks of 8 tokens"),
+    ("int:4,med3", "offers no"),
 ])
 def test_when_the_hqmq_kernel_applies(spec, reason):
     config = parse_cache(spec)
