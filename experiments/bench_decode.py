@@ -16,7 +16,8 @@ with SAW's query rotation, which the entry applies with the column permutation i
 XLA product) and normalize its partial; ``saw-in-kernel`` and ``--variant`` are
 benchmark-only kernel variants (:class:`~pallas_kernels.int_decode.kernel.Research`).
 Each ``--codec`` (a cache spec read by a registered fused kernel: TurboQuant MSE or
-QJL, PolarQuant, OCTOPUS, HyperQuant int8, HQMQ; default :data:`CODECS`) adds its fused path,
+QJL, PolarQuant, OCTOPUS, HyperQuant int8 or Rice, HQMQ with or without Med-C; default
+:data:`CODECS`) adds its fused path,
 ``<spec> [<kernel>]``, the kernel's entry over that cache's arrays
 (:func:`kvjax.attention.fused.kernel_call`: Gaussian vectors encoded by its codecs), and
 ``<spec> dequant``, the same codes decoded by the codecs to bf16 and attended by cuDNN.
@@ -58,7 +59,8 @@ QUICK_GRID = [(32, 32768), (1, 131072)]
 BITS = 4
 #: the cache specs timed through their fused kernel by default
 CODECS = ("turboquant:b4", "turboquant:b3", "turboquant:b4,qjl", "turboquant:b3,qjl",
-          "polarquant:b3", "octopus:b3", "octopus:b4,qjl", "hyperquant:e8,4bps,int8", "hqmq")
+          "polarquant:b3", "octopus:b3", "octopus:b4,qjl", "hyperquant:e8,4bps,int8", "hqmq",
+          "hqmq:s96,r4,med3", "hyperquant:e8,3bps")
 #: tokens encoded per (row, kv head) for a codec's cache, repeated to its length
 DISTINCT_TOKENS = 1024
 

@@ -8,8 +8,8 @@ Runs the kernel's entry a few times so a profiler such as Nsight Compute sees a 
 compiled kernel: the INT kernel's (:func:`pallas_kernels.int_decode.api.int_decode`) on
 random packed codes (its speed depends only on the bytes), or with ``--codec`` the
 registered fused kernel that reads that cache spec
-(:func:`kvjax.attention.fused.kernel_call`: codebook, polar, octopus, or the INT kernel
-over HyperQuant's int8 codes) over a cache of its codes.
+(:func:`kvjax.attention.fused.kernel_call`: codebook, polar, octopus, HQMQ, Rice, or the
+INT kernel over HyperQuant's int8 codes) over a cache of its codes.
 """
 
 from __future__ import annotations

@@ -810,6 +810,26 @@ class HqmqFormat(KernelFormat):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RiceFormat(KernelFormat):
+    """HyperQuant's Rice-coded blocks (:mod:`kvjax.codecs.hyperquant`, without dither):
+    per block of ``tN`` tokens the words of its sub-streams, an index word per
+    sub-stream, and the tokens' fp16 norms. Codes pytree: ``"stream"`` uint32 ``[..., NB,
+    W]``, ``"index"`` uint32 ``[..., NB, n_sub]``, ``"norm"`` float16 ``[..., NB, tN]``.
+    ``layout(head_dim)``: the blocks' static shape
+    (:class:`kvjax.codecs.hyperquant.RiceLayout`); ``rotate(params, x)`` and
+    ``unrotate(params, x)``: the codec's orthogonal map of vectors into the frame its
+    tokens are coded in and back (a kernel rotates the query once and its output back)."""
+
+    layout: Callable[[int], Any]
+    rotate: Callable[[Params, jax.Array], jax.Array]
+    unrotate: Callable[[Params, jax.Array], jax.Array]
+
+    def arrays(self, codes: Codes) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(stream [..., NB, W], index [..., NB, n_sub], norm [..., NB, tN])``."""
+        return codes["stream"], codes["index"], codes["norm"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupIntFormat(KernelFormat):
     """Token-wise integer codes with a scale and zero per group of ``group`` channels:
     dim ``d`` of a stored vector is ``zero[d // group] + scale[d // group] * c[d]`` (the

@@ -126,14 +126,18 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
 #: whose entry ``c`` names the ref column that tile column ``c`` reads (a gather: one load
 #: per element, where a window loads a row's columns together). ``per > 1``: the ref
 #: ``[L, S / per, C]`` holds one entry per ``per`` tokens and the block (which must lie
-#: in one entry) reads its entry's columns, a vector ``[C]`` (no mask: entries are whole)
+#: in one entry) reads its entry's columns, a vector ``[C]`` (no mask: entries are
+#: whole); with ``rows`` (an int array shaped like the int array ``columns``) it gathers
+#: entry ``rows`` after the block's first (clipped to the ref)
 Load = Callable[..., jax.Array]
 
 
 def _loader(layer, tile, ok) -> Load:
-    def load(ref, columns=None, per: int = 1):
+    def load(ref, columns=None, per: int = 1, rows=None):
         if per > 1:
             entry = tile.start // per
+            if rows is not None:
+                return ref[layer, jnp.minimum(entry + rows, ref.shape[1] - 1), columns]
             return ref[layer, entry, slice(None) if columns is None else columns]
         mask = None if ok is None else ok[:, None]
         if len(ref.shape) == 2:
@@ -234,9 +238,12 @@ def leading_inputs(n_comp: jax.Array, layer, q: jax.Array):
 
 
 def decode_call(kernel, args, in_specs, *, batch: int, heads: int, splits: int, rows: int,
-                head_dim: int, num_warps: int, num_stages: int, interpret: bool, name: str):
+                head_dim: int, num_warps: int, num_stages: int, interpret: bool, name: str,
+                scratch: jax.ShapeDtypeStruct | None = None):
     """The ``pallas_call`` of a decode kernel on the grid ``(B, K, splits)``; returns its
-    per-split partials ``o [B, K, splits, R, D]``, ``m, l [B, K, splits, R]`` (float32)."""
+    per-split partials ``o [B, K, splits, R, D]``, ``m, l [B, K, splits, R]`` (float32).
+    ``scratch``: a block of that shape per program, the kernel's last ref (an output in
+    memory the program writes and reads back; discarded)."""
     out_shape = [
         jax.ShapeDtypeStruct((batch, heads, splits, rows, head_dim), jnp.float32),
         jax.ShapeDtypeStruct((batch, heads, splits, rows), jnp.float32),
@@ -247,7 +254,13 @@ def decode_call(kernel, args, in_specs, *, batch: int, heads: int, splits: int, 
         pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
         pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
     ]
-    return pl.pallas_call(
+    if scratch is not None:
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, splits, *scratch.shape),
+                                              scratch.dtype))
+        zeros = (0,) * len(scratch.shape)
+        out_specs.append(pl.BlockSpec((None, None, None, *scratch.shape),
+                                      lambda b, h, j: (b, h, j, *zeros)))
+    out = pl.pallas_call(
         kernel,
         grid=(batch, heads, splits),
         in_specs=in_specs,
@@ -257,3 +270,4 @@ def decode_call(kernel, args, in_specs, *, batch: int, heads: int, splits: int, 
         interpret=interpret,
         name=name,
     )(*args)
+    return out[:3]

@@ -35,6 +35,8 @@ from kvjax.codec import (
     HqmqFormat,
     IntFormat,
     KernelFormat,
+    Params,
+    RiceFormat,
     RotatedKeyFormat,
 )
 from pallas_kernels.partial import dense_partial, merge_partials, normalize
@@ -332,6 +334,70 @@ def hqmq_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],
                        functools.partial(hqmq_codes_decode, entry=entry), auto=auto)
 
 
+# -- kernels over Rice-coded HyperQuant blocks ------------------------------------------
+
+
+def rice_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
+               unsupported: Callable[..., str | None]) -> tuple[RiceFormat, RiceFormat] | str:
+    """The formats a kernel over Rice blocks reads from these codecs at ``head_dim``, or
+    why it cannot; ``unsupported(layout, head_dim)`` is the kernel's own rule. K and V
+    blocks must share a layout (one kernel call reads both)."""
+    formats = []
+    for role, codec in (("K", k_codec), ("V", v_codec)):
+        fmt = kernel_format(codec, RiceFormat)
+        if fmt is None:
+            return f"{role} '{codec.spec}' offers no Rice kernel format"
+        formats.append(fmt)
+    k_fmt, v_fmt = formats
+    layout = k_fmt.layout(head_dim)
+    if v_fmt.layout(head_dim) != layout:
+        return f"K '{k_codec.spec}' and V '{v_codec.spec}' blocks differ in layout"
+    return unsupported(layout, head_dim) or (k_fmt, v_fmt)
+
+
+def per_head(fn: Callable[[Params, jax.Array], jax.Array], params, x: jax.Array) -> jax.Array:
+    """``fn`` of each kv head's parameters (leaves ``[K, ...]``) on ``x [B, K, ...]``."""
+    return jax.vmap(fn, in_axes=(0, 1), out_axes=1)(params, x)
+
+
+def rice_entry(q: jax.Array, k_params, v_params, *arrays, entry: Entry, k_fmt: RiceFormat,
+               v_fmt: RiceFormat, **options):
+    """``entry`` (the Rice kernel's or its reference's) on a query in the original frame:
+    rotated by the keys' rotation on the way in, the output by the values' inverse on
+    the way out."""
+    o, m, l = entry(per_head(k_fmt.rotate, k_params, q), *arrays, **options)
+    return per_head(v_fmt.unrotate, v_params, o), m, l
+
+
+def rice_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
+                      scale: float | None = None, **options) -> jax.Array:
+    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
+    and V offer :class:`~kvjax.codec.RiceFormat` blocks, with ``entry`` (the signature
+    of :func:`pallas_kernels.rice_decode.api.rice_decode`) over the coded region."""
+    k_store, v_store = layer.k, layer.v
+    k_fmt = kernel_format(k_store.codec, RiceFormat)
+    v_fmt = kernel_format(v_store.codec, RiceFormat)
+    head_dim = q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+
+    def coded(qg, n_comp):
+        return rice_entry(qg, k_store.params, v_store.params, *k_fmt.arrays(k_store.codes),
+                          *v_fmt.arrays(v_store.codes), n_comp, k_store.layer, entry=entry,
+                          k_fmt=k_fmt, v_fmt=v_fmt, layout=k_fmt.layout(head_dim),
+                          sm_scale=scale, **options)
+
+    return merged_decode(q, layer, lengths, scale, coded)
+
+
+def rice_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],
+                auto: bool = True) -> KernelImpl:
+    """The registry entry of a fused decode kernel over Rice-coded HyperQuant blocks:
+    ``entry`` takes the arrays of :func:`pallas_kernels.rice_decode.api.rice_decode`'s
+    signature, ``unsupported(layout, head_dim)`` says what it cannot read."""
+    return kernel_impl(name, entry, functools.partial(rice_reads, unsupported=unsupported),
+                       functools.partial(rice_codes_decode, entry=entry), auto=auto)
+
+
 def encoded_cache(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots: int,
                   head_dim: int, key: jax.Array) -> tuple:
     """``(k_params, k_codes, v_params, v_codes)``: ``slots`` Gaussian keys and values of
@@ -418,6 +484,15 @@ def kernel_call(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots
                   "v_table": hqmq_tables(v_fmt, v_params),
                   **hqmq_outliers(k_fmt, k_codes, v_fmt, v_codes)}
         static = {"layout": k_fmt.layout(head_dim), "sm_scale": sm_scale}
+    elif isinstance(k_fmt, RiceFormat):
+        stored = dict(zip(("k_stream", "k_index", "k_norm", "v_stream", "v_index", "v_norm"),
+                          (*k_fmt.arrays(k_codes), *v_fmt.arrays(v_codes)), strict=True))
+        arrays = {**stored, "lengths": lengths, "k_params": k_params, "v_params": v_params}
+        static = {"layout": k_fmt.layout(head_dim), "sm_scale": sm_scale}
+        entry = functools.partial(rice_entry, entry=impl.entry, k_fmt=k_fmt, v_fmt=v_fmt)
+        return KernelCall(name=impl.name, entry=entry, arrays=arrays,
+                          static=static, read_bytes=_nbytes(list(stored.values())),
+                          codecs=codecs)
     elif isinstance(k_fmt, RotatedKeyFormat):
         codes, norm, *qjl = k_fmt.arrays(k_codes)
         v_words, v_scale, v_zero = v_fmt.arrays(v_codes)

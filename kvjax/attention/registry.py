@@ -5,7 +5,8 @@ A new kernel: a folder in :mod:`pallas_kernels` with its array-level entry, and 
 line here (for a kernel over :class:`~kvjax.codec.IntFormat` codes,
 :func:`~kvjax.attention.fused.int_codes_kernel`; over rotated keys and group-wise INT
 values, :func:`~kvjax.attention.fused.rotated_kernel` with its key format; over HQMQ
-codes, :func:`~kvjax.attention.fused.hqmq_kernel`).
+codes, :func:`~kvjax.attention.fused.hqmq_kernel`; over Rice-coded HyperQuant blocks,
+:func:`~kvjax.attention.fused.rice_kernel`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pallas_kernels.hqmq_decode.api as hqmq_decode
 import pallas_kernels.int_decode.api as int_decode
 import pallas_kernels.octopus_decode.api as octopus_decode
 import pallas_kernels.polar_decode.api as polar_decode
+import pallas_kernels.rice_decode.api as rice_decode
 from kvjax.attention.dispatch import Impl, register
-from kvjax.attention.fused import hqmq_kernel, int_codes_kernel, rotated_kernel
+from kvjax.attention.fused import hqmq_kernel, int_codes_kernel, rice_kernel, rotated_kernel
 from kvjax.codec import CodebookFormat, OctopusFormat, PolarFormat
 
 register(Impl(name="reference", supports=reference.supports, run=reference.run))
@@ -31,3 +33,6 @@ register(rotated_kernel("octopus_decode", octopus_decode.octopus_decode, Octopus
 register(rotated_kernel("polar_decode", polar_decode.polar_decode, PolarFormat,
                         polar_decode.unsupported))
 register(hqmq_kernel("hqmq_decode", hqmq_decode.hqmq_decode, hqmq_decode.unsupported))
+# "auto" takes it once its compiled suite has passed on a GPU
+register(rice_kernel("rice_decode", rice_decode.rice_decode, rice_decode.unsupported,
+                     auto=False))

@@ -99,9 +99,11 @@ from kvjax.codec import (
     Codes,
     Example,
     IntFormat,
+    KernelFormat,
     Limits,
     Option,
     Params,
+    RiceFormat,
     register,
 )
 from kvjax.codecs.intn import exact_bits
@@ -574,30 +576,21 @@ class HyperQuantCodec(Codec):
             pts = reconstruct(lat, c.reshape(*c.shape[:-1], head_dim // lat.dim, lat.dim), u)
             y = pts / (plan.alpha * math.sqrt(head_dim))
             return (norm * self._unrotate(params, y, plan.tile)).astype(dtype)
-        index = codes["index"]
-        lead, nb = index.shape[:-2], index.shape[-2]
-        tokens = codes["norm"].shape[-1]
-        start = (index & 0xFFFFFF).astype(jnp.int32)
-        level = start[..., 0]
-        offsets = start.at[..., 0].set(0)
-        k1 = ((index >> 24) & 15).astype(jnp.int32)
-        k2 = ((index >> 28) & 15).astype(jnp.int32)
-        classes = _symbol_classes(lat, plan.substream)
-        k = symbol_parameters(k1, k2, classes)
-        symbols = rice.decode(codes["stream"], offsets, k)
-        c = lat.unstrip(symbols.reshape(*lead, nb, tokens, head_dim // lat.dim, lat.dim))
         norm = codes["norm"].astype(jnp.float32)
         u = self._dither(params, norm, head_dim) if self.dither else None
-        pts = reconstruct(lat, c, u)  # [..., nb, tN, D]
-        scale = plan.alpha * 2.0 ** (-jnp.minimum(level, LADDER - 1).astype(jnp.float32) / 2)
-        y = pts / (scale[..., None, None] * math.sqrt(head_dim))
-        signs, scale_codes = _unpack_signs(codes["stream"], tokens, head_dim,
-                                           plan.sign_scale_bits)
-        scales = _sign_scales(scale_codes, plan.sign_scale_bits)[..., None]
-        y_sign = signs.reshape(y.shape) * scales / math.sqrt(head_dim)
-        y = jnp.where((level == SIGN_LEVEL)[..., None, None], y_sign, y)
-        x = norm[..., None] * self._unrotate(params, y, plan.tile)
-        return x.reshape(*lead, nb * tokens, head_dim).astype(dtype)
+        y = rotated_tokens(self.rice_layout(head_dim), codes["stream"], codes["index"],
+                           codes["norm"], u)
+        x = self._unrotate(params, y, plan.tile)
+        lead = x.shape[:-3]
+        return x.reshape(*lead, -1, head_dim).astype(dtype)
+
+    def rice_layout(self, head_dim: int) -> RiceLayout:
+        """The static shape of this codec's Rice blocks at ``head_dim``
+        (:class:`RiceLayout`)."""
+        plan = self.plan(head_dim)
+        return RiceLayout(lattice=self.lattice, head_dim=head_dim, block=self.block_tokens,
+                          n_sub=plan.n_sub, substream=plan.substream, words=plan.words,
+                          alpha=plan.alpha, sign_scale_bits=plan.sign_scale_bits)
 
     def bits_per_element(self, head_dim: int) -> float:
         """``32 (W + n_sub) / (tN D) + 16 / D``, or ``8 + 16 / D`` with int8."""
@@ -608,14 +601,26 @@ class HyperQuantCodec(Codec):
         elements = self.block_tokens * head_dim
         return exact_bits(32 * (plan.words + plan.n_sub) + 16 * self.block_tokens, elements)
 
-    def kernel_formats(self) -> tuple[IntFormat, ...]:
-        """``int8`` without dither: the biased lattice codes as an
-        :class:`~kvjax.codec.IntFormat` (scale: the norm; ``R``: :meth:`kernel_map`).
-        The Rice streams and a dither (drawn per token from a hash of the stored norms)
-        have no kernel format."""
-        if not self.int8 or self.dither:
+    def kernel_formats(self) -> tuple[KernelFormat, ...]:
+        """Without dither (drawn per token from a hash of the stored norms, it has no
+        kernel format): ``int8``'s biased lattice codes as an
+        :class:`~kvjax.codec.IntFormat` (scale: the norm; ``R``: :meth:`kernel_map`), the
+        Rice blocks as a :class:`~kvjax.codec.RiceFormat`."""
+        if self.dither:
             return ()
-        return (IntFormat(bits=8, offset=INT8_BIAS, scale_key="norm", rotate=self.kernel_map),)
+        if self.int8:
+            return (IntFormat(bits=8, offset=INT8_BIAS, scale_key="norm",
+                              rotate=self.kernel_map),)
+        return (RiceFormat(layout=self.rice_layout, rotate=self.rotate_vectors,
+                           unrotate=self.unrotate_vectors),)
+
+    def rotate_vectors(self, params: Params, x: jax.Array) -> jax.Array:
+        """The codec's rotation of vectors ``x[..., D]`` into its coding frame."""
+        return self._rotate(params, x, self.tile or x.shape[-1])
+
+    def unrotate_vectors(self, params: Params, y: jax.Array) -> jax.Array:
+        """The inverse of :meth:`rotate_vectors`."""
+        return self._unrotate(params, y, self.tile or y.shape[-1])
 
     def kernel_map(self, params: Params, x: jax.Array) -> jax.Array:
         """``R x`` for the int8 codes' :class:`~kvjax.codec.IntFormat`: a token decodes
@@ -642,6 +647,60 @@ class HyperQuantCodec(Codec):
         if self.int8:
             return jnp.full(codes["norm"].shape[:-1], 32 * codes["codes"].shape[-1], jnp.int32)
         return rice.used_bits(codes["stream"])
+
+
+@dataclasses.dataclass(frozen=True)
+class RiceLayout:
+    """The static shape of HyperQuant's Rice blocks at one head dim (module doc): a block
+    of ``block`` tokens, ``n_sub`` sub-streams of ``substream`` symbols in ``words``
+    words, the calibrated scale ``alpha`` (level ``j < LADDER`` codes at ``alpha
+    2**(-j/2)``), and ``sign_scale_bits`` per token's scale in the sign fallback."""
+
+    lattice: str
+    head_dim: int
+    block: int
+    n_sub: int
+    substream: int
+    words: int
+    alpha: float
+    sign_scale_bits: int
+
+    def level_scale(self, level: jax.Array) -> jax.Array:
+        """``1 / (alpha_level sqrt D)`` (float32) of Rice levels ``0..LADDER-1``: what
+        turns a block's lattice points into rotated unit-norm coordinates."""
+        j = jnp.minimum(level, LADDER - 1).astype(jnp.float32)
+        return 2.0 ** (j / 2) / np.float32(self.alpha * math.sqrt(self.head_dim))
+
+    def sign_words(self) -> int:
+        """Words the sign fallback's signs fill (its token scales follow)."""
+        return -(-self.block * self.head_dim // 32)
+
+
+def rotated_tokens(layout: RiceLayout, stream: jax.Array, index: jax.Array,
+                   norm: jax.Array, dither: jax.Array | None = None) -> jax.Array:
+    """The tokens ``[..., nb, tN, D]`` (float32) of Rice blocks in the rotated frame:
+    ``|x| (P - U) / (alpha_level sqrt D)``, or ``|x| s sign / sqrt D`` for a block in the
+    sign fallback; the codec's decode is their inverse rotation. ``stream [..., nb,
+    W]``, ``index [..., nb, n_sub]``, ``norm [..., nb, tN]`` as stored; ``dither`` the
+    codec's, or None."""
+    lat = lattice(layout.lattice)
+    head_dim, tokens = layout.head_dim, layout.block
+    lead, nb = index.shape[:-2], index.shape[-2]
+    start = (index & 0xFFFFFF).astype(jnp.int32)
+    level = start[..., 0]
+    offsets = start.at[..., 0].set(0)
+    k1 = ((index >> 24) & 15).astype(jnp.int32)
+    k2 = ((index >> 28) & 15).astype(jnp.int32)
+    k = symbol_parameters(k1, k2, _symbol_classes(lat, layout.substream))
+    symbols = rice.decode(stream, offsets, k)
+    c = lat.unstrip(symbols.reshape(*lead, nb, tokens, head_dim // lat.dim, lat.dim))
+    pts = reconstruct(lat, c, dither)  # [..., nb, tN, D]
+    y = pts * layout.level_scale(level)[..., None, None]
+    signs, scale_codes = _unpack_signs(stream, tokens, head_dim, layout.sign_scale_bits)
+    scales = _sign_scales(scale_codes, layout.sign_scale_bits)[..., None]
+    y_sign = signs.reshape(y.shape) * scales / math.sqrt(head_dim)
+    y = jnp.where((level == SIGN_LEVEL)[..., None, None], y_sign, y)
+    return norm.astype(jnp.float32)[..., None] * y
 
 
 def _mix(bits: jax.Array) -> jax.Array:

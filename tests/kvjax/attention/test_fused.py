@@ -205,6 +205,9 @@ def test_when_the_codebook_kernel_applies(spec, reason):
     ("turboquant:b4", "codebook_decode"),
     ("octopus:b4,qjl", "octopus_decode"),
     ("hqmq", "hqmq_decode"),
+    ("hyperquant:e8,3bps", "rice_decode"),
+    ("hyperquant:e8,3bps,haar", "rice_decode"),
+    ("hyperquant:e8,4bps,signs", "rice_decode"),
 ])
 def test_kernel_call_binds_the_kernel_to_a_cache(spec, name):
     """What the benchmarks time: the kernel that reads the spec, over arrays taken from
@@ -230,6 +233,22 @@ def test_kernel_call_binds_the_kernel_to_a_cache(spec, name):
     want = jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(s * head_dim**-0.5, axis=-1), values,
                       precision="highest")
     np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+@pytest.mark.parametrize("spec,reason", [
+    ("hyperquant:e8,3bps", None),
+    ("hyperquant:e8,3bps,dither", "offers no Rice kernel format"),
+    ("hyperquant:d4,3bps", "reads E8 streams"),
+    ("k=hyperquant:e8,3bps v=hyperquant:e8,4bps", "blocks differ in layout"),
+    ("k=hyperquant:e8,3bps v=int:4", "V 'int:4' offers no Rice"),
+])
+def test_when_the_rice_kernel_applies(spec, reason):
+    config = parse_cache(spec)
+    got = REGISTRY["rice_decode"].reads(config.k, config.v, 128)
+    if reason is None:
+        assert not isinstance(got, str)
+    else:
+        assert reason in got
 
 
 def test_kernel_call_repeats_whole_blocks_of_outlier_codes():

@@ -1,0 +1,132 @@
+"""The array-level entry of the Rice decode-attention kernel: :func:`rice_decode`.
+
+One decode query per row attends to HyperQuant keys and values stored as Rice-coded
+blocks (:mod:`kvjax.codecs.hyperquant`, E8 without dither), in the codec's rotated
+frame: the caller rotates the query (:meth:`~kvjax.codec.RiceFormat.rotate`) and the
+output back (:meth:`~kvjax.codec.RiceFormat.unrotate`), once per call.
+:func:`.reference.rice_decode` has the same signature and is the specification.
+
+Dimension letters: ``B`` rows, ``K`` kv heads, ``G`` query rows per kv head, ``NB``
+blocks of ``tN`` tokens, ``W`` words per block, ``D`` head dim, ``L`` layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.flash import MIN_DOT, NUM_WARPS, pad_query_rows, schedule
+from pallas_kernels.partial import empty_partial, merge_partials
+from pallas_kernels.rice_decode.kernel import GROUP, codes_partial
+
+#: tokens per block of the kernel: four Rice blocks of 8 tokens
+BLOCK_S = 32
+#: pipeline stages: one, so that no load of the scratch tile is issued ahead of the
+#: stores and the barrier that precede it in program order
+NUM_STAGES = 1
+
+
+def unsupported(layout, head_dim: int) -> str | None:
+    """Why the kernel cannot read Rice blocks of this layout (a
+    :class:`kvjax.codecs.hyperquant.RiceLayout`; None: it can)."""
+    if layout is None:
+        return "the codes are not Rice-coded E8 blocks without dither"
+    if layout.lattice != "e8":
+        return f"lattice {layout.lattice}: the kernel reads E8 streams"
+    if layout.head_dim != head_dim or head_dim < MIN_DOT or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim}: the kernel reads power-of-two head dims >= {MIN_DOT}"
+    tokens = layout.block
+    if tokens > BLOCK_S or tokens & (tokens - 1):
+        return f"blocks of {tokens} tokens (the kernel reads powers of two up to {BLOCK_S})"
+    if layout.substream % head_dim or layout.n_sub > MIN_DOT:
+        return "sub-streams that are not whole tokens"
+    if (tokens * head_dim) % 32:
+        return "sign planes that are not whole words"
+    return None
+
+
+def check_arrays(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, lengths, layer,
+                 layout) -> None:
+    """The checks of :func:`rice_decode` (and of its reference): ``NotImplementedError``
+    where the kernel cannot serve the arrays, ``ValueError`` where they are malformed."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, K, G, D], got shape {q.shape}")
+    batch, heads, _, head_dim = q.shape
+    reason = unsupported(layout, head_dim)
+    if reason is not None:
+        raise NotImplementedError(f"rice_decode: {reason}")
+    lead = 5 if layer is not None else 4
+    shape = k_stream.shape
+    if k_stream.ndim != lead or shape[-4:-2] != (batch, heads) or shape[-1] != layout.words:
+        stack = "[L, B, K, NB, W]" if layer is not None else "[B, K, NB, W]"
+        raise ValueError(f"k_stream must be {stack} with B, K = {batch}, {heads} and W = "
+                         f"{layout.words}, got shape {shape}")
+    blocks = shape[:-1]
+    for name, a, want, dtype in (
+            ("v_stream", v_stream, shape, jnp.uint32),
+            ("k_stream", k_stream, shape, jnp.uint32),
+            ("k_index", k_index, (*blocks, layout.n_sub), jnp.uint32),
+            ("v_index", v_index, (*blocks, layout.n_sub), jnp.uint32),
+            ("k_norm", k_norm, (*blocks, layout.block), None),
+            ("v_norm", v_norm, (*blocks, layout.block), None)):
+        if a.shape != want:
+            raise ValueError(f"{name} must have shape {want}, got {a.shape}")
+        if dtype is not None and a.dtype != dtype:
+            raise ValueError(f"{name} must be {jnp.dtype(dtype).name}, got {a.dtype}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"lengths must have shape {(batch,)}, got {lengths.shape}")
+    if head_dim % GROUP:
+        raise NotImplementedError(f"rice_decode: head_dim {head_dim} is not whole E8 points")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
+                     "interpret"),
+)
+def rice_decode(
+    q: jax.Array,         # [B, K, G, D] float: query rows in the codec's rotated frame
+    k_stream: jax.Array,  # uint32 [B, K, NB, W] ([L, B, K, NB, W] with layer)
+    k_index: jax.Array,   # uint32 [B, K, NB, n_sub]: start bit | k << 24 per sub-stream
+    k_norm: jax.Array,    # [B, K, NB, tN] fp16: the tokens' norms
+    v_stream: jax.Array,  # like k_stream
+    v_index: jax.Array,   # like k_index
+    v_norm: jax.Array,    # like k_norm
+    lengths: jax.Array,   # int32 [B]: coded tokens per row, the first lengths[b]
+    layer: jax.Array | None = None,  # int32 []: the layer of stacked codes to read
+    *,
+    layout,               # kvjax.codecs.hyperquant.RiceLayout of the blocks
+    sm_scale: float,      # logits are sm_scale * q . k
+    block_s: int | None = None,
+    splits: int | None = None,
+    num_warps: int = NUM_WARPS,
+    num_stages: int | None = None,
+    interpret: bool | None = None,  # Pallas interpret mode; default: off a GPU
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Partial softmax of the (rotated) query rows over the first ``lengths[b]`` coded
+    tokens: ``o [B, K, G, D]`` (rotated frame), ``m [B, K, G]``, ``l [B, K, G]`` in
+    float32; a row with no coded token gets ``o = 0, l = 0, m = NEG``. Each token is its
+    block's :func:`kvjax.codecs.hyperquant.rotated_tokens`. Raises
+    ``NotImplementedError`` when the kernel cannot serve these arrays
+    (:func:`unsupported`), ``ValueError`` when they are malformed."""
+    check_arrays(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, lengths, layer,
+                 layout)
+    if block_s is not None and (block_s % layout.block or block_s < MIN_DOT
+                                or block_s & (block_s - 1)):
+        raise ValueError(f"block_s {block_s}: a power of two >= {MIN_DOT} of whole blocks "
+                         f"of {layout.block} tokens")
+    batch, heads, group, _ = q.shape
+    slots = k_stream.shape[-2] * layout.block
+    if slots == 0:
+        return empty_partial(q)
+    block_s, num_stages, splits, interpret = schedule(
+        batch, heads, slots, block_s=block_s, num_stages=num_stages or NUM_STAGES,
+        splits=splits, num_warps=num_warps, interpret=interpret, block=BLOCK_S)
+    rows = pad_query_rows(q.astype(jnp.float32), layout.head_dim)
+    o, m, l = codes_partial(
+        rows, k_stream, k_index, k_norm, v_stream, v_index, v_norm, lengths, layer,
+        layout=layout, sm_scale=sm_scale, block_s=block_s, splits=splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
