@@ -40,9 +40,9 @@ def unsupported(layout: HqmqLayout | None, head_dim: int,
         return ("the stream's fields are not whole bytes and nibbles (the kernel reads "
                 "8-bit low index bits and 4-bit radii: hqmq:s96,r4)")
     chunks = layout.chunks
-    if COMPONENTS * chunks != head_dim or chunks < MIN_DOT or chunks & (chunks - 1):
+    if -(-head_dim // COMPONENTS) != chunks or chunks < MIN_DOT or chunks & (chunks - 1):
         return (f"head_dim {head_dim}: the kernel reads a power-of-two number >= {MIN_DOT} "
-                "of whole chunks of 4 (head dims 64, 128, ...)")
+                "of chunks of 4 (head dims 61..64, 125..128, ...)")
     if len(set(outlier_blocks)) > 1:
         return f"K and V outlier blocks differ ({outlier_blocks[0]}, {outlier_blocks[1]})"
     for block in outlier_blocks:
@@ -173,16 +173,21 @@ def hqmq_decode(
                          f"block of {block} tokens at a time")
     if lookup not in LOOKUPS:
         raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
-    batch, heads, group, _ = q.shape
+    batch, heads, group, head_dim = q.shape
     slots = k_stream.shape[-2]
     if slots == 0:
         return empty_partial(q)
     block_s, num_stages, splits, interpret = schedule(
         batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
         num_warps=num_warps, interpret=interpret, block=block or BLOCK_S)
-    rows = pad_query_rows(q.astype(jnp.float32), layout.chunks)
+    # a head dim short of whole chunks: the codec zero-pads the last chunk, so the
+    # query's padded columns are zero too and the output's are dropped
+    width = COMPONENTS * layout.chunks
+    q = jnp.pad(q.astype(jnp.float32), [(0, 0)] * 3 + [(0, width - q.shape[-1])])
+    rows = pad_query_rows(q, layout.chunks)
     o, m, l = codes_partial(
         rows, k_stream, k_scale, v_stream, v_scale, lengths, k_table, v_table, layer,
         k_med, v_med, layout=layout, sm_scale=sm_scale, block_s=block_s, splits=splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, lookup=lookup)
-    return merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
+    return merge_partials((o[..., :group, :head_dim], m[..., :group], l[..., :group]),
+                          axis=2)

@@ -90,8 +90,9 @@ def hqmq_decode(
     k_stream, k_scale, v_stream, v_scale = layer_arrays(
         (k_stream, k_scale, v_stream, v_scale), layer)
     per_head = jax.vmap(dequantize, in_axes=(1, 1, 0, None), out_axes=1)
-    keys = per_head(k_stream, k_scale, k_table, layout)
-    values = per_head(v_stream, v_scale, v_table, layout)
+    head_dim = q.shape[-1]  # the codec's padding of the last chunk dropped
+    keys = per_head(k_stream, k_scale, k_table, layout)[..., :head_dim]
+    values = per_head(v_stream, v_scale, v_table, layout)[..., :head_dim]
     if k_med is not None:
         keys = with_outliers(keys, layer_arrays(k_med, layer), block)
     if v_med is not None:

@@ -88,6 +88,10 @@ CASES = (
     Case(2, 2, 4, 40, 64, (40, 9), layers=3),
     # the library's default blocking and splits (S not a multiple of its block)
     Case(2, 1, 4, 130, 64, (130, 1), block_s=None, splits=None),
+    # head dims short of whole chunks (the codec pads the last one): 126 and, with
+    # outliers, 61
+    Case(2, 1, 4, 40, 126, (40, 13)),
+    Case(1, 2, 4, 64, 61, (50,), spec=MED, block_s=None, splits=2),
     # Med-C outliers: D = 128 (31 slots of 32 blocks), a row ending inside a block
     Case(2, 2, 4, 96, 128, (96, 45), spec=MED, block_s=None, splits=2),
     # D = 64 (16 slots, two tokens' flags a word), stacked layers, one split
@@ -102,6 +106,7 @@ class TestHqmqDecode(KernelSuite):
     UNSUPPORTED = (
         (Case(1, 1, 4, 20, 128, (20,), spec="hqmq:s24,r3"), "not whole bytes and nibbles"),
         (Case(1, 1, 4, 20, 80, (20,)), "head_dim 80"),
+        (Case(1, 1, 4, 20, 48, (20,)), "head_dim 48"),
     )
     DROP = (Case(1, 1, 4, 48, 128, (48,)), [32])
     TOLERANCE: ClassVar[dict[str, float]] = {"out": 3e-3, "lse": 2e-3}
