@@ -92,38 +92,46 @@ def _group_sums(x: jax.Array, head_dim: int) -> jax.Array:
 def _scatter_ends(load, stream_ref, index_ref, scratch_ref, layout, b, tile: int):
     """Store, for every symbol of the tile's ``b``-th block, the stream position of its
     unary terminator in ``scratch_ref`` at the symbol's ``(token, dim)`` (rows past the
-    tile take the lanes that end no symbol)."""
-    words_count = layout.words
-    width = 1 << (words_count - 1).bit_length()
-    w = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
-    block = jnp.full((width,), b, jnp.int32)
-    words = load(stream_ref, jnp.minimum(w, words_count - 1), per=layout.block, rows=block)
-    words = jnp.where(w < words_count, words, jnp.uint32(0))
-    lanes = jnp.full((MIN_DOT,), b, jnp.int32)
+    tile take the lanes that end no symbol). The block's words go 32 at a time, so
+    that a lane array is ``[32, 32]`` whatever the budget."""
+    count = layout.words
+    lane = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
+    rows = jnp.full((32,), b, jnp.int32)
+    chunks, running = [], jnp.int32(0)
+    for c in range(-(-count // 32)):
+        w = c * 32 + lane
+        words = load(stream_ref, jnp.minimum(w, count - 1), per=layout.block, rows=rows)
+        words = jnp.where(w < count, words, jnp.uint32(0))
+        counts = jax.lax.population_count(words).astype(jnp.int32)
+        chunks.append((w, words, running + jnp.cumsum(counts) - counts))  # ones before
+        running = running + jnp.sum(counts)
     sub = jax.lax.broadcasted_iota(jnp.int32, (MIN_DOT,), 0)
-    index = load(index_ref, jnp.minimum(sub, layout.n_sub - 1), per=layout.block, rows=lanes)
-    counts = jax.lax.population_count(words).astype(jnp.int32)
-    before_word = jnp.cumsum(counts) - counts  # ones before each word
-    bit = jax.lax.broadcasted_iota(jnp.int32, (width, 32), 1)
-    word_at = jax.lax.broadcasted_iota(jnp.int32, (width, 32), 0)
-    ones = ((words[:, None] >> bit.astype(jnp.uint32)) & 1).astype(jnp.int32)
-    before = before_word[:, None] + jnp.cumsum(ones, axis=1) - ones  # ones before each bit
-    position = word_at * 32 + bit
+    index = load(index_ref, jnp.minimum(sub, layout.n_sub - 1), per=layout.block,
+                 rows=jnp.full((MIN_DOT,), b, jnp.int32))
     symbols = layout.substream
+    streams = []
     for s in range(layout.n_sub):
         field = jnp.sum(jnp.where(sub == s, index, jnp.uint32(0)))
         start = 0 if s == 0 else (field & 0xFFFFFF).astype(jnp.int32)
-        k = ((field >> 24) & 15).astype(jnp.int32)
-        unary = start + symbols * k
+        unary = start + symbols * ((field >> 24) & 15).astype(jnp.int32)
         word, shift = unary // 32, (unary % 32).astype(jnp.uint32)
-        below = jax.lax.population_count(words & ((jnp.uint32(1) << shift) - 1))
-        base = jnp.sum(jnp.where(w == word, before_word + below.astype(jnp.int32), 0))
-        rank = before - base
-        ends = (ones == 1) & (rank >= 0) & (rank < symbols)
-        g = s * symbols + rank
-        row = jnp.where(ends, b * layout.block + g // layout.head_dim, tile + bit % tile)
-        col = jnp.where(ends, g % layout.head_dim, word_at % layout.head_dim)
-        plgpu.store(scratch_ref.at[row, col], position, mask=ends)
+        base = jnp.int32(0)  # ones before the unary region
+        for w, words, before in chunks:
+            below = jax.lax.population_count(words & ((jnp.uint32(1) << shift) - 1))
+            base = base + jnp.sum(jnp.where(w == word, before + below.astype(jnp.int32), 0))
+        streams.append(base)
+    bit = jax.lax.broadcasted_iota(jnp.int32, (32, 32), 1)
+    for w, words, before in chunks:
+        ones = ((words[:, None] >> bit.astype(jnp.uint32)) & 1).astype(jnp.int32)
+        ones_before = before[:, None] + jnp.cumsum(ones, axis=1) - ones
+        position = w[:, None] * 32 + bit
+        for s, base in enumerate(streams):
+            rank = ones_before - base
+            ends = (ones == 1) & (rank >= 0) & (rank < symbols)
+            g = s * symbols + rank
+            row = jnp.where(ends, b * layout.block + g // layout.head_dim, tile + bit % tile)
+            col = jnp.where(ends, g % layout.head_dim, position % layout.head_dim)
+            plgpu.store(scratch_ref.at[row, col], position, mask=ends)
 
 
 def _decoded(load, stream_ref, index_ref, norm_ref, scratch_ref, layout, tile: int,
@@ -192,7 +200,7 @@ def _decoded(load, stream_ref, index_ref, norm_ref, scratch_ref, layout, tile: i
     operand = jnp.where(is_sign, 2.0 * sign - 1.0, codes.astype(jnp.float32))
 
     # per token: |x| / (alpha_level sqrt D), or |x| s / sqrt D in the sign fallback
-    rice_scale = 2.0 ** (jnp.minimum(level, LADDER - 1).astype(jnp.float32) / 2) * np.float32(
+    rice_scale = jnp.exp2(jnp.minimum(level, LADDER - 1).astype(jnp.float32) / 2) * np.float32(
         1.0 / (layout.alpha * math.sqrt(head_dim)))
     factor = norm * jnp.where(level == LADDER, _sign_scales(load, stream_ref, layout, t),
                               rice_scale)
