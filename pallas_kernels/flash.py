@@ -86,6 +86,32 @@ def schedule(batch: int, heads: int, slots: int, *, block_s: int | None,
     return block_s, num_stages, splits, interpret
 
 
+def check_query(kernel: str, q: jax.Array,
+                unsupported: Callable[[int], str | None]) -> tuple[int, int, int]:
+    """``(B, K, D)`` of an entry's query rows ``q [B, K, G, D]``: ``ValueError`` for
+    another rank, ``NotImplementedError`` naming ``kernel`` where ``unsupported(D)``
+    gives a reason."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, K, G, D], got shape {q.shape}")
+    batch, heads, _, head_dim = q.shape
+    reason = unsupported(head_dim)
+    if reason is not None:
+        raise NotImplementedError(f"{kernel}: {reason}")
+    return batch, heads, head_dim
+
+
+def check_stack(name: str, a: jax.Array, batch: int, heads: int, layer, width: int,
+                what: str, axes: str = "S, W") -> None:
+    """``ValueError`` unless ``a`` is ``[B, K, ..., width]`` stored per (row, kv head),
+    ``[L, B, K, ...]`` when a layer is read: ``axes`` names its last two axes, ``what``
+    says what ``width`` counts."""
+    lead = 5 if layer is not None else 4
+    if a.ndim != lead or a.shape[-4:-2] != (batch, heads) or a.shape[-1] != width:
+        stack = f"[L, B, K, {axes}]" if layer is not None else f"[B, K, {axes}]"
+        raise ValueError(f"{name} must be {stack} with B, K = {batch}, {heads} and "
+                         f"{what}, got shape {a.shape}")
+
+
 def layer_arrays(arrays, layer):
     """The arrays of layer ``layer`` of ``[L, ...]`` stacks (None entries pass through;
     ``layer`` None: the arrays as they are): what a reference reads."""

@@ -64,6 +64,7 @@ from pallas_kernels import group_values
 from pallas_kernels.flash import (
     OPERAND,
     Load,
+    check_stack,
     decode_call,
     dot_nt,
     layer_arrays,
@@ -145,14 +146,10 @@ def check_arrays(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero
     docstring, ``k_codes`` with ``reader.size`` units of ``reader.dtype`` per token."""
     head_dim = head_dim_of(q)
     batch, heads = q.shape[:2]
-    lead = 5 if layer is not None else 4
-    stack = "[L, B, K, S, ...]" if layer is not None else "[B, K, S, ...]"
     unit, described = _UNITS[jnp.dtype(reader.dtype)]
     tokens = k_codes.shape[:-1]
-    if (k_codes.ndim != lead or tokens[-3:-1] != (batch, heads)
-            or k_codes.shape[-1] != reader.size):
-        raise ValueError(f"k_codes must be {stack} with B, K = {batch}, {heads} and "
-                         f"{reader.size} {unit}, got shape {k_codes.shape}")
+    check_stack("k_codes", k_codes, batch, heads, layer, reader.size,
+                f"{reader.size} {unit}", axes="S, ...")
     if k_codes.dtype != reader.dtype:
         raise ValueError(f"k_codes must be {described}, got {k_codes.dtype}")
     group_values.check_arrays(v_codes, v_scale, v_zero, tokens, head_dim, value_bits,

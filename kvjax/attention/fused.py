@@ -269,22 +269,33 @@ def rotated_kernel(name: str, entry: Entry, key_format: type[RotatedKeyFormat],
 # -- kernels over HQMQ codes ---------------------------------------------------------------
 
 
-def hqmq_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
-               unsupported: Callable[..., str | None]) -> tuple[HqmqFormat, HqmqFormat] | str:
-    """The formats a kernel over HQMQ keys and values reads from these codecs at
-    ``head_dim``, or why it cannot; ``unsupported(layout, head_dim, outlier_blocks)``
-    (the Med-C blocks of the roles that have them) is the kernel's own rule. K and V
-    streams must share a layout (one kernel call reads both)."""
+def shared_layout(k_codec: Codec, v_codec: Codec, head_dim: int, kind: type[KernelFormat],
+                  name: str, what: str) -> tuple | str:
+    """``(k_fmt, v_fmt, layout)``: the K and V formats of class ``kind`` and the layout
+    they share at ``head_dim`` (one kernel call reads both), or why there are none
+    (``name`` names the format, ``what`` its codes in the reasons)."""
     formats = []
     for role, codec in (("K", k_codec), ("V", v_codec)):
-        fmt = kernel_format(codec, HqmqFormat)
+        fmt = kernel_format(codec, kind)
         if fmt is None:
-            return f"{role} '{codec.spec}' offers no HQMQ kernel format"
+            return f"{role} '{codec.spec}' offers no {name} kernel format"
         formats.append(fmt)
     k_fmt, v_fmt = formats
     layout = k_fmt.layout(head_dim)
     if v_fmt.layout(head_dim) != layout:
-        return f"K '{k_codec.spec}' and V '{v_codec.spec}' streams differ in layout"
+        return f"K '{k_codec.spec}' and V '{v_codec.spec}' {what} differ in layout"
+    return k_fmt, v_fmt, layout
+
+
+def hqmq_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
+               unsupported: Callable[..., str | None]) -> tuple[HqmqFormat, HqmqFormat] | str:
+    """The formats a kernel over HQMQ keys and values reads from these codecs at
+    ``head_dim``, or why it cannot; ``unsupported(layout, head_dim, outlier_blocks)``
+    (the Med-C blocks of the roles that have them) is the kernel's own rule."""
+    shared = shared_layout(k_codec, v_codec, head_dim, HqmqFormat, "HQMQ", "streams")
+    if isinstance(shared, str):
+        return shared
+    k_fmt, v_fmt, layout = shared
     blocks = tuple(f.outliers.block for f in (k_fmt, v_fmt) if f.outliers is not None)
     return unsupported(layout, head_dim, blocks) or (k_fmt, v_fmt)
 
@@ -340,18 +351,11 @@ def hqmq_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],
 def rice_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
                unsupported: Callable[..., str | None]) -> tuple[RiceFormat, RiceFormat] | str:
     """The formats a kernel over Rice blocks reads from these codecs at ``head_dim``, or
-    why it cannot; ``unsupported(layout, head_dim)`` is the kernel's own rule. K and V
-    blocks must share a layout (one kernel call reads both)."""
-    formats = []
-    for role, codec in (("K", k_codec), ("V", v_codec)):
-        fmt = kernel_format(codec, RiceFormat)
-        if fmt is None:
-            return f"{role} '{codec.spec}' offers no Rice kernel format"
-        formats.append(fmt)
-    k_fmt, v_fmt = formats
-    layout = k_fmt.layout(head_dim)
-    if v_fmt.layout(head_dim) != layout:
-        return f"K '{k_codec.spec}' and V '{v_codec.spec}' blocks differ in layout"
+    why it cannot; ``unsupported(layout, head_dim)`` is the kernel's own rule."""
+    shared = shared_layout(k_codec, v_codec, head_dim, RiceFormat, "Rice", "blocks")
+    if isinstance(shared, str):
+        return shared
+    k_fmt, v_fmt, layout = shared
     return unsupported(layout, head_dim) or (k_fmt, v_fmt)
 
 

@@ -21,6 +21,8 @@ from kvjax.primitives.quaternion import HqmqLayout
 from pallas_kernels.flash import (
     MIN_DOT,
     NUM_WARPS,
+    check_query,
+    check_stack,
     pad_query_rows,
     schedule,
 )
@@ -82,18 +84,11 @@ def check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_tabl
     """The checks of :func:`hqmq_decode` (and of its reference): ``NotImplementedError``
     where the kernel cannot serve the arrays, ``ValueError`` where they are malformed.
     Returns the Med-C outlier block in tokens (None without outliers)."""
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, K, G, D], got shape {q.shape}")
-    batch, heads, _, head_dim = q.shape
-    reason = unsupported(layout, head_dim)
-    if reason is not None:
-        raise NotImplementedError(f"hqmq_decode: {reason}")
-    lead = 5 if layer is not None else 4
+    batch, heads, head_dim = check_query("hqmq_decode", q,
+                                         functools.partial(unsupported, layout))
+    check_stack("k_stream", k_stream, batch, heads, layer, layout.size,
+                f"H = {layout.size} bytes", axes="S, H")
     shape = k_stream.shape
-    if (k_stream.ndim != lead or shape[-4:-2] != (batch, heads) or shape[-1] != layout.size):
-        stack = "[L, B, K, S, H]" if layer is not None else "[B, K, S, H]"
-        raise ValueError(f"k_stream must be {stack} with B, K = {batch}, {heads} and H = "
-                         f"{layout.size} bytes, got shape {shape}")
     for name, a, want in (("v_stream", v_stream, shape), ("k_scale", k_scale, shape[:-1]),
                           ("v_scale", v_scale, shape[:-1]), ("lengths", lengths, (batch,))):
         if a.shape != want:

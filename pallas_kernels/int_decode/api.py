@@ -25,6 +25,8 @@ from kvjax.primitives.rotations import block_hadamard, random_signs
 from pallas_kernels.flash import (
     MIN_DOT,
     NUM_WARPS,
+    check_query,
+    check_stack,
     pad_query_rows,
     schedule,
 )
@@ -56,21 +58,12 @@ def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
         raise ValueError("with offset the codes are scale * (code - offset): pass no zeros")
     if offset is not None and not 0 <= offset < 1 << bits:
         raise ValueError(f"offset {offset} is not a {bits}-bit code")
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, K, G, D], got shape {q.shape}")
-    batch, heads, _, head_dim = q.shape
-    reason = unsupported(bits, head_dim)
-    if reason is not None:
-        raise NotImplementedError(f"int_decode: {reason}")
-    lead = 5 if layer is not None else 4
+    batch, heads, head_dim = check_query("int_decode", q,
+                                         functools.partial(unsupported, bits))
+    words = head_dim * bits // 32
+    check_stack("k_codes", k_codes, batch, heads, layer, words,
+                f"W = {words} words of {bits}-bit codes of {head_dim} dims")
     codes_shape = k_codes.shape
-    if (k_codes.ndim != lead or codes_shape[-4:-2] != (batch, heads)
-            or codes_shape[-1] != head_dim * bits // 32):
-        stack = "[L, B, K, S, W]" if layer is not None else "[B, K, S, W]"
-        raise ValueError(
-            f"k_codes must be {stack} with B, K = {batch}, {heads} and W = "
-            f"{head_dim * bits // 32} words of {bits}-bit codes of {head_dim} dims, "
-            f"got shape {codes_shape}")
     for name, a, shape in (("v_codes", v_codes, codes_shape),
                            ("k_scale", k_scale, codes_shape[:-1]),
                            ("k_zero", k_zero, codes_shape[:-1]),

@@ -17,7 +17,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash import MIN_DOT, NUM_WARPS, pad_query_rows, schedule
+from pallas_kernels.flash import (
+    MIN_DOT,
+    NUM_WARPS,
+    check_query,
+    check_stack,
+    pad_query_rows,
+    schedule,
+)
 from pallas_kernels.partial import empty_partial, merge_partials
 from pallas_kernels.rice_decode.kernel import GROUP, codes_partial
 
@@ -51,18 +58,11 @@ def check_arrays(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, length
                  layout) -> None:
     """The checks of :func:`rice_decode` (and of its reference): ``NotImplementedError``
     where the kernel cannot serve the arrays, ``ValueError`` where they are malformed."""
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, K, G, D], got shape {q.shape}")
-    batch, heads, _, head_dim = q.shape
-    reason = unsupported(layout, head_dim)
-    if reason is not None:
-        raise NotImplementedError(f"rice_decode: {reason}")
-    lead = 5 if layer is not None else 4
+    batch, heads, head_dim = check_query("rice_decode", q,
+                                         functools.partial(unsupported, layout))
+    check_stack("k_stream", k_stream, batch, heads, layer, layout.words,
+                f"W = {layout.words} words per block", axes="NB, W")
     shape = k_stream.shape
-    if k_stream.ndim != lead or shape[-4:-2] != (batch, heads) or shape[-1] != layout.words:
-        stack = "[L, B, K, NB, W]" if layer is not None else "[B, K, NB, W]"
-        raise ValueError(f"k_stream must be {stack} with B, K = {batch}, {heads} and W = "
-                         f"{layout.words}, got shape {shape}")
     blocks = shape[:-1]
     for name, a, want, dtype in (
             ("v_stream", v_stream, shape, jnp.uint32),

@@ -235,22 +235,6 @@ def test_kernel_call_binds_the_kernel_to_a_cache(spec, name):
     np.testing.assert_allclose(got, want, atol=ATOL)
 
 
-@pytest.mark.parametrize("spec,reason", [
-    ("hyperquant:e8,3bps", None),
-    ("hyperquant:e8,3bps,dither", "offers no Rice kernel format"),
-    ("hyperquant:d4,3bps", "reads E8 streams"),
-    ("k=hyperquant:e8,3bps v=hyperquant:e8,4bps", "blocks differ in layout"),
-    ("k=hyperquant:e8,3bps v=int:4", "V 'int:4' offers no Rice"),
-])
-def test_when_the_rice_kernel_applies(spec, reason):
-    config = parse_cache(spec)
-    got = REGISTRY["rice_decode"].reads(config.k, config.v, 128)
-    if reason is None:
-        assert not isinstance(got, str)
-    else:
-        assert reason in got
-
-
 def test_kernel_call_repeats_whole_blocks_of_outlier_codes():
     """A cache of Med-C codes (blocks of 32 tokens) bound to the HQMQ kernel: the
     outliers reach it, and the kernel equals attention over the codecs' decode."""
@@ -280,20 +264,25 @@ def test_no_kernel_reads_names_every_reason():
         fused.find_kernel(config.k, config.v, 128)
 
 
-@pytest.mark.parametrize("spec,reason", [
-    ("hqmq", None),
-    ("k=hqmq v=int:4", "V 'int:4' offers no HQMQ kernel format"),
-    ("k=hqmq v=hqmq:s48,r4", "streams differ in layout"),
-    ("hqmq:s24,r3", "not whole bytes and nibbles"),
-    ("hqmq:s96,r4,med3", None),
-    ("k=hqmq:s96,r4,med3 v=hqmq", None),
-    ("k=hqmq:s96,r4,med3,mb16 v=hqmq:s96,r4,med3", "outlier blocks differ"),
-    ("hqmq:s96,r4,med3,mb8", "outlier blocks of 8 tokens"),
-    ("int:4,med3", "offers no"),
+@pytest.mark.parametrize("kernel,spec,reason", [
+    ("hqmq_decode", "hqmq", None),
+    ("hqmq_decode", "k=hqmq v=int:4", "V 'int:4' offers no HQMQ kernel format"),
+    ("hqmq_decode", "k=hqmq v=hqmq:s48,r4", "streams differ in layout"),
+    ("hqmq_decode", "hqmq:s24,r3", "not whole bytes and nibbles"),
+    ("hqmq_decode", "hqmq:s96,r4,med3", None),
+    ("hqmq_decode", "k=hqmq:s96,r4,med3 v=hqmq", None),
+    ("hqmq_decode", "k=hqmq:s96,r4,med3,mb16 v=hqmq:s96,r4,med3", "outlier blocks differ"),
+    ("hqmq_decode", "hqmq:s96,r4,med3,mb8", "outlier blocks of 8 tokens"),
+    ("hqmq_decode", "int:4,med3", "offers no"),
+    ("rice_decode", "hyperquant:e8,3bps", None),
+    ("rice_decode", "hyperquant:e8,3bps,dither", "offers no Rice kernel format"),
+    ("rice_decode", "hyperquant:d4,3bps", "reads E8 streams"),
+    ("rice_decode", "k=hyperquant:e8,3bps v=hyperquant:e8,4bps", "blocks differ in layout"),
+    ("rice_decode", "k=hyperquant:e8,3bps v=int:4", "V 'int:4' offers no Rice"),
 ])
-def test_when_the_hqmq_kernel_applies(spec, reason):
+def test_when_the_hqmq_and_rice_kernels_apply(kernel, spec, reason):
     config = parse_cache(spec)
-    got = REGISTRY["hqmq_decode"].reads(config.k, config.v, 128)
+    got = REGISTRY[kernel].reads(config.k, config.v, 128)
     if reason is None:
         assert not isinstance(got, str)
     else:
