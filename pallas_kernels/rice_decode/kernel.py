@@ -18,7 +18,7 @@ scan:
   ``(token, dim)``. After a barrier the tile is read back densely, and each quotient is
   its end minus the previous symbol's end minus one.
 
-Symbols then become E8 codes (:func:`kvjax.primitives.lattices._unstrip_e8`): each
+Symbols then become E8 codes (:meth:`kvjax.primitives.lattices.Lattice.unstrip`): each
 group of 8 needs the parity of its first seven halved coordinates and the low bit of
 its last symbol, which two small float16 products with 0/1 matrices gather and spread
 back (exact: counts below 16). A block in the sign fallback reads its signs and token
