@@ -816,7 +816,7 @@ class RiceFormat(KernelFormat):
     sub-stream, and the tokens' fp16 norms. Codes pytree: ``"stream"`` uint32 ``[..., NB,
     W]``, ``"index"`` uint32 ``[..., NB, n_sub]``, ``"norm"`` float16 ``[..., NB, tN]``.
     ``layout(head_dim)``: the blocks' static shape
-    (:class:`kvjax.codecs.hyperquant.RiceLayout`); ``rotate(params, x)`` and
+    (:class:`kvjax.primitives.rice_blocks.RiceLayout`); ``rotate(params, x)`` and
     ``unrotate(params, x)``: the codec's orthogonal map of vectors into the frame its
     tokens are coded in and back (a kernel rotates the query once and its output back)."""
 

@@ -111,7 +111,19 @@ from kvjax.codecs.rotated import stored_norm
 from kvjax.primitives import rice
 from kvjax.primitives.codebooks import codebook_dir
 from kvjax.primitives.lattices import LATTICES, Lattice, lattice
-from kvjax.primitives.packing import pack_bits, pack_codes, unpack_bits, unpack_codes
+from kvjax.primitives.packing import pack_codes, unpack_codes
+from kvjax.primitives.rice_blocks import (
+    LADDER,
+    SIGN_LEVEL,
+    RiceLayout,
+    reconstruct,
+    rotated_tokens,
+    sign_scale_codes,
+    sign_scales,
+    sign_words,
+    symbol_classes,
+    symbol_parameters,
+)
 from kvjax.primitives.rotations import (
     haar_orthogonal,
     inverse_randomized_hadamard,
@@ -125,9 +137,6 @@ ROTATIONS = ("none", "signs", "haar")
 INT8_BIAS = 128
 #: symbols per Rice sub-stream (the paper's S)
 SUBSTREAM = 512
-#: scales tried, ``alpha 2^(-j/2)`` for ``j < LADDER``, besides the sign fallback
-LADDER = 4
-SIGN_LEVEL = LADDER
 #: most bits of a token's scale in the sign fallback
 SIGN_SCALE_BITS = 8
 #: calibration grid (dB) and sample size (Gaussian vectors)
@@ -154,10 +163,6 @@ def alpha_for_snr(lat: Lattice, snr_db: float) -> float:
     return math.sqrt(lat.noise_power * 10.0 ** (snr_db / 10.0))
 
 
-def _symbol_classes(lat: Lattice, count: int) -> np.ndarray:
-    return np.tile(np.asarray(lat.symbol_class, np.int32), count // lat.dim)
-
-
 def stream_parameters(lat: Lattice, symbols: jax.Array, classes: np.ndarray):
     """Rice parameters ``(k1, k2)`` (int32 ``[...]``) of sub-streams ``symbols[..., S]``.
 
@@ -176,24 +181,12 @@ def stream_parameters(lat: Lattice, symbols: jax.Array, classes: np.ndarray):
     return (jnp.argmin(cost0, -1).astype(jnp.int32), jnp.argmin(cost1, -1).astype(jnp.int32))
 
 
-def symbol_parameters(k1: jax.Array, k2: jax.Array, classes: np.ndarray) -> jax.Array:
-    """Per-symbol parameters ``[..., S]`` from a sub-stream's ``(k1, k2)``."""
-    return jnp.where(jnp.asarray(classes == 0), k1[..., None], k2[..., None])
-
-
 def quantize_symbols(lat: Lattice, y: jax.Array, dither: jax.Array | None):
     """Closest lattice codes of ``y[..., D]`` (+ dither), and their stripped symbols."""
     shape = y.shape
     pts = y if dither is None else y + dither
     codes = lat.closest(pts.reshape(*shape[:-1], shape[-1] // lat.dim, lat.dim))
     return codes, lat.strip(codes).reshape(shape)
-
-
-def reconstruct(lat: Lattice, codes: jax.Array, dither: jax.Array | None) -> jax.Array:
-    """Point coordinates ``[..., D]`` of codes ``[..., D / n, n]`` (dither subtracted)."""
-    pts = lat.point(codes)
-    pts = pts.reshape(*pts.shape[:-2], pts.shape[-2] * pts.shape[-1])
-    return pts if dither is None else pts - dither
 
 
 def block_payload(lat: Lattice, symbols: jax.Array, n_sub: int):
@@ -204,7 +197,7 @@ def block_payload(lat: Lattice, symbols: jax.Array, n_sub: int):
     """
     size = symbols.shape[-1] // n_sub
     streams = symbols.reshape(*symbols.shape[:-1], n_sub, size)
-    classes = _symbol_classes(lat, size)
+    classes = symbol_classes(lat, size)
     k1, k2 = stream_parameters(lat, streams, classes)
     return k1, k2, rice.code_length(streams, symbol_parameters(k1, k2, classes))
 
@@ -528,8 +521,8 @@ class HyperQuantCodec(Codec):
             if j:  # the calibrated scale is kept whenever it fits: no error needed
                 y_hat = reconstruct(lat, lattice_codes, u) / alpha
                 errors.append(_block_error(y, y_hat, weight))
-        scale_codes = _sign_scale_codes(y, plan.sign_scale_bits)
-        y_sign = _sign_scales(scale_codes, plan.sign_scale_bits)[..., None] * jnp.where(
+        scale_codes = sign_scale_codes(y, plan.sign_scale_bits)
+        y_sign = sign_scales(scale_codes, plan.sign_scale_bits)[..., None] * jnp.where(
             y >= 0, 1.0, -1.0)
         errors.append(_block_error(y, y_sign, weight))
         # a block that fits at the calibrated scale keeps it; one that does not takes the
@@ -548,13 +541,13 @@ class HyperQuantCodec(Codec):
 
         symbols, k1, k2 = pick(0), pick(1), pick(2)
         streams = symbols.reshape(*lead, nb, plan.n_sub, plan.substream)
-        classes = _symbol_classes(lat, plan.substream)
+        classes = symbol_classes(lat, plan.substream)
         k = symbol_parameters(k1, k2, classes)
         words, offsets, _ = rice.encode(streams, k, plan.words)
-        sign_words = _sign_words(y.reshape(*lead, nb, elements), scale_codes,
-                                 plan.sign_scale_bits, plan.words)
+        fallback = sign_words(y.reshape(*lead, nb, elements), scale_codes,
+                              plan.sign_scale_bits, plan.words)
         use_signs = (level == SIGN_LEVEL)[..., None]
-        words = jnp.where(use_signs, sign_words, words)
+        words = jnp.where(use_signs, fallback, words)
         k1 = jnp.where(use_signs, 0, k1)
         k2 = jnp.where(use_signs, 0, k2)
         start = offsets.at[..., 0].set(level)
@@ -649,60 +642,6 @@ class HyperQuantCodec(Codec):
         return rice.used_bits(codes["stream"])
 
 
-@dataclasses.dataclass(frozen=True)
-class RiceLayout:
-    """The static shape of HyperQuant's Rice blocks at one head dim (module doc): a block
-    of ``block`` tokens, ``n_sub`` sub-streams of ``substream`` symbols in ``words``
-    words, the calibrated scale ``alpha`` (level ``j < LADDER`` codes at ``alpha
-    2**(-j/2)``), and ``sign_scale_bits`` per token's scale in the sign fallback."""
-
-    lattice: str
-    head_dim: int
-    block: int
-    n_sub: int
-    substream: int
-    words: int
-    alpha: float
-    sign_scale_bits: int
-
-    def level_scale(self, level: jax.Array) -> jax.Array:
-        """``1 / (alpha_level sqrt D)`` (float32) of Rice levels ``0..LADDER-1``: what
-        turns a block's lattice points into rotated unit-norm coordinates."""
-        j = jnp.minimum(level, LADDER - 1).astype(jnp.float32)
-        return 2.0 ** (j / 2) / np.float32(self.alpha * math.sqrt(self.head_dim))
-
-    def sign_words(self) -> int:
-        """Words the sign fallback's signs fill (its token scales follow)."""
-        return -(-self.block * self.head_dim // 32)
-
-
-def rotated_tokens(layout: RiceLayout, stream: jax.Array, index: jax.Array,
-                   norm: jax.Array, dither: jax.Array | None = None) -> jax.Array:
-    """The tokens ``[..., nb, tN, D]`` (float32) of Rice blocks in the rotated frame:
-    ``|x| (P - U) / (alpha_level sqrt D)``, or ``|x| s sign / sqrt D`` for a block in the
-    sign fallback; the codec's decode is their inverse rotation. ``stream [..., nb,
-    W]``, ``index [..., nb, n_sub]``, ``norm [..., nb, tN]`` as stored; ``dither`` the
-    codec's, or None."""
-    lat = lattice(layout.lattice)
-    head_dim, tokens = layout.head_dim, layout.block
-    lead, nb = index.shape[:-2], index.shape[-2]
-    start = (index & 0xFFFFFF).astype(jnp.int32)
-    level = start[..., 0]
-    offsets = start.at[..., 0].set(0)
-    k1 = ((index >> 24) & 15).astype(jnp.int32)
-    k2 = ((index >> 28) & 15).astype(jnp.int32)
-    k = symbol_parameters(k1, k2, _symbol_classes(lat, layout.substream))
-    symbols = rice.decode(stream, offsets, k)
-    c = lat.unstrip(symbols.reshape(*lead, nb, tokens, head_dim // lat.dim, lat.dim))
-    pts = reconstruct(lat, c, dither)  # [..., nb, tN, D]
-    y = pts * layout.level_scale(level)[..., None, None]
-    signs, scale_codes = _unpack_signs(stream, tokens, head_dim, layout.sign_scale_bits)
-    scales = _sign_scales(scale_codes, layout.sign_scale_bits)[..., None]
-    y_sign = signs.reshape(y.shape) * scales / math.sqrt(head_dim)
-    y = jnp.where((level == SIGN_LEVEL)[..., None, None], y_sign, y)
-    return norm.astype(jnp.float32)[..., None] * y
-
-
 def _mix(bits: jax.Array) -> jax.Array:
     """A 32-bit hash of each row of ``bits[..., n]`` (uint32), order-sensitive."""
     h = jnp.full(bits.shape[:-1], 0x811C9DC5, jnp.uint32)
@@ -715,50 +654,6 @@ def _mix(bits: jax.Array) -> jax.Array:
 def _block_error(y: jax.Array, y_hat: jax.Array, weight: jax.Array) -> jax.Array:
     """``sum weight |y - y_hat|^2`` over each block's tokens and coordinates ``[..., nb]``."""
     return jnp.sum(weight * jnp.square(y - y_hat), axis=(-2, -1))
-
-
-def _sign_scale_codes(y: jax.Array, bits: int) -> jax.Array:
-    """Per token of ``y[..., tN, D]`` (mean square 1): the code of ``mean |y|``, the scale
-    of ``sign(y)`` that reconstructs it best, on the grid ``(c + 1) / 2^bits`` (``uint32
-    [..., tN]``; zeros when ``bits`` is 0)."""
-    if not bits:
-        return jnp.zeros(y.shape[:-1], jnp.uint32)
-    levels = 1 << bits
-    codes = jnp.round(jnp.mean(jnp.abs(y), axis=-1) * levels) - 1
-    return jnp.clip(codes, 0, levels - 1).astype(jnp.uint32)
-
-
-def _sign_scales(codes: jax.Array, bits: int) -> jax.Array:
-    """The scales of :func:`_sign_scale_codes`; ``sqrt(2 / pi)`` (a Gaussian's mean
-    ``|y|``) for every token when the budget has no room for them (``bits`` 0)."""
-    if not bits:
-        return jnp.full(codes.shape, math.sqrt(2.0 / math.pi), jnp.float32)
-    return (codes.astype(jnp.float32) + 1.0) / (1 << bits)
-
-
-def _sign_words(y: jax.Array, scale_codes: jax.Array, scale_bits: int,
-                num_words: int) -> jax.Array:
-    """The sign fallback of blocks ``y[..., N]``: bits ``y >= 0`` packed LSB-first, then
-    from the next word the tokens' scale codes ``[..., tN]`` at ``scale_bits`` each,
-    zero-padded to ``num_words`` words."""
-    parts = [pack_bits((y >= 0).astype(jnp.uint32), 1)]
-    if scale_bits:
-        parts.append(pack_bits(scale_codes, scale_bits))
-    words = jnp.concatenate(parts, axis=-1)
-    pad = num_words - words.shape[-1]
-    return jnp.pad(words, [(0, 0)] * (words.ndim - 1) + [(0, pad)])
-
-
-def _unpack_signs(words: jax.Array, tokens: int, head_dim: int, scale_bits: int):
-    """Inverse of :func:`_sign_words`: signs ``+-1`` ``[..., tN * D]`` and the tokens'
-    scale codes ``[..., tN]``."""
-    count = tokens * head_dim
-    n = -(-count // 32)
-    signs = 2.0 * unpack_bits(words[..., :n], 1, count).astype(jnp.float32) - 1.0
-    if not scale_bits:
-        return signs, jnp.zeros((*words.shape[:-1], tokens), jnp.uint32)
-    m = -(-tokens * scale_bits // 32)
-    return signs, unpack_bits(words[..., n:n + m], scale_bits, tokens)
 
 
 @functools.cache

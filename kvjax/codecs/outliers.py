@@ -55,8 +55,8 @@ from kvjax.codec import (
     Params,
 )
 from kvjax.codecs.intn import exact_bits
-from kvjax.primitives.packing import num_words, pack_bits, unpack_bits
-from kvjax.primitives.quaternion import num_chunks, to_chunks
+from kvjax.primitives.packing import num_words, pack_bits
+from kvjax.primitives.quaternion import num_chunks, replace_outliers, to_chunks
 
 DEFAULT_MULTIPLIER, DEFAULT_BLOCK, DEFAULT_CAPACITY_PCT = 3.0, 32, 3.0
 MIN_BLOCK, MAX_BLOCK = 1, 1024
@@ -225,18 +225,3 @@ class MedOutlierCodec(Codec):
         return (1 - fraction) * base(head_dim) + 16 * fraction + 0.25
 
 
-
-def replace_outliers(x: jax.Array, flags: jax.Array, outliers: jax.Array,
-                     block: int) -> jax.Array:
-    """Vectors ``x [..., NB * block, D]`` (float32) with each flagged chunk of 4 replaced
-    by its stored value: ``flags`` uint32 ``[..., NB, W]`` (a bit per chunk, token-major),
-    ``outliers [..., NB, K, 4]`` in the flags' order."""
-    head_dim = x.shape[-1]
-    c4 = num_chunks(head_dim)
-    lead, nb = flags.shape[:-2], flags.shape[-2]
-    stored = unpack_bits(flags, 1, block * c4).astype(bool)
-    slot = jnp.clip(jnp.cumsum(stored, axis=-1) - 1, 0, outliers.shape[-2] - 1)
-    payload = jnp.take_along_axis(outliers.astype(jnp.float32), slot[..., None], axis=-2)
-    chunks = to_chunks(x).reshape(*lead, nb, block * c4, 4)
-    chunks = jnp.where(stored[..., None], payload, chunks)
-    return chunks.reshape(*lead, nb * block, 4 * c4)[..., :head_dim]

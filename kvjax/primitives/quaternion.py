@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.primitives.packing import unpack_bits
+
 #: order of the binary tetrahedral group 2T
 NUM_HURWITZ = 24
 
@@ -137,3 +139,20 @@ class HqmqLayout:
     low_offset: int
     radius_offset: int
     size: int
+
+
+def replace_outliers(x: jax.Array, flags: jax.Array, outliers: jax.Array,
+                     block: int) -> jax.Array:
+    """Vectors ``x [..., NB * block, D]`` (float32) with each flagged chunk of 4 replaced
+    by its stored value (Med-C outliers, :mod:`kvjax.codecs.outliers`): ``flags``
+    uint32 ``[..., NB, W]`` (a bit per chunk, token-major, :func:`~kvjax.primitives.
+    packing.pack_bits`), ``outliers [..., NB, K, 4]`` in the flags' order."""
+    head_dim = x.shape[-1]
+    c4 = num_chunks(head_dim)
+    lead, nb = flags.shape[:-2], flags.shape[-2]
+    stored = unpack_bits(flags, 1, block * c4).astype(bool)
+    slot = jnp.clip(jnp.cumsum(stored, axis=-1) - 1, 0, outliers.shape[-2] - 1)
+    payload = jnp.take_along_axis(outliers.astype(jnp.float32), slot[..., None], axis=-2)
+    chunks = to_chunks(x).reshape(*lead, nb, block * c4, 4)
+    chunks = jnp.where(stored[..., None], payload, chunks)
+    return chunks.reshape(*lead, nb * block, 4 * c4)[..., :head_dim]

@@ -16,8 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.codecs.outliers import replace_outliers
-from kvjax.primitives.quaternion import HqmqLayout
+from kvjax.primitives.quaternion import HqmqLayout, replace_outliers
 from pallas_kernels.flash import NUM_WARPS, layer_arrays
 from pallas_kernels.hqmq_decode.api import check_arrays, pairs
 from pallas_kernels.hqmq_decode.kernel import COMPONENTS
@@ -45,7 +44,7 @@ def dequantize(stream: jax.Array, scale: jax.Array, table: jax.Array,
 def with_outliers(x: jax.Array, outliers, block: int) -> jax.Array:
     """Tokens ``x [..., S, D]`` with the Med-C chunks ``(flags [..., NB, W], chunks [...,
     NB, 4 P])`` in place of the flagged ones (the codec's own rule,
-    :func:`kvjax.codecs.outliers.replace_outliers`)."""
+    :func:`kvjax.primitives.quaternion.replace_outliers`)."""
     flags, chunks = outliers
     chunks = chunks.reshape(*chunks.shape[:-1], -1, COMPONENTS)
     return replace_outliers(x, flags, chunks, block)

@@ -28,7 +28,9 @@ from pallas_kernels.flash import (
 from pallas_kernels.partial import empty_partial, merge_partials
 from pallas_kernels.rice_decode.kernel import GROUP, codes_partial
 
-#: tokens per block of the kernel: four Rice blocks of 8 tokens
+#: tokens per Rice block the kernel reads
+RICE_BLOCK = 8
+#: tokens per block of the kernel: four Rice blocks
 BLOCK_S = 32
 #: pipeline stages: one, so that no load of the scratch tile is issued ahead of the
 #: stores and the barrier that precede it in program order
@@ -37,20 +39,18 @@ NUM_STAGES = 1
 
 def unsupported(layout, head_dim: int) -> str | None:
     """Why the kernel cannot read Rice blocks of this layout (a
-    :class:`kvjax.codecs.hyperquant.RiceLayout`; None: it can)."""
+    :class:`kvjax.primitives.rice_blocks.RiceLayout`; None: it can)."""
     if layout is None:
         return "the codes are not Rice-coded E8 blocks without dither"
     if layout.lattice != "e8":
         return f"lattice {layout.lattice}: the kernel reads E8 streams"
     if layout.head_dim != head_dim or head_dim < MIN_DOT or head_dim & (head_dim - 1):
         return f"head_dim {head_dim}: the kernel reads power-of-two head dims >= {MIN_DOT}"
-    tokens = layout.block
-    if tokens > BLOCK_S or tokens & (tokens - 1):
-        return f"blocks of {tokens} tokens (the kernel reads powers of two up to {BLOCK_S})"
+    if layout.block != RICE_BLOCK:
+        return (f"blocks of {layout.block} tokens (the kernel reads the default "
+                f"{RICE_BLOCK}, whose calibrations ship with the package)")
     if layout.substream % head_dim or layout.n_sub > MIN_DOT:
         return "sub-streams that are not whole tokens"
-    if (tokens * head_dim) % 32:
-        return "sign planes that are not whole words"
     return None
 
 
@@ -97,7 +97,7 @@ def rice_decode(
     lengths: jax.Array,   # int32 [B]: coded tokens per row, the first lengths[b]
     layer: jax.Array | None = None,  # int32 []: the layer of stacked codes to read
     *,
-    layout,               # kvjax.codecs.hyperquant.RiceLayout of the blocks
+    layout,               # kvjax.primitives.rice_blocks.RiceLayout of the blocks
     sm_scale: float,      # logits are sm_scale * q . k
     block_s: int | None = None,
     splits: int | None = None,
@@ -108,7 +108,7 @@ def rice_decode(
     """Partial softmax of the (rotated) query rows over the first ``lengths[b]`` coded
     tokens: ``o [B, K, G, D]`` (rotated frame), ``m [B, K, G]``, ``l [B, K, G]`` in
     float32; a row with no coded token gets ``o = 0, l = 0, m = NEG``. Each token is its
-    block's :func:`kvjax.codecs.hyperquant.rotated_tokens`. Raises
+    block's :func:`kvjax.primitives.rice_blocks.rotated_tokens`. Raises
     ``NotImplementedError`` when the kernel cannot serve these arrays
     (:func:`unsupported`), ``ValueError`` when they are malformed."""
     check_arrays(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, lengths, layer,

@@ -2,7 +2,7 @@
 
 :func:`rice_decode` has the signature of :func:`.api.rice_decode` and returns the same
 partial softmax ``(o, m, l)`` over the coded tokens, exactly: every block is decoded by
-the codec's own rule (:func:`kvjax.codecs.hyperquant.rotated_tokens`: Rice streams,
+the codec's own rule (:func:`kvjax.primitives.rice_blocks.rotated_tokens`: Rice streams,
 bit-stripping, fallback levels and signs) and every product is float32 at HIGHEST
 precision. The kernel rounds the query and the probabilities times the token factors to
 float16 (the codes are exact); its tests state the tolerance that costs.
@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.codecs.hyperquant import rotated_tokens
+from kvjax.primitives.rice_blocks import rotated_tokens
 from pallas_kernels.flash import NUM_WARPS, layer_arrays
 from pallas_kernels.partial import dense_partial
 from pallas_kernels.rice_decode.api import check_arrays

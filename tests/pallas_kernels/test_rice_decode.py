@@ -86,8 +86,8 @@ CASES = (
     Case(2, 1, 7, 48, 128, (48, 17), spec="hyperquant:e8,4bps"),
     # D = 64: one sub-stream per block
     Case(2, 2, 3, 32, 64, (32, 5), spec="hyperquant:e8,3.5bps"),
-    # blocks of 16 tokens (four sub-streams), stacked layers read in place
-    Case(2, 2, 4, 64, 128, (64, 40), spec="hyperquant:e8,3bps,t16", layers=3, block_s=32),
+    # stacked layers read in place, four Rice blocks per step of the kernel
+    Case(2, 2, 4, 64, 128, (64, 40), layers=3, block_s=32),
 )
 
 
@@ -97,7 +97,6 @@ class TestRiceDecode(KernelSuite):
     CASES = CASES
     UNSUPPORTED = (
         (Case(1, 1, 4, 16, 128, (16,), spec="hyperquant:d4,3bps"), "reads E8 streams"),
-        (Case(1, 1, 4, 64, 128, (64,), spec="hyperquant:e8,3bps,t64"), "blocks of 64"),
     )
     DROP = (Case(1, 1, 4, 48, 128, (48,)), [40])
     TOLERANCE: ClassVar[dict[str, float]] = {"out": 3e-3, "lse": 2e-3}
@@ -160,3 +159,13 @@ def test_the_spiky_case_reaches_every_fallback_level():
         assert {0, 4} <= levels, levels
         seen |= levels
     assert seen & {1, 2, 3}, seen
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"block": 16}, "blocks of 16 tokens"),
+    ({"lattice": "a2"}, "reads E8 streams"),
+    ({"head_dim": 96}, "head_dim 96"),
+])
+def test_unsupported_layouts(change, reason):
+    layout = dataclasses.replace(parse_codec(RICE).rice_layout(128), **change)
+    assert reason in api.unsupported(layout, layout.head_dim)
