@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml requirements.lock
 demo: $(STAMP)
 	$(BIN)/python experiments/sweep.py --preset demo
 
+# two workers: the suite is compile-bound, one process per core (files are written
+# atomically, so workers share the codebook and calibration caches safely)
 test: $(STAMP) lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
