@@ -32,6 +32,9 @@ from pallas_kernels.partial import empty_partial, merge_partials
 #: tokens per block: at 128 (the INT kernel's) the four component tiles of keys and
 #: values spill, 20x slower on the H200; 16 to 64 measure within 8% (docs/kernels.md)
 BLOCK_S = 16
+#: pipeline depth with Med-C outliers: one stage (10.4 ms against 17.8 at two or three,
+#: B=32, S=32k on the H200), where the outlier tiles' registers leave no room to prefetch
+OUTLIER_STAGES = 1
 
 
 def unsupported(layout: HqmqLayout | None, head_dim: int,
@@ -173,7 +176,8 @@ def hqmq_decode(
     if slots == 0:
         return empty_partial(q)
     block_s, num_stages, splits, interpret = schedule(
-        batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
+        batch, heads, slots, block_s=block_s,
+        num_stages=num_stages or (OUTLIER_STAGES if block else None), splits=splits,
         num_warps=num_warps, interpret=interpret, block=block or BLOCK_S)
     # a head dim short of whole chunks: the codec zero-pads the last chunk, so the
     # query's padded columns are zero too and the output's are dropped

@@ -35,7 +35,6 @@ from jax.experimental import pallas as pl
 
 from kvjax.primitives.quaternion import NUM_HURWITZ, HqmqLayout, hamilton_components
 from pallas_kernels.flash import (
-    MIN_DOT,
     OPERAND,
     decode_call,
     dot_nn,
@@ -117,54 +116,38 @@ def _decoded(load, ref, table_ref, layout: HqmqLayout, columns, lookup: str):
     return [(w * radius).astype(OPERAND) for w in _codewords(table_ref, index, lookup)]
 
 
-def _dot_f32(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
-    """``a @ b`` (``b^T`` with ``trans_b``) with float32 operands: IEEE products, for the
-    one-hot matmuls of the outliers, whose other operand float16 would round (or, at
-    fp16's range, overflow)."""
-    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-    return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
-                               preferred_element_type=jnp.float32)
+def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x`` (float32) as two float16 terms, ``hi + lo``, to ~22 bits: a tensor-core
+    product of both with exact float16 operands is as good as a float32 one."""
+    hi = x.astype(OPERAND)
+    return hi, (x - hi.astype(jnp.float32)).astype(OPERAND)
 
 
-def _outliers(load, flags_ref, chunks_ref, *, block: int, chunks: int):
+def _outlier_tiles(load, flags_ref, chunks_ref, *, block: int, chunks: int) -> list:
     """The Med-C outliers of the block being read (one outlier block of ``block``
-    tokens): per slot ``j`` of ``P`` (the slots rounded up to a power of two >= 16), the
-    one-hot ``[P, block]`` of its token, the one-hot ``[P, C]`` of its chunk (both zero
-    for an empty slot) and its four components ``[P]`` (float32).
+    tokens) as four dense ``[block, C]`` float16 tiles, one per component: the stored
+    chunk where a chunk is flagged, zero elsewhere (the codec encoded a flagged chunk
+    zeroed, so adding the tiles' products replaces it).
 
-    Slot ``j`` holds the ``j``-th set flag in chunk order ``i = t C + c``. The flags are
-    :func:`~kvjax.primitives.packing.pack_bits`' planar layout: flag ``i`` is bit ``i //
-    W`` of word ``i % W`` (``W`` words), so chunk order is bit-major. The slot's bit is
-    the number of bits whose inclusive flag count (over all words) is at most ``j``; its
-    word, the one among those with that bit set that has ``j`` minus the flags of the
-    lower bits set before it."""
-    words = jax.lax.bitcast_convert_type(load(flags_ref, per=block), jnp.int32)  # [W]
-    width = words.shape[0]
-    bit_iota = jax.lax.broadcasted_iota(jnp.int32, (width, 32), 1)
-    per_bit = jnp.sum(jax.lax.shift_right_logical(words[:, None], bit_iota) & 1, axis=0)
-    inclusive = jnp.cumsum(per_bit)  # [32]
-    exclusive = inclusive - per_bit
+    Chunk ``i = t C + c`` is flagged by bit ``i // W`` of word ``i % W`` (``W`` words:
+    :func:`~kvjax.primitives.packing.pack_bits`' planar layout); its slot among the
+    ``P`` stored chunks is the number of flags before it in that order (chunks past the
+    capacity are not flagged by the codec; a slot past it is read as zero)."""
+    width = flags_ref.shape[-1]
     slots = chunks_ref.shape[-1] // COMPONENTS
-    padded = max(MIN_DOT, 1 << (slots - 1).bit_length())
-    # no slicing of values (Triton has none): each shape gets its own iota
-    slot = jax.lax.broadcasted_iota(jnp.int32, (padded,), 0)
-    b = jax.lax.broadcasted_iota(jnp.int32, (padded, 32), 1)
-    bit = jnp.sum((inclusive[None, :] <= slot[:, None]).astype(jnp.int32), axis=1)  # [P]
-    rank = slot - jnp.sum(jnp.where(b == bit[:, None], exclusive[None, :], 0), axis=1)
-    set_here = jax.lax.shift_right_logical(words[None, :], jnp.minimum(bit, 31)[:, None]) & 1
-    before = jnp.cumsum(set_here, axis=1) - set_here  # [P, W]
-    w = jax.lax.broadcasted_iota(jnp.int32, (padded, width), 1)
-    word = jnp.sum(jnp.where((set_here == 1) & (before == rank[:, None]), w, 0), axis=1)
-    position = bit * width + word
-    valid = slot < jnp.minimum(jnp.sum(per_bit), slots)
-    token_iota = jax.lax.broadcasted_iota(jnp.int32, (padded, block), 1)
-    chunk_iota = jax.lax.broadcasted_iota(jnp.int32, (padded, chunks), 1)
-    token = (token_iota == (position // chunks)[:, None]) & valid[:, None]
-    chunk = (chunk_iota == (position % chunks)[:, None]) & valid[:, None]
-    safe = jnp.minimum(slot, slots - 1) * COMPONENTS
-    values = [load(chunks_ref, safe + m, per=block).astype(jnp.float32)
-              for m in range(COMPONENTS)]
-    return token.astype(jnp.float32), chunk.astype(jnp.float32), values
+    t = jax.lax.broadcasted_iota(jnp.int32, (block, chunks), 0)
+    i = t * chunks + jax.lax.broadcasted_iota(jnp.int32, (block, chunks), 1)
+    here = jnp.zeros((block, chunks), jnp.int32)  # the block's own entry
+    words = load(flags_ref, i % width, per=block, rows=here)
+    flag = (jax.lax.shift_right_logical(words, (i // width).astype(words.dtype))
+            & jnp.asarray(1, words.dtype)).astype(jnp.int32)
+    row_total = jnp.sum(flag, axis=1)
+    slot = (jnp.cumsum(row_total) - row_total)[:, None] + jnp.cumsum(flag, axis=1) - flag
+    keep = (flag == 1) & (slot < slots)
+    base = jnp.minimum(slot, slots - 1) * COMPONENTS
+    zero = jnp.zeros((), OPERAND)
+    return [jnp.where(keep, load(chunks_ref, base + m, per=block, rows=here).astype(OPERAND),
+                      zero) for m in range(COMPONENTS)]
 
 
 def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_ref, vt_ref,
@@ -176,7 +159,10 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
     chunks = layout.chunks
     rows = q_ref.shape[0]
     levels = np.float32(1.0 / (2**layout.radius_bits - 1))
-    q_slots = [q_ref[:, pl.ds(m * chunks, chunks)].astype(OPERAND) for m in range(COMPONENTS)]
+    q_columns = [q_ref[:, pl.ds(m * chunks, chunks)] for m in range(COMPONENTS)]
+    q_slots = [q.astype(OPERAND) for q in q_columns]
+    # outlier products read the query to ~22 bits: the outliers are the largest chunks
+    q_parts = [_split(q.astype(jnp.float32)) for q in q_columns] if k_outliers else None
     columns = _chunk_columns(layout)
 
     def scores(load):
@@ -185,11 +171,9 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
         scale = load(kscale_ref).astype(jnp.float32) * (levels * sm_scale)
         s = dots * scale[None, :]
         if k_med:
-            token, chunk, values = _outliers(load, *k_med, block=block_s, chunks=chunks)
-            # q . outlier per slot: the query's chunk picked by a one-hot product
-            qv = sum(_dot_f32(q_ref[:, pl.ds(m * chunks, chunks)], chunk, trans_b=True)
-                     * values[m][None, :] for m in range(COMPONENTS))  # [rows, P]
-            s = s + _dot_f32(qv, token) * sm_scale
+            tiles = _outlier_tiles(load, *k_med, block=block_s, chunks=chunks)
+            s = s + sm_scale * sum(dot_nt(part, tiles[m]) for m in range(COMPONENTS)
+                                   for part in q_parts[m])
         return s
 
     def accumulate(acc, p, correction, load):
@@ -198,9 +182,9 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
         pv = (p * scale[None, :]).astype(OPERAND)
         out = [acc[m] * correction[:, None] + dot_nn(pv, tiles[m]) for m in range(COMPONENTS)]
         if v_med:
-            token, chunk, values = _outliers(load, *v_med, block=block_s, chunks=chunks)
-            weight = _dot_f32(p, token, trans_b=True)  # [rows, P]: each slot's token's p
-            out = [out[m] + _dot_f32(weight * values[m][None, :], chunk)
+            tiles = _outlier_tiles(load, *v_med, block=block_s, chunks=chunks)
+            p_parts = _split(p)
+            out = [out[m] + sum(dot_nn(part, tiles[m]) for part in p_parts)
                    for m in range(COMPONENTS)]
         return tuple(out)
 

@@ -89,6 +89,12 @@ def _group_sums(x: jax.Array, head_dim: int) -> jax.Array:
     return dot_nn(per_group.astype(OPERAND), spread)
 
 
+def _popcount(words: jax.Array) -> jax.Array:
+    """Set bits per uint32 word (int32): as int32, which the Triton lowering maps to
+    ``__nv_popc`` (it has no lowering for unsigned words)."""
+    return jax.lax.population_count(jax.lax.bitcast_convert_type(words, jnp.int32))
+
+
 def _scatter_ends(load, stream_ref, index_ref, scratch_ref, layout, b, tile: int):
     """Store, for every symbol of the tile's ``b``-th block, the stream position of its
     unary terminator in ``scratch_ref`` at the symbol's ``(token, dim)`` (rows past the
@@ -102,7 +108,7 @@ def _scatter_ends(load, stream_ref, index_ref, scratch_ref, layout, b, tile: int
         w = c * 32 + lane
         words = load(stream_ref, jnp.minimum(w, count - 1), per=layout.block, rows=rows)
         words = jnp.where(w < count, words, jnp.uint32(0))
-        counts = jax.lax.population_count(words).astype(jnp.int32)
+        counts = _popcount(words)
         chunks.append((w, words, running + jnp.cumsum(counts) - counts))  # ones before
         running = running + jnp.sum(counts)
     sub = jax.lax.broadcasted_iota(jnp.int32, (MIN_DOT,), 0)
@@ -117,8 +123,8 @@ def _scatter_ends(load, stream_ref, index_ref, scratch_ref, layout, b, tile: int
         word, shift = unary // 32, (unary % 32).astype(jnp.uint32)
         base = jnp.int32(0)  # ones before the unary region
         for w, words, before in chunks:
-            below = jax.lax.population_count(words & ((jnp.uint32(1) << shift) - 1))
-            base = base + jnp.sum(jnp.where(w == word, before + below.astype(jnp.int32), 0))
+            below = _popcount(words & ((jnp.uint32(1) << shift) - 1))
+            base = base + jnp.sum(jnp.where(w == word, before + below, 0))
         streams.append(base)
     bit = jax.lax.broadcasted_iota(jnp.int32, (32, 32), 1)
     for w, words, before in chunks:
