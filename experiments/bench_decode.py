@@ -151,8 +151,9 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
     codes = (arrays["k_codes"], arrays["k_scale"], arrays["k_zero"], arrays["v_codes"],
              arrays["v_scale"], arrays["v_zero"])
     lengths = arrays["lengths"]
-    block_arg, stages_arg = block_s, num_stages
+    block_arg, stages_arg, warps_arg = block_s, num_stages, num_warps
     block_s, num_stages = default_blocking(block_s, num_stages)
+    num_warps = num_warps or NUM_WARPS
     splits = default_splits(batch, heads, slots, block_s, num_warps)
     results = {}
 
@@ -204,7 +205,8 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
         except Exception as err:  # report, keep benchmarking the other variants
             print(f"  {path} failed: {str(err).splitlines()[0][:160]}", file=sys.stderr)
     # each codec's kernel takes its own default blocking unless the command line sets one
-    options = {"block_s": block_arg, "num_warps": num_warps, "num_stages": stages_arg}
+    options = {name: value for name, value in (("block_s", block_arg),
+               ("num_warps", warps_arg), ("num_stages", stages_arg)) if value is not None}
     for spec in codecs:
         try:
             results.update(bench_codec(spec, q, batch, heads, group, slots, head_dim,
@@ -242,7 +244,8 @@ def main(argv=None) -> int:
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--block-s", type=int, help="default: the library's choice")
-    p.add_argument("--num-warps", type=int, default=NUM_WARPS)
+    p.add_argument("--num-warps", type=int,
+                   help=f"default: {NUM_WARPS} for the INT kernel, each codec's own choice")
     p.add_argument("--num-stages", type=int, help="default: the library's choice")
     p.add_argument("--json", type=Path)
     p.add_argument("--peak-gbs", type=float, default=4240.0,

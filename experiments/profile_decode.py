@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--layout", default="halves", help="benchmark-only: halves or bytes")
     p.add_argument("--block-s", type=int)
-    p.add_argument("--num-warps", type=int, default=NUM_WARPS)
+    p.add_argument("--num-warps", type=int,
+                   help=f"default: {NUM_WARPS} for the INT kernel, the codec kernel's own")
     p.add_argument("--num-stages", type=int)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--codec", metavar="SPEC",
@@ -65,10 +66,15 @@ def main(argv=None) -> int:
     except ValueError as err:  # CodecError is a ValueError
         print(f"profile_decode: {err}", file=sys.stderr)
         return 2
-    block_s, stages = default_blocking(args.block_s, args.num_stages)
-    splits = default_splits(args.batch, heads, args.slots, block_s, args.num_warps)
-    options = {"block_s": block_s, "splits": splits, "num_warps": args.num_warps,
-               "num_stages": stages}
+    if args.codec:  # the kernel's own choices where the command line sets none
+        options = {name: value for name, value in (
+            ("block_s", args.block_s), ("num_warps", args.num_warps),
+            ("num_stages", args.num_stages)) if value is not None}
+    else:
+        block_s, stages = default_blocking(args.block_s, args.num_stages)
+        warps = args.num_warps or NUM_WARPS
+        options = {"block_s": block_s, "num_warps": warps, "num_stages": stages,
+                   "splits": default_splits(args.batch, heads, args.slots, block_s, warps)}
     if not args.codec:
         arrays = random_inputs(jax.random.key(0), batch=args.batch, heads=heads,
                                group=group, slots=args.slots, head_dim=head_dim,
@@ -81,8 +87,9 @@ def main(argv=None) -> int:
     for _ in range(args.calls):
         jax.block_until_ready(call(**options))
     kernel = f"{args.codec} [{name}]" if args.codec else f"int{args.bits} layout {args.layout}"
-    print(f"ran {args.calls} calls: B={args.batch} S={args.slots} block {block_s} "
-          f"stages {stages} splits {splits} {kernel}")
+    chosen = " ".join(f"{name} {value}" for name, value in options.items())
+    print(f"ran {args.calls} calls: B={args.batch} S={args.slots} {chosen or 'defaults'} "
+          f"{kernel}")
     return 0
 
 

@@ -33,6 +33,4 @@ register(rotated_kernel("octopus_decode", octopus_decode.octopus_decode, Octopus
 register(rotated_kernel("polar_decode", polar_decode.polar_decode, PolarFormat,
                         polar_decode.unsupported))
 register(hqmq_kernel("hqmq_decode", hqmq_decode.hqmq_decode, hqmq_decode.unsupported))
-# "auto" takes it once its compiled suite has passed on a GPU
-register(rice_kernel("rice_decode", rice_decode.rice_decode, rice_decode.unsupported,
-                     auto=False))
+register(rice_kernel("rice_decode", rice_decode.rice_decode, rice_decode.unsupported))

@@ -50,6 +50,17 @@ def num_words(num_codes: int, bits: int) -> int:
     return math.ceil(num_codes * bits / _WORD)
 
 
+def code_position(index, num_codes: int, bits: int):
+    """Where :func:`pack_bits` puts code ``index`` of ``num_codes``: ``(word, bit)``, the
+    word and the bit its lowest bit sits at (a dense code may run into the next word).
+    ``index`` an int or an int array (for a reader that gathers single codes)."""
+    _check_bits(bits)
+    if is_planar(num_codes, bits):
+        words = num_codes // (_WORD // bits)
+        return index % words, (index // words) * bits
+    return index * bits // _WORD, index * bits % _WORD
+
+
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     """Pack unsigned codes ``[..., n]`` (each ``< 2**bits``) into ``uint32[..., words]``.
 

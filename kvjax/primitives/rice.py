@@ -5,8 +5,9 @@ unary (``q`` zeros and a terminating one) and its ``k`` low bits: ``q + 1 + k`` 
 Symbols are grouped in *sub-streams*, each with its own parameter(s) and start bit
 offset, so any sub-stream decodes independently.
 
-Layout of one sub-stream. Its ``S`` remainders come first, ``k`` bits each (most
-significant first), then its ``S`` unary quotients. The bit count is exactly that of the
+Layout of one sub-stream. Its ``S`` remainders come first, ``k`` bits each (least
+significant first, so that a reader takes a remainder as a masked window of the stream
+without reversing its bits), then its ``S`` unary quotients. The bit count is exactly that of the
 textbook interleaved Rice code (the same codewords, reordered), but both directions
 become data-parallel: the remainders sit at offsets known from ``k`` alone, and the
 ``i``-th quotient ends at the ``i``-th one of the unary region, which a cumulative sum
@@ -182,10 +183,9 @@ def _encode_block_batch(u: jax.Array, k: jax.Array, num_words: int):
     capacity = 32 * num_words
     lengths = code_lengths(u, k)
     offsets, rem_start, unary_start, total = _layout(k, lengths)
-    # remainder bits, most significant first: bit b of a symbol is (u >> (k - 1 - b)) & 1
+    # remainder bits, least significant first: bit b of a symbol is (u >> b) & 1
     has_bit = _BIT < k[..., None]
-    shift = jnp.clip(k[..., None] - 1 - _BIT, 0, 31).astype(jnp.uint32)
-    rem_bits = (u[..., None] >> shift) & 1
+    rem_bits = (u[..., None] >> _BIT.astype(jnp.uint32)) & 1
     # starts past the buffer are held at its end, so adding the bit index cannot wrap
     rem_pos = jnp.minimum(rem_start, capacity)[..., None] + _BIT
     rem_pos = jnp.where(has_bit & (rem_bits == 1), rem_pos, capacity)
@@ -210,8 +210,7 @@ def _decode_block_batch(words: jax.Array, offsets: jax.Array, k: jax.Array) -> j
     # remainders: a gather of k bits per symbol
     has_bit = _BIT < k[..., None]
     rem_bit = bits[jnp.clip(rem_start[..., None] + _BIT, 0, capacity - 1)]
-    shift = jnp.clip(k[..., None] - 1 - _BIT, 0, 31)
-    rem = jnp.sum(jnp.where(has_bit, rem_bit << shift, 0), axis=-1)
+    rem = jnp.sum(jnp.where(has_bit, rem_bit << _BIT, 0), axis=-1)
     # quotients: the i-th one at or after a sub-stream's unary start ends its i-th symbol
     ones_before = jnp.cumsum(bits) - bits  # ones strictly before each position
     base = ones_before[jnp.clip(unary_start, 0, capacity - 1)]  # [n_sub]

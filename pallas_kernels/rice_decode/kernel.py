@@ -4,19 +4,19 @@
 once and the caller rotates the output back).
 
 A tile is ``T`` tokens, ``T / tN`` Rice blocks. Per block the stream holds, for each of
-its ``n_sub`` sub-streams, the remainders (``k`` bits each, most significant first, at
-fixed offsets) and then the unary quotients, the ``i``-th ending at the ``i``-th one of
-the unary region (:mod:`kvjax.primitives.rice`). Both halves decode without a serial
-scan:
+its ``n_sub`` sub-streams, the remainders (``k`` bits each, at fixed offsets) and then
+the unary quotients, the ``i``-th ending at the ``i``-th one of the unary region
+(:mod:`kvjax.primitives.rice`). Both halves decode without a serial scan:
 
-- a remainder is a window of the stream at ``start + i k``: two gathered words, a shift,
-  a mask and a bit reversal;
+- a remainder is a window of the stream at ``start + i k``: two gathered words, a shift
+  and a mask (its bits are stored least significant first);
 - a quotient needs the position of its terminating one. Every bit of the block's words
-  is a lane: its rank among the ones of a sub-stream's unary region is a prefix count of
-  the words' population counts and of the bits below it; a one of rank ``r < S`` ends
-  symbol ``r`` and stores its position in a per-program scratch tile at the symbol's
-  ``(token, dim)``. After a barrier the tile is read back densely, and each quotient is
-  its end minus the previous symbol's end minus one.
+  is a lane whose rank among the block's ones is a prefix count of the words'
+  population counts plus the population count of its word's lower bits; the ones of
+  ranks ``base_s + r`` (``r < S``) end sub-stream ``s``'s symbols and store their
+  positions in a per-program scratch tile at the symbols' ``(token, dim)``. After a
+  barrier the tile is read back densely, and each quotient is its end minus the
+  previous symbol's end minus one.
 
 Symbols then become E8 codes (:meth:`kvjax.primitives.lattices.Lattice.unstrip`): each
 group of 8 needs the parity of its first seven halved coordinates and the low bit of
@@ -38,6 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kvjax.primitives.packing import code_position
 from pallas_kernels.flash import (
     MIN_DOT,
     OPERAND,
@@ -56,17 +57,6 @@ GROUP = 8
 FINITE = 1 << 15
 #: Rice levels that code at a scale (``alpha 2**(-j/2)``); the next is the sign fallback
 LADDER = 4
-
-
-def _reverse_low_bits(x: jax.Array, k: jax.Array) -> jax.Array:
-    """The low ``k`` bits of ``x`` (uint32) in reverse order (``k`` in 0..15)."""
-    for shift, mask in ((1, 0x55555555), (2, 0x33333333), (4, 0x0F0F0F0F),
-                        (8, 0x00FF00FF)):
-        m = jnp.uint32(mask)
-        x = ((x >> shift) & m) | ((x & m) << shift)
-    x = (x >> 16) | (x << 16)
-    return jnp.where(k == 0, jnp.uint32(0),
-                     x >> (32 - jnp.maximum(k, 1)).astype(jnp.uint32))
 
 
 def _unzigzag(u: jax.Array) -> jax.Array:
@@ -97,10 +87,15 @@ def _popcount(words: jax.Array) -> jax.Array:
 
 def _scatter_ends(load, stream_ref, index_ref, scratch_ref, layout, b, tile: int):
     """Store, for every symbol of the tile's ``b``-th block, the stream position of its
-    unary terminator in ``scratch_ref`` at the symbol's ``(token, dim)`` (rows past the
-    tile take the lanes that end no symbol). The block's words go 32 at a time, so
-    that a lane array is ``[32, 32]`` whatever the budget."""
-    count = layout.words
+    unary terminator in ``scratch_ref`` at the symbol's ``(token, dim)``.
+
+    Every bit of the block's words is a lane (32 words at a time, a ``[32, 32]`` tile
+    whatever the budget); its rank among the block's ones is the ones of the words
+    before it plus the population count of its word's lower bits. Ranks grow with the
+    position, so sub-stream ``s``'s terminators are exactly the ones of ranks ``base_s ..
+    base_s + S - 1``, ``base_s`` the ones before its unary region: no lane needs its
+    region's bounds."""
+    count, symbols = layout.words, layout.substream
     lane = jax.lax.broadcasted_iota(jnp.int32, (32,), 0)
     rows = jnp.full((32,), b, jnp.int32)
     chunks, running = [], jnp.int32(0)
@@ -114,8 +109,7 @@ def _scatter_ends(load, stream_ref, index_ref, scratch_ref, layout, b, tile: int
     sub = jax.lax.broadcasted_iota(jnp.int32, (MIN_DOT,), 0)
     index = load(index_ref, jnp.minimum(sub, layout.n_sub - 1), per=layout.block,
                  rows=jnp.full((MIN_DOT,), b, jnp.int32))
-    symbols = layout.substream
-    streams = []
+    bases = []
     for s in range(layout.n_sub):
         field = jnp.sum(jnp.where(sub == s, index, jnp.uint32(0)))
         start = 0 if s == 0 else (field & 0xFFFFFF).astype(jnp.int32)
@@ -125,19 +119,21 @@ def _scatter_ends(load, stream_ref, index_ref, scratch_ref, layout, b, tile: int
         for w, words, before in chunks:
             below = _popcount(words & ((jnp.uint32(1) << shift) - 1))
             base = base + jnp.sum(jnp.where(w == word, before + below, 0))
-        streams.append(base)
+        bases.append(base)
     bit = jax.lax.broadcasted_iota(jnp.int32, (32, 32), 1)
+    below_bit = (jnp.uint32(1) << bit.astype(jnp.uint32)) - 1
     for w, words, before in chunks:
-        ones = ((words[:, None] >> bit.astype(jnp.uint32)) & 1).astype(jnp.int32)
-        ones_before = before[:, None] + jnp.cumsum(ones, axis=1) - ones
-        position = w[:, None] * 32 + bit
-        for s, base in enumerate(streams):
-            rank = ones_before - base
-            ends = (ones == 1) & (rank >= 0) & (rank < symbols)
-            g = s * symbols + rank
-            row = jnp.where(ends, b * layout.block + g // layout.head_dim, tile + bit % tile)
-            col = jnp.where(ends, g % layout.head_dim, position % layout.head_dim)
-            plgpu.store(scratch_ref.at[row, col], position, mask=ends)
+        rank = before[:, None] + _popcount(words[:, None] & below_bit)
+        ones = ((words[:, None] >> bit.astype(jnp.uint32)) & 1) == 1
+        symbol, top = rank - bases[0], bases[0] + symbols
+        for s in range(1, layout.n_sub):
+            later = rank >= bases[s]
+            symbol = jnp.where(later, rank - bases[s] + s * symbols, symbol)
+            top = jnp.where(later, bases[s] + symbols, top)
+        ends = ones & (rank >= bases[0]) & (rank < top)
+        row = jnp.where(ends, b * layout.block + symbol // layout.head_dim, tile + bit % tile)
+        col = jnp.where(ends, symbol % layout.head_dim, bit)
+        plgpu.store(scratch_ref.at[row, col], w[:, None] * 32 + bit, mask=ends)
 
 
 def _decoded(load, stream_ref, index_ref, norm_ref, scratch_ref, layout, tile: int,
@@ -172,7 +168,7 @@ def _decoded(load, stream_ref, index_ref, norm_ref, scratch_ref, layout, tile: i
     previous = jnp.where(i == 0, (unary - 1)[:, None], previous)
     quotient = (ends - previous - 1).astype(jnp.uint32)
 
-    # remainders: k bits at start + i k, most significant first
+    # remainders: k bits at start + i k, least significant first
     bit = start[:, None] + i * k[:, None]
     word = bit // 32
     shift = (bit % 32).astype(jnp.uint32)
@@ -181,7 +177,7 @@ def _decoded(load, stream_ref, index_ref, norm_ref, scratch_ref, layout, tile: i
     hi = load(stream_ref, jnp.minimum(word + 1, layout.words - 1), per=tokens, rows=blocks)
     window = (lo >> shift) | jnp.where(shift == 0, jnp.uint32(0), hi << (32 - shift))
     ku = k.astype(jnp.uint32)[:, None]
-    remainder = _reverse_low_bits(window & ((jnp.uint32(1) << ku) - 1), k[:, None])
+    remainder = window & ((jnp.uint32(1) << ku) - 1)
     u = (quotient << ku) | remainder
 
     # E8 codes: 2 t + p on the first seven coordinates, 4 t7' + 2 parity + p on the last
@@ -193,12 +189,10 @@ def _decoded(load, stream_ref, index_ref, norm_ref, scratch_ref, layout, tile: i
     p, parity = spread & 1, (spread >> 1) & 1
     codes = jnp.where(last, 4 * t7 + 2 * parity + p, 2 * t_ + p)
 
-    # the sign fallback: sign bit i = token * D + d is bit i // W of word i % W
-    count = tokens * head_dim
-    n_words = count // 32
-    flat = in_block[:, None] * head_dim + d
-    sign_word = load(stream_ref, flat % n_words, per=tokens, rows=blocks)
-    sign = ((sign_word >> (flat // n_words).astype(jnp.uint32)) & 1).astype(jnp.float32)
+    # the sign fallback: one bit per coordinate, token-major, as pack_bits stores them
+    sign_at, sign_bit = code_position(in_block[:, None] * head_dim + d, tokens * head_dim, 1)
+    sign_word = load(stream_ref, sign_at, per=tokens, rows=blocks)
+    sign = ((sign_word >> sign_bit.astype(jnp.uint32)) & 1).astype(jnp.float32)
     is_sign = (level == LADDER)[:, None]
     # a token past the row's end decodes whatever the buffer holds: clipped to fp16's
     # range, its zero probability keeps it out of the output (inf * 0 would not)
@@ -222,14 +216,8 @@ def _sign_scales(load, stream_ref, layout, t: jax.Array) -> jax.Array:
     root = np.float32(1.0 / math.sqrt(layout.head_dim))
     if not bits:
         return jnp.full(t.shape, np.float32(math.sqrt(2.0 / math.pi)) * root)
-    j = t % tokens
-    per = 32 // bits
-    if 32 % bits == 0 and tokens % per == 0:  # planar
-        words = tokens // per
-        word, shift = j % words, (j // words) * bits
-    else:
-        word, shift = j * bits // 32, j * bits % 32
-    base = -(-tokens * layout.head_dim // 32)
+    word, shift = code_position(t % tokens, tokens, bits)
+    base = layout.sign_words()
     lo = load(stream_ref, base + word, per=tokens, rows=t // tokens)
     hi = load(stream_ref, jnp.minimum(base + word + 1, layout.words - 1), per=tokens,
               rows=t // tokens)

@@ -35,9 +35,10 @@ def test_profile_runs_the_entry(capsys):
     args = ["--shape", "smollm2-135m", "--batch", "1", "--slots", "40", "--calls", "1",
             "--block-s", "16"]
     assert profile_decode.main(args) == 0
-    assert "ran 1 calls: B=1 S=40 block 16" in capsys.readouterr().out
+    assert "ran 1 calls: B=1 S=40 block_s 16 num_warps 2" in capsys.readouterr().out
     assert profile_decode.main([*args, "--codec", "turboquant:b3,qjl"]) == 0
-    assert "turboquant:b3,qjl" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "block_s 16 turboquant:b3,qjl" in out  # only what the command line set
     assert profile_decode.main([*args, "--codec", "hyperquant:e8,4bps,int8"]) == 0
     assert "[int_decode]" in capsys.readouterr().out
     assert profile_decode.main([*args, "--codec", "fp8"]) == 2

@@ -187,3 +187,16 @@ def test_split_codes_round_trip_with_byte_planes_below(n):
     np.testing.assert_array_equal(pk.unpack_codes(words, 3, n), codes)
     # the low words are the 2-bit layout of the low bits
     np.testing.assert_array_equal(words[:, :n // 16], pk.pack_codes(jnp.asarray(codes & 3), 2))
+
+
+@pytest.mark.parametrize("bits,count", [(1, 1024), (4, 128), (4, 6), (3, 40), (5, 13)])
+def test_code_position_reads_back_what_pack_bits_wrote(bits, count):
+    codes = np.random.default_rng(bits * count).integers(0, 1 << bits, count)
+    words = np.asarray(pk.pack_bits(jnp.asarray(codes, jnp.uint32), bits)).astype(np.uint64)
+    padded = np.append(words, np.uint64(0))  # a dense code may run into the next word
+    index = np.arange(count)
+    word, bit = pk.code_position(index, count, bits)
+    high = padded[np.minimum(word + 1, len(words))] << np.uint64(32)
+    window = (padded[word] | high) >> bit.astype(np.uint64)
+    np.testing.assert_array_equal(window & np.uint64((1 << bits) - 1), codes)
+    assert pk.is_planar(count, bits) == (bits in (1, 4) and count % (32 // bits) == 0)

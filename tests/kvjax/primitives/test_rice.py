@@ -14,7 +14,7 @@ def _reference_encode(u, k, num_words):
     for j in range(u.shape[0]):
         offsets.append(len(bits))
         for s, kk in zip(u[j].tolist(), k[j].tolist(), strict=True):
-            bits += [(s >> (kk - 1 - b)) & 1 for b in range(kk)]
+            bits += [(s >> b) & 1 for b in range(kk)]  # least significant first
         for s, kk in zip(u[j].tolist(), k[j].tolist(), strict=True):
             bits += [0] * (s >> kk) + [1]
     total = len(bits)
@@ -30,8 +30,8 @@ def _reference_decode(words, offsets, k):
         rems = []
         for kk in k[j]:
             r = 0
-            for _ in range(kk):
-                r, pos = 2 * r + bits[pos], pos + 1
+            for b in range(kk):
+                r, pos = r | bits[pos] << b, pos + 1
             rems.append(r)
         for i, kk in enumerate(k[j]):
             q = 0
