@@ -7,7 +7,9 @@
 For each cache spec and batch size: a random-weight model of the given shape
 (:data:`kvjax.eval.memory.MODEL_SHAPES`, bf16 weights, positions sized to the run)
 generates ``--new-tokens`` greedy tokens after a random prompt of ``--context``
-tokens, prefilled ``--prefill-chunk`` tokens at a time; reported are decode tokens/s
+tokens, prefilled ``--prefill-chunk`` tokens at a time, its layers unrolled over per-layer
+weight buffers (``--stacked-weights``: scanned over stacked ones, which a GPU copies
+layer by layer every step); reported are decode tokens/s
 (all rows, compilation excluded), milliseconds per decode step, prefill seconds and the
 cache's bytes. The models' attention is their cache config's, ``"auto"``: on a GPU the
 decode steps of ``int:N`` and SAW caches run the fused INT kernel (``"int_decode"``),
@@ -40,23 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.eval.memory import MODEL_SHAPES, ModelShape, cache_bytes
+from kvjax.eval.memory import MODEL_SHAPES, cache_bytes
 from kvjax.spec import CacheConfig, parse_cache
 from models.config import ModelConfig
 from models.generate import generate
-from models.llama import init_params
-
-
-def model_config(shape: ModelShape, *, max_len: int, num_layers: int | None = None
-                 ) -> ModelConfig:
-    """The model of ``shape`` (with ``num_layers`` blocks when given), its positions
-    sized to ``max_len`` tokens: random weights have no trained context to respect."""
-    return ModelConfig(
-        family=shape.family, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size, num_layers=num_layers or shape.num_layers,
-        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-        rope_theta=shape.rope_theta, tie_word_embeddings=shape.tie_word_embeddings,
-        attention_bias=shape.attention_bias, max_position_embeddings=max_len)
+from models.llama import init_params, unstack_layers
 
 
 def weights_bytes(params) -> int:
@@ -150,10 +140,14 @@ def main(argv=None) -> int:
                    help="also find the largest batch whose cache fits together with the "
                    "compiled prefill's and decode's temporaries (compiles, allocates "
                    "nothing); --at-capacity then runs that batch")
+    p.add_argument("--stacked-weights", action="store_true",
+                   help="scan the layers over stacked weights (default: per-layer "
+                   "buffers, unrolled: models.llama.unstack_layers)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    config = model_config(MODEL_SHAPES[args.shape], max_len=args.context + args.new_tokens,
-                          num_layers=args.layers)
+    config = ModelConfig.from_shape(MODEL_SHAPES[args.shape],
+                                    max_len=args.context + args.new_tokens,
+                                    num_layers=args.layers)
     window = {} if args.window is None else {"residual_window": args.window}
     try:
         cache_configs = {spec: parse_cache(spec, **window)
@@ -167,6 +161,9 @@ def main(argv=None) -> int:
         print("bench_e2e: XLA_PYTHON_CLIENT_PREALLOCATE=false: a cache near the memory "
               "limit may fail to allocate; unset it for --at-capacity", file=sys.stderr)
     params = init_params(jax.random.key(0), config, jnp.bfloat16)
+    if not args.stacked_weights:
+        params = unstack_layers(params)  # the stacked copy is freed here
+    weights = "stacked" if args.stacked_weights else "per-layer"
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit") or (args.device_gb or 0) * 1e9
     free_total = limit - weights_bytes(params)
@@ -194,7 +191,7 @@ def main(argv=None) -> int:
                               prefill_chunk=chunk)
             rows.append({
                 "codec": spec, "cache": cache_config.spec, "batch": batch,
-                "context": args.context,
+                "context": args.context, "weights": weights,
                 "decode_tok_per_s": result.decode_tok_per_s,
                 "step_ms": 1e3 * result.decode_s / args.new_tokens,
                 "prefill_s": result.prefill_s,

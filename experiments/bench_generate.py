@@ -29,6 +29,7 @@ import models
 from kvjax.eval.sweep import write_json
 from kvjax.spec import parse_cache
 from models.generate import generate
+from models.llama import layer_params
 
 PROMPT_TEXT = (
     "The history of astronomy is the story of people looking up at the night sky and "
@@ -54,7 +55,6 @@ def hf_model(config, params) -> torch.nn.Module:
     def t(x):
         return torch.from_numpy(np.asarray(x, np.float32).copy())
 
-    layers = params["layers"]
     state = {"model.embed_tokens.weight": t(params["embed"]),
              "model.norm.weight": t(params["final_norm"])}
     names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
@@ -62,10 +62,11 @@ def hf_model(config, params) -> torch.nn.Module:
              "w_down": "mlp.down_proj"}
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
+        layer = layer_params(params, i)
         for ours, theirs in names.items():
-            state[prefix + theirs + ".weight"] = t(layers[ours][i]).T.contiguous()
-        state[prefix + "input_layernorm.weight"] = t(layers["attn_norm"][i])
-        state[prefix + "post_attention_layernorm.weight"] = t(layers["mlp_norm"][i])
+            state[prefix + theirs + ".weight"] = t(layer[ours]).T.contiguous()
+        state[prefix + "input_layernorm.weight"] = t(layer["attn_norm"])
+        state[prefix + "post_attention_layernorm.weight"] = t(layer["mlp_norm"])
     if "lm_head" in params:
         state["lm_head.weight"] = t(params["lm_head"]).T.contiguous()
     else:

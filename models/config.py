@@ -103,6 +103,20 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
+    def from_shape(cls, shape: Any, *, max_len: int, num_layers: int | None = None
+                   ) -> ModelConfig:
+        """The model of a :class:`kvjax.eval.memory.ModelShape` (with ``num_layers``
+        blocks when given), its positions sized to ``max_len`` tokens: random weights have
+        no trained context to respect."""
+        return cls(
+            family=shape.family, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_layers=num_layers or shape.num_layers, num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+            rope_theta=shape.rope_theta, tie_word_embeddings=shape.tie_word_embeddings,
+            attention_bias=shape.attention_bias, max_position_embeddings=max_len)
+
+    @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """From the dict of an HF ``config.json``; clear errors (``ValueError``) for what is
         unsupported, missing or of the wrong type."""

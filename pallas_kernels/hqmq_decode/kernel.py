@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from kvjax.primitives.packing import code_position
 from kvjax.primitives.quaternion import NUM_HURWITZ, HqmqLayout, hamilton_components
 from pallas_kernels.flash import (
     OPERAND,
@@ -129,17 +130,17 @@ def _outlier_tiles(load, flags_ref, chunks_ref, *, block: int, chunks: int) -> l
     chunk where a chunk is flagged, zero elsewhere (the codec encoded a flagged chunk
     zeroed, so adding the tiles' products replaces it).
 
-    Chunk ``i = t C + c`` is flagged by bit ``i // W`` of word ``i % W`` (``W`` words:
-    :func:`~kvjax.primitives.packing.pack_bits`' planar layout); its slot among the
+    Chunk ``i = t C + c`` is flagged by its bit as
+    :func:`~kvjax.primitives.packing.pack_bits` stores them; its slot among the
     ``P`` stored chunks is the number of flags before it in that order (chunks past the
     capacity are not flagged by the codec; a slot past it is read as zero)."""
-    width = flags_ref.shape[-1]
     slots = chunks_ref.shape[-1] // COMPONENTS
     t = jax.lax.broadcasted_iota(jnp.int32, (block, chunks), 0)
     i = t * chunks + jax.lax.broadcasted_iota(jnp.int32, (block, chunks), 1)
     here = jnp.zeros((block, chunks), jnp.int32)  # the block's own entry
-    words = load(flags_ref, i % width, per=block, rows=here)
-    flag = (jax.lax.shift_right_logical(words, (i // width).astype(words.dtype))
+    word, bit = code_position(i, block * chunks, 1)
+    words = load(flags_ref, word, per=block, rows=here)
+    flag = (jax.lax.shift_right_logical(words, bit.astype(words.dtype))
             & jnp.asarray(1, words.dtype)).astype(jnp.int32)
     row_total = jnp.sum(flag, axis=1)
     slot = (jnp.cumsum(row_total) - row_total)[:, None] + jnp.cumsum(flag, axis=1) - flag

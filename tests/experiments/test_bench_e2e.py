@@ -8,6 +8,7 @@ import pytest
 from experiments import bench_e2e
 from kvjax.eval.memory import MODEL_SHAPES, ModelShape, model_shape
 from kvjax.spec import parse_cache
+from models.config import ModelConfig
 
 #: a shape small enough for CPU runs of the whole pipeline
 TINY = ModelShape(name="tiny", num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
@@ -16,7 +17,7 @@ TINY = ModelShape(name="tiny", num_layers=2, num_heads=8, num_kv_heads=2, head_d
 
 
 def _one_layer_tiny(max_len=4096):
-    return bench_e2e.model_config(TINY, max_len=max_len, num_layers=1)
+    return ModelConfig.from_shape(TINY, max_len=max_len, num_layers=1)
 
 
 @pytest.mark.parametrize("shape", [*MODEL_SHAPES.values(), TINY], ids=lambda s: s.name)
@@ -24,7 +25,7 @@ def test_model_configs_have_the_shapes_parameter_counts(shape):
     """The table's architecture fields give its published parameter count exactly."""
     from models.llama import param_shapes
 
-    config = bench_e2e.model_config(shape, max_len=1024)
+    config = ModelConfig.from_shape(shape, max_len=1024)
     leaves = jax.tree.leaves(param_shapes(config), is_leaf=lambda s: isinstance(s, tuple))
     assert sum(math.prod(s) for s in leaves) == shape.num_params
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
@@ -32,7 +33,7 @@ def test_model_configs_have_the_shapes_parameter_counts(shape):
 
 
 def test_capacity_from_measured_bytes():
-    config = bench_e2e.model_config(model_shape("llama-3-8b"), max_len=1000)
+    config = ModelConfig.from_shape(model_shape("llama-3-8b"), max_len=1000)
     context = 1000
     bf16_row = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2 * context
     # the fixed part of a bf16 cache is a few flags and counters, far below one row

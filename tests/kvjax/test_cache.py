@@ -223,12 +223,20 @@ def test_layer_policy_segments_and_scan_match_a_python_loop():
     n, scanned = kc.scan_layers(body, 0, cache, scales)
     assert int(n) == 5
     scanned = kc.commit(scanned, step)
+    # per-layer inputs: the layers unrolled, each with its own input
+    n, unrolled = kc.scan_layers(body, 0, cache, [scales[i] for i in range(5)])
+    assert int(n) == 5
+    unrolled = kc.commit(unrolled, step)
     looped = cache
     for i in range(5):
         looped = looped.with_layer(i, kc.append(looped.layer(i), k * scales[i], k, step))
     looped = kc.commit(looped, step)
-    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(looped), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b, c in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled),
+                       jax.tree.leaves(looped), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+    with pytest.raises(ValueError, match="4 per-layer inputs for a cache of 5 layers"):
+        kc.scan_layers(body, 0, cache, [scales[i] for i in range(4)])
 
 
 def test_bad_policy_and_shapes_are_clear_errors():

@@ -1,0 +1,60 @@
+"""The params layouts of :mod:`models.llama`: stacked over layers or one dict per layer."""
+
+import jax
+import numpy as np
+import pytest
+
+from models.config import ModelConfig
+from models.llama import (
+    check_params,
+    init_params,
+    layer_params,
+    logits_no_cache,
+    stack_layers,
+    unstack_layers,
+)
+
+CONFIG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                     num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                     max_position_embeddings=32)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(jax.random.key(0), CONFIG)
+
+
+def test_per_layer_params_round_trip_and_check(params):
+    per_layer = unstack_layers(params)
+    assert isinstance(per_layer["layers"], tuple) and len(per_layer["layers"]) == 3
+    assert unstack_layers(per_layer) is per_layer
+    check_params(per_layer, CONFIG)
+    for i in range(3):
+        for name, leaf in layer_params(params, i).items():
+            np.testing.assert_array_equal(per_layer["layers"][i][name], leaf)
+            np.testing.assert_array_equal(layer_params(per_layer, i)[name], leaf)
+    restacked = stack_layers(per_layer)
+    for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    numpy_stack = stack_layers(jax.tree.map(np.asarray, per_layer))
+    assert isinstance(numpy_stack["layers"]["wq"], np.ndarray)
+
+
+def test_check_params_names_per_layer_problems(params):
+    layers = unstack_layers(params)["layers"]
+    with pytest.raises(ValueError, match="2 per-layer dicts, expected 3"):
+        check_params({**params, "layers": layers[:2]}, CONFIG)
+    broken = dict(layers[1])
+    broken["wq"] = broken["wq"][:, :4]
+    with pytest.raises(ValueError, match=r"layers\.1\.wq has shape \(32, 4\)"):
+        check_params({**params, "layers": (layers[0], broken, layers[2])}, CONFIG)
+    with pytest.raises(ValueError, match=r"missing layers\.2\.wo"):
+        check_params({**params, "layers": (layers[0], layers[1],
+                                           {k: v for k, v in layers[2].items() if k != "wo"})},
+                     CONFIG)
+
+
+def test_per_layer_forward_equals_stacked(params):
+    tokens = np.arange(12).reshape(2, 6) % CONFIG.vocab_size
+    np.testing.assert_allclose(logits_no_cache(unstack_layers(params), CONFIG, tokens),
+                               logits_no_cache(params, CONFIG, tokens), rtol=1e-6, atol=1e-6)
