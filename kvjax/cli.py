@@ -278,6 +278,8 @@ def _cmd_probe(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+    import jax
+
     import models
     from models.generate import generate
 
@@ -287,7 +289,9 @@ def _cmd_generate(args) -> int:
     model_name = args.model or models.DEFAULT_MODEL
     # a cache or a model file that cannot work fails before the model is loaded
     check_context(cache_config, models.context_length(model_name), "the model's context")
-    config, params, tokenizer = models.load(model_name)
+    # per-layer weight buffers: a GPU copies stacked ones every decode step
+    config, params, tokenizer = models.load(model_name,
+                                            per_layer=jax.default_backend() == "gpu")
     if tokenizer is None:
         raise ValueError(f"model '{model_name}' has no tokenizer")
     if args.chat:

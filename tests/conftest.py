@@ -25,7 +25,7 @@ if "KVJAX_CODEBOOKS" not in os.environ:
 
 @pytest.fixture(scope="session", autouse=True)
 def embedded_model_loaded_once():
-    """``models.load`` of a registered model, memoized per dtype for the session.
+    """``models.load`` of a registered model, memoized per dtype and layout for the session.
 
     The CLI, evaluation and GGUF tests each load the embedded SmolLM2 (header, weights and
     tokenizer: over ten seconds on 2 cores every time). The params are immutable JAX
@@ -47,7 +47,8 @@ def embedded_model_loaded_once():
         target = os.fspath(name)
         if target not in models.REGISTRY:
             return real_load(*args, **kwargs)
-        key = (target, models.registered_path(target), jnp.dtype(dtype).name)
+        key = (target, models.registered_path(target), jnp.dtype(dtype).name,
+               bound.arguments["per_layer"])
         if key not in loaded:
             loaded[key] = real_load(*args, **kwargs)
         return loaded[key]

@@ -181,6 +181,15 @@ def test_load_smollm2_layout(loaded):
                            "w_gate", "w_up", "w_down"}
 
 
+def test_load_per_layer_holds_the_same_weights(loaded):
+    _, params, _ = loaded
+    _, per_layer, _ = models.load("smollm2-135m", jnp.float32, per_layer=True)
+    assert isinstance(per_layer["layers"], tuple) and len(per_layer["layers"]) == 30
+    for i in (0, 29):
+        for name, leaf in per_layer["layers"][i].items():
+            np.testing.assert_array_equal(leaf, params["layers"][name][i])
+
+
 def test_weights_equal_transformers_gguf_loader(loaded, hf_model):
     """Every weight (Q/K un-permuted, all transposed back to [out, in]) equals HF's."""
     config, params, _ = loaded
