@@ -33,7 +33,6 @@ the capacity buys in tokens/s; it wants JAX's default preallocating allocator
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -43,10 +42,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.eval.memory import MODEL_SHAPES, cache_bytes
+from kvjax.eval.provenance import provenance
+from kvjax.eval.sweep import write_json
 from kvjax.spec import CacheConfig, parse_cache
 from models.config import ModelConfig
 from models.generate import generate
 from models.llama import init_params, unstack_layers
+
+
+def floor_tok_per_s(weights: int, cache: int, batch: int, peak_gbs: float) -> float:
+    """Decode tokens/s if every step read the weights and the cache once at the peak
+    bandwidth and did nothing else: the bound a decode step can approach."""
+    return batch * peak_gbs * 1e9 / (weights + cache)
 
 
 def weights_bytes(params) -> int:
@@ -140,6 +147,8 @@ def main(argv=None) -> int:
                    help="also find the largest batch whose cache fits together with the "
                    "compiled prefill's and decode's temporaries (compiles, allocates "
                    "nothing); --at-capacity then runs that batch")
+    p.add_argument("--peak-gbs", type=float, default=4240.0,
+                   help="memory bandwidth of the floor, GB/s (H200: 4240)")
     p.add_argument("--stacked-weights", action="store_true",
                    help="scan the layers over stacked weights (default: per-layer "
                    "buffers, unrolled: models.llama.unstack_layers)")
@@ -164,6 +173,7 @@ def main(argv=None) -> int:
     if not args.stacked_weights:
         params = unstack_layers(params)  # the stacked copy is freed here
     weights = "stacked" if args.stacked_weights else "per-layer"
+    source = provenance()
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit") or (args.device_gb or 0) * 1e9
     free_total = limit - weights_bytes(params)
@@ -193,6 +203,8 @@ def main(argv=None) -> int:
                 "codec": spec, "cache": cache_config.spec, "batch": batch,
                 "context": args.context, "weights": weights,
                 "decode_tok_per_s": result.decode_tok_per_s,
+                "floor_tok_per_s": floor_tok_per_s(weights_bytes(params), result.cache_bytes,
+                                                   batch, args.peak_gbs),
                 "step_ms": 1e3 * result.decode_s / args.new_tokens,
                 "prefill_s": result.prefill_s,
                 "compile_s": result.compile_s, "cache_bytes": result.cache_bytes,
@@ -200,21 +212,25 @@ def main(argv=None) -> int:
                 "max_batch_checked": checked[spec][0] if spec in checked else None,
                 "prefill_temp_bytes": checked[spec][1] if spec in checked else None,
                 "decode_temp_bytes": checked[spec][2] if spec in checked else None,
+                "git": source["git"], "device": source["device"]["device_kind"],
             })
             print(rows[-1], file=sys.stderr, flush=True)
     base = {r["batch"]: r["decode_tok_per_s"] for r in rows if r["codec"] == "bf16"}
-    print(f"| codec | batch | context | decode tok/s | ms/step | vs bf16 | prefill s | "
-          f"cache GiB | max batch at {args.context} | checked with programs |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| codec | batch | context | decode tok/s | ms/step | of floor | vs bf16 | "
+          f"prefill s | compile s | cache GiB | max batch at {args.context} | "
+          f"checked with programs | weights | git | device |")
+    print("|---" * 15 + "|")
     for r in rows:
         ratio = r["decode_tok_per_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
         print(f"| {r['codec']} | {r['batch']} | {r['context']} | {r['decode_tok_per_s']:.1f} | "
-              f"{r['step_ms']:.2f} | {ratio:.2f}x | {r['prefill_s']:.1f} | "
+              f"{r['step_ms']:.2f} | {r['decode_tok_per_s'] / r['floor_tok_per_s']:.2f} | "
+              f"{ratio:.2f}x | {r['prefill_s']:.1f} | {r['compile_s']:.1f} | "
               f"{r['cache_bytes'] / 2**30:.2f} | "
               f"{r['max_batch'] if r['max_batch'] is not None else '-'} | "
-              f"{r['max_batch_checked'] if r['max_batch_checked'] is not None else '-'} |")
+              f"{r['max_batch_checked'] if r['max_batch_checked'] is not None else '-'} | "
+              f"{r['weights']} | {(r['git'] or '-')[:12]} | {r['device']} |")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_json(args.json, {"rows": rows}, source=source)
     return 0
 
 

@@ -1,5 +1,6 @@
 """experiments/bench_e2e.py: capacity arithmetic from the cache's bytes, and a smoke run."""
 
+import json
 import math
 
 import jax
@@ -45,15 +46,31 @@ def test_capacity_from_measured_bytes():
     assert int4 == saw and 38 <= int4 <= 39
 
 
-def test_smoke_run_prints_the_table(capsys, monkeypatch):
+def test_smoke_run_prints_the_table(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(MODEL_SHAPES, "tiny", TINY)
     args = ["--shape", "tiny", "--context", "40", "--batch", "1", "--new-tokens", "2",
             "--prefill-chunk", "16", "--codec", "int:4", "--codec", "bf16",
-            "--device-gb", "1", "--layers", "1"]
+            "--device-gb", "1", "--layers", "1", "--json", str(tmp_path / "rows.json")]
     assert bench_e2e.main(args) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("| codec | batch | context | decode tok/s")
+    assert out[0].startswith("| codec | batch | context | decode tok/s | ms/step | of floor")
     assert out[2].startswith("| int:4 | 1 | 40 |") and out[3].startswith("| bf16 | 1 | 40 |")
+    assert " | per-layer | " in out[2]
+    record = json.loads((tmp_path / "rows.json").read_text())
+    rows = record["rows"]
+    assert [r["codec"] for r in rows] == ["int:4", "bf16"]
+    assert record["provenance"]["device"]["device_kind"] == rows[0]["device"]
+    assert all(0 < r["decode_tok_per_s"] < r["floor_tok_per_s"] for r in rows)
+    assert all(r["weights"] == "per-layer" for r in rows)
+
+
+def test_floor_reads_weights_and_cache_once_per_step():
+    # the floors of Llama-3-8B at B = 8, S = 32k on the H200: 1350 (int:4) and 673 (bf16)
+    weights = 16_060_522_496
+    assert bench_e2e.floor_tok_per_s(weights, 9_139_000_000, 8, 4240.0) == pytest.approx(
+        1346, rel=1e-3)
+    assert bench_e2e.floor_tok_per_s(weights, 34_360_000_000, 8, 4240.0) == pytest.approx(
+        672.7, rel=1e-3)
 
 
 def test_probe_layers_smoke(capsys):
