@@ -8,7 +8,8 @@ per-layer buffers: time per step, compile time and the compiled program's op cou
 A random-weight model of the shape (bf16 weights) runs ``--steps`` greedy decode steps
 in one jitted ``fori_loop`` (the loop :mod:`models.generate` runs, without its
 bookkeeping) over a cache that holds ``S`` tokens per row (zeros: the step's speed does
-not depend on their values), for each ``--run SPEC:B:S``. Layouts (``--layout``,
+not depend on their values), for each ``--run SPEC:B:S``; tracing (``lower``) and XLA's
+compile are timed apart, and ``--hlo DIR`` keeps each optimized program. Layouts (``--layout``,
 repeatable): ``stacked`` (one ``lax.scan`` over the stacked weights, as loaded),
 ``per-layer`` (:func:`models.llama.unstack_layers`: the layers unrolled, each reading its
 own buffers) and ``sliced`` (unrolled, but each layer's weights sliced from the stack
@@ -24,6 +25,7 @@ import dataclasses
 import re
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -74,16 +76,23 @@ def filled_cache(config, spec: str, batch: int, context: int):
 
 
 def bench(config, params_by_layout, spec: str, batch: int, context: int, steps: int,
-          repeats: int) -> list[dict]:
-    """One row per layout: ms per step, compile s, op counts, the tokens' agreement."""
+          repeats: int, hlo_dir: Path | None = None) -> list[dict]:
+    """One row per layout: ms per step, tracing and compile s, op counts, the tokens'
+    agreement; the optimized HLO written to ``hlo_dir`` when given."""
     rows, first = [], None
     tokens = jnp.zeros((batch,), jnp.int32)
     for layout, params in params_by_layout.items():
         loop = decode_loop(config, layout, steps)
         start = time.perf_counter()
-        compiled = loop.lower(params, tokens, filled_cache(config, spec, batch, context)
-                              ).compile()
-        compile_s = time.perf_counter() - start
+        lowered = loop.lower(params, tokens, filled_cache(config, spec, batch, context))
+        lower_s = time.perf_counter() - start
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - start - lower_s
+        hlo = compiled.as_text()
+        if hlo_dir is not None:
+            hlo_dir.mkdir(parents=True, exist_ok=True)
+            name = f"{spec}-B{batch}-S{context}-{layout}.hlo".replace(":", "_")
+            (hlo_dir / name).write_text(hlo)
         samples = []
         for _ in range(repeats + 1):  # the first call warms up
             cache = filled_cache(config, spec, batch, context)
@@ -94,9 +103,9 @@ def bench(config, params_by_layout, spec: str, batch: int, context: int, steps: 
         del cache
         first = out if first is None else first
         rows.append({"cache": spec, "batch": batch, "context": context, "layout": layout,
-                     "ms_per_step": 1e3 * min(samples[1:]) / steps, "compile_s": compile_s,
-                     "same_tokens": bool(jnp.all(out == first)),
-                     **op_counts(compiled.as_text())})
+                     "ms_per_step": 1e3 * min(samples[1:]) / steps, "lower_s": lower_s,
+                     "compile_s": compile_s, "same_tokens": bool(jnp.all(out == first)),
+                     **op_counts(hlo)})
     return rows
 
 
@@ -111,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--layout", action="append", choices=LAYOUTS)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hlo", type=Path, metavar="DIR",
+                   help="write each compiled program's optimized HLO here")
     args = p.parse_args(argv)
     try:
         runs = []
@@ -130,14 +141,16 @@ def main(argv=None) -> int:
               for layout in layouts}
     rows = []
     for spec, batch, context in runs:
-        rows += bench(config, params, spec, batch, context, args.steps, args.repeats)
+        rows += bench(config, params, spec, batch, context, args.steps, args.repeats,
+                      args.hlo)
         print(rows[-1], file=sys.stderr, flush=True)
-    print("| cache | B | S | layout | ms/step | compile s | same tokens | "
+    print("| cache | B | S | layout | ms/step | trace s | compile s | same tokens | "
           + " | ".join(OPS) + " |")
-    print("|---" * (7 + len(OPS)) + "|")
+    print("|---" * (8 + len(OPS)) + "|")
     for r in rows:
         print(f"| {r['cache']} | {r['batch']} | {r['context']} | {r['layout']} | "
-              f"{r['ms_per_step']:.2f} | {r['compile_s']:.1f} | {r['same_tokens']} | "
+              f"{r['ms_per_step']:.2f} | {r['lower_s']:.1f} | {r['compile_s']:.1f} | "
+              f"{r['same_tokens']} | "
               + " | ".join(str(r[op]) for op in OPS) + " |")
     return 0 if all(r["same_tokens"] for r in rows) else 1
 

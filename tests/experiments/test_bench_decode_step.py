@@ -3,11 +3,13 @@
 from experiments import bench_decode_step
 
 
-def test_layouts_agree_and_report_op_counts(capsys):
+def test_layouts_agree_and_report_op_counts(capsys, tmp_path):
     args = ["--shape", "smollm2-135m", "--layers", "2", "--run", "int:4:2:40",
             "--steps", "2", "--repeats", "1", "--layout", "stacked", "--layout", "per-layer",
-            "--layout", "sliced"]
+            "--layout", "sliced", "--hlo", str(tmp_path)]
     assert bench_decode_step.main(args) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"int_4-B2-S40-{layout}.hlo" for layout in ("per-layer", "sliced", "stacked")]
     lines = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith("| int:4")]
     assert [line.split(" | ")[3] for line in lines] == ["stacked", "per-layer", "sliced"]
