@@ -31,6 +31,7 @@ from kvjax.attention.dispatch import REGISTRY, Call, Impl
 from kvjax.cache import Segment
 from kvjax.codec import (
     Codec,
+    DenseFormat,
     GroupIntFormat,
     HqmqFormat,
     IntFormat,
@@ -402,6 +403,54 @@ def rice_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],
                        functools.partial(rice_codes_decode, entry=entry), auto=auto)
 
 
+# -- kernels over values stored as they are ----------------------------------------------
+
+
+def dense_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
+                unsupported: Callable[..., str | None]
+                ) -> tuple[DenseFormat, DenseFormat] | str:
+    """The :class:`~kvjax.codec.DenseFormat` of a K and a V codec that a kernel over
+    stored values reads at ``head_dim``, or why it cannot; ``unsupported(dtype,
+    head_dim)`` is the kernel's own rule."""
+    formats = []
+    for role, codec in (("K", k_codec), ("V", v_codec)):
+        fmt = kernel_format(codec, DenseFormat)
+        if fmt is None:
+            return f"{role} '{codec.spec}' does not store its vectors as they are"
+        formats.append(fmt)
+    k_fmt, v_fmt = formats
+    if jnp.dtype(k_fmt.dtype) != jnp.dtype(v_fmt.dtype):
+        return (f"K and V are stored as different types ({jnp.dtype(k_fmt.dtype).name} vs "
+                f"{jnp.dtype(v_fmt.dtype).name})")
+    return unsupported(k_fmt.dtype, head_dim) or (k_fmt, v_fmt)
+
+
+def dense_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
+                       scale: float | None = None, **options) -> jax.Array:
+    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
+    and V offer :class:`~kvjax.codec.DenseFormat` values, with ``entry`` over the coded
+    region: the segment's whole stack and the layer's index, read in place."""
+    k_store, v_store = layer.k, layer.v
+    k_fmt = kernel_format(k_store.codec, DenseFormat)
+    v_fmt = kernel_format(v_store.codec, DenseFormat)
+    scale = q.shape[-1]**-0.5 if scale is None else scale
+
+    def coded(qg, n_comp):
+        return entry(qg, k_fmt.values(k_store.codes), v_fmt.values(v_store.codes), n_comp,
+                     k_store.layer, sm_scale=scale, **options)
+
+    return merged_decode(q, layer, lengths, scale, coded)
+
+
+def dense_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],
+                 auto: bool = True) -> KernelImpl:
+    """The registry entry of a fused decode kernel over stored values: ``entry`` takes
+    the arrays of :func:`pallas_kernels.dense_decode.api.dense_decode`'s signature,
+    ``unsupported(dtype, head_dim)`` says what it cannot read."""
+    return kernel_impl(name, entry, functools.partial(dense_reads, unsupported=unsupported),
+                       functools.partial(dense_codes_decode, entry=entry), auto=auto)
+
+
 def encoded_cache(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots: int,
                   head_dim: int, key: jax.Array) -> tuple:
     """``(k_params, k_codes, v_params, v_codes)``: ``slots`` Gaussian keys and values of
@@ -497,6 +546,10 @@ def kernel_call(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots
         return KernelCall(name=impl.name, entry=entry, arrays=arrays,
                           static=static, read_bytes=_nbytes(list(stored.values())),
                           codecs=codecs)
+    elif isinstance(k_fmt, DenseFormat):
+        stored = {"keys": k_fmt.values(k_codes), "values": v_fmt.values(v_codes)}
+        arrays = {**stored, "lengths": lengths}
+        static = {"sm_scale": sm_scale}
     elif isinstance(k_fmt, RotatedKeyFormat):
         codes, norm, *qjl = k_fmt.arrays(k_codes)
         v_words, v_scale, v_zero = v_fmt.arrays(v_codes)

@@ -6,7 +6,8 @@ line here (for a kernel over :class:`~kvjax.codec.IntFormat` codes,
 :func:`~kvjax.attention.fused.int_codes_kernel`; over rotated keys and group-wise INT
 values, :func:`~kvjax.attention.fused.rotated_kernel` with its key format; over HQMQ
 codes, :func:`~kvjax.attention.fused.hqmq_kernel`; over Rice-coded HyperQuant blocks,
-:func:`~kvjax.attention.fused.rice_kernel`).
+:func:`~kvjax.attention.fused.rice_kernel`; over values stored as they are,
+:func:`~kvjax.attention.fused.dense_kernel`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ from __future__ import annotations
 import kvjax.attention.reference as reference
 import kvjax.attention.xla as xla
 import pallas_kernels.codebook_decode.api as codebook_decode
+import pallas_kernels.dense_decode.api as dense_decode
 import pallas_kernels.hqmq_decode.api as hqmq_decode
 import pallas_kernels.int_decode.api as int_decode
 import pallas_kernels.octopus_decode.api as octopus_decode
 import pallas_kernels.polar_decode.api as polar_decode
 import pallas_kernels.rice_decode.api as rice_decode
 from kvjax.attention.dispatch import Impl, register
-from kvjax.attention.fused import hqmq_kernel, int_codes_kernel, rice_kernel, rotated_kernel
+from kvjax.attention.fused import (
+    dense_kernel,
+    hqmq_kernel,
+    int_codes_kernel,
+    rice_kernel,
+    rotated_kernel,
+)
 from kvjax.codec import CodebookFormat, OctopusFormat, PolarFormat
 
 register(Impl(name="reference", supports=reference.supports, run=reference.run))
@@ -34,3 +42,6 @@ register(rotated_kernel("polar_decode", polar_decode.polar_decode, PolarFormat,
                         polar_decode.unsupported))
 register(hqmq_kernel("hqmq_decode", hqmq_decode.hqmq_decode, hqmq_decode.unsupported))
 register(rice_kernel("rice_decode", rice_decode.rice_decode, rice_decode.unsupported))
+# outside "auto" until it measures faster on a GPU than the layer copy plus cuDNN of "xla"
+register(dense_kernel("dense_decode", dense_decode.dense_decode, dense_decode.unsupported,
+                      auto=False))
