@@ -77,6 +77,19 @@ def kernel_format(codec: Codec, kind: type[KernelFormat]) -> KernelFormat | None
     return next((f for f in codec.kernel_formats() if isinstance(f, kind)), None)
 
 
+def role_formats(k_codec: Codec, v_codec: Codec, kind: type[KernelFormat], missing: str
+                 ) -> tuple[KernelFormat, KernelFormat] | str:
+    """The formats of class ``kind`` a K and a V codec offer, or the reason naming the
+    first that offers none (``"{role} '{spec}' {missing}"``)."""
+    formats = []
+    for role, codec in (("K", k_codec), ("V", v_codec)):
+        fmt = kernel_format(codec, kind)
+        if fmt is None:
+            return f"{role} '{codec.spec}' {missing}"
+        formats.append(fmt)
+    return tuple(formats)
+
+
 def decode_reason(call: Call) -> str | None:
     """Why a one-token decode kernel cannot serve ``call`` whatever its codecs (None:
     it may)."""
@@ -126,14 +139,12 @@ def int_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry:
 def int_formats(k_codec: Codec, v_codec: Codec) -> tuple[IntFormat, IntFormat] | str:
     """The :class:`~kvjax.codec.IntFormat` of a K and a V codec that one kernel call can
     read together (same width, same offset), or why there is none."""
-    formats = []
+    formats = role_formats(k_codec, v_codec, IntFormat, "offers no int-codes kernel format")
+    if isinstance(formats, str):
+        return formats
     for role, codec in (("K", k_codec), ("V", v_codec)):
-        fmt = int_format(codec)
-        if fmt is None:
-            return f"{role} '{codec.spec}' offers no int-codes kernel format"
         if not codec.scores_reconstruct:
             return f"{role} '{codec.spec}' scores keys by an estimator of its own"
-        formats.append(fmt)
     k_fmt, v_fmt = formats
     if k_fmt.bits != v_fmt.bits:
         return f"K and V bit widths differ ({k_fmt.bits} vs {v_fmt.bits})"
@@ -275,12 +286,9 @@ def shared_layout(k_codec: Codec, v_codec: Codec, head_dim: int, kind: type[Kern
     """``(k_fmt, v_fmt, layout)``: the K and V formats of class ``kind`` and the layout
     they share at ``head_dim`` (one kernel call reads both), or why there are none
     (``name`` names the format, ``what`` its codes in the reasons)."""
-    formats = []
-    for role, codec in (("K", k_codec), ("V", v_codec)):
-        fmt = kernel_format(codec, kind)
-        if fmt is None:
-            return f"{role} '{codec.spec}' offers no {name} kernel format"
-        formats.append(fmt)
+    formats = role_formats(k_codec, v_codec, kind, f"offers no {name} kernel format")
+    if isinstance(formats, str):
+        return formats
     k_fmt, v_fmt = formats
     layout = k_fmt.layout(head_dim)
     if v_fmt.layout(head_dim) != layout:
@@ -412,12 +420,10 @@ def dense_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
     """The :class:`~kvjax.codec.DenseFormat` of a K and a V codec that a kernel over
     stored values reads at ``head_dim``, or why it cannot; ``unsupported(dtype,
     head_dim)`` is the kernel's own rule."""
-    formats = []
-    for role, codec in (("K", k_codec), ("V", v_codec)):
-        fmt = kernel_format(codec, DenseFormat)
-        if fmt is None:
-            return f"{role} '{codec.spec}' does not store its vectors as they are"
-        formats.append(fmt)
+    formats = role_formats(k_codec, v_codec, DenseFormat,
+                           "does not store its vectors as they are")
+    if isinstance(formats, str):
+        return formats
     k_fmt, v_fmt = formats
     if jnp.dtype(k_fmt.dtype) != jnp.dtype(v_fmt.dtype):
         return (f"K and V are stored as different types ({jnp.dtype(k_fmt.dtype).name} vs "
