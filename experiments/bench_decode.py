@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -90,11 +91,18 @@ def timed(fn, args, inner, repeats):
 
 
 def parse_variant(text: str) -> dict:
-    """``LAYOUT:BLOCK_S:WARPS:STAGES[:SPLITS]`` (LAYOUT ``halves``, ``bytes``, or either
-    with ``-jnp``: unpacked without inline PTX) as :func:`int_decode` options."""
+    """``LAYOUT:BLOCK_S:WARPS:STAGES[:SPLITS]`` (LAYOUT ``halves`` or ``bytes``, with any
+    of the suffixes ``-jnp``: unpacked without inline PTX, ``-sub``: unbiased planes, one
+    subtraction per pair of codes, ``-hN``: programs of N kv heads) as
+    :func:`int_decode` options."""
     layout, block_s, warps, stages, *splits = text.split(":")
-    return {"research": Research(layout=layout.removesuffix("-jnp"),
-                                 asm=not layout.endswith("-jnp")),
+    name, *flags = layout.split("-")
+    heads = [int(f[1:]) for f in flags if re.fullmatch(r"h\d+", f)]
+    unknown = {f for f in flags if not re.fullmatch(r"h\d+", f)} - {"jnp", "sub"}
+    if unknown or len(heads) > 1:
+        raise ValueError(f"unknown layout suffixes in {text!r}")
+    return {"research": Research(layout=name, asm="jnp" not in flags,
+                                 biased="sub" not in flags, heads=heads[0] if heads else 1),
             "block_s": int(block_s), "num_warps": int(warps), "num_stages": int(stages),
             "splits": int(splits[0]) if splits else None}
 
@@ -239,6 +247,8 @@ def main(argv=None) -> int:
     """Run the grid and print the table (and a JSON file with ``--json``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--point", action="append", metavar="B:S",
+                   help="rows and cached tokens to time instead of the grid")
     p.add_argument("--shape", action="append",
                    help=f"a model of kvjax.eval.memory.model_shape (default: {SHAPES})")
     p.add_argument("--inner", type=int, default=20)
@@ -252,8 +262,10 @@ def main(argv=None) -> int:
                    help="device-to-device copy bandwidth measured on the H200")
     p.add_argument("--variant", action="append", default=[],
                    metavar="LAYOUT:BLOCK_S:WARPS:STAGES[:SPLITS]",
-                   help="extra kernel configurations to time, e.g. bytes:128:8:3 or "
-                        "halves-jnp:64:4:2:66 (-jnp: unpack without inline PTX)")
+                   help="extra kernel configurations to time, e.g. bytes:128:8:3, "
+                        "halves-h2:128:2:3 (programs of 2 kv heads), halves-sub:128:2:3 "
+                        "(unbiased planes) or halves-jnp:64:4:2:66 (-jnp: unpack without "
+                        "inline PTX)")
     p.add_argument("--codec", action="append", metavar="SPEC",
                    help="cache specs read by a fused kernel "
                         f"(default: {', '.join(CODECS)})")
@@ -264,6 +276,9 @@ def main(argv=None) -> int:
             model_shape(name)
         for variant in args.variant:
             parse_variant(variant)
+        points = [tuple(int(x) for x in text.split(":")) for text in args.point or ()]
+        if any(len(point) != 2 for point in points):
+            raise ValueError(f"--point takes B:S, got {args.point}")
         codecs = tuple(args.codec or CODECS)
         for spec in codecs:
             for name in shapes:
@@ -274,7 +289,7 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         print("bench_decode: needs a GPU (cuDNN and the compiled kernel)", file=sys.stderr)
         return 2
-    grid = QUICK_GRID if args.quick else FULL_GRID
+    grid = points or (QUICK_GRID if args.quick else FULL_GRID)
     rows = []
     for shape in shapes:
         for batch, slots in grid:

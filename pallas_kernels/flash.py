@@ -121,14 +121,18 @@ def layer_arrays(arrays, layer):
             for a in arrays]
 
 
-def pad_query_rows(q: jax.Array, width: int) -> jax.Array:
-    """``q [B, K, G, D]`` zero-padded to the power-of-two row count the kernel needs:
-    at least 16 when its matmul operands are ``width >= 16`` columns wide (the smallest
+def query_rows(group: int, width: int) -> int:
+    """Rows of a program's query block for ``group`` real rows: a power of two, at least
+    16 when its matmul operands are ``width >= 16`` columns wide (the smallest
     matrix-instruction tile), else just the next power of two (broadcast path)."""
-    group = q.shape[2]
     rows = max(MIN_DOT, group) if width >= MIN_DOT else group
-    rows = 1 << (rows - 1).bit_length()
-    return jnp.pad(q, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    return 1 << (rows - 1).bit_length()
+
+
+def pad_query_rows(q: jax.Array, width: int) -> jax.Array:
+    """``q [B, K, G, D]`` zero-padded to :func:`query_rows` rows."""
+    group = q.shape[2]
+    return jnp.pad(q, ((0, 0), (0, 0), (0, query_rows(group, width) - group), (0, 0)))
 
 
 def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -147,34 +151,49 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
                    axis=1)
 
 
-#: ``load(ref, columns=None, per=1)``: a block's tokens of a ``[L, S]`` or ``[L, S, C]``
-#: ref, masked rows read as 0; ``columns`` a ``pl.ds`` of the columns, or an int vector
-#: whose entry ``c`` names the ref column that tile column ``c`` reads (a gather: one load
-#: per element, where a window loads a row's columns together). ``per > 1``: the ref
-#: ``[L, S / per, C]`` holds one entry per ``per`` tokens and the block (which must lie
-#: in one entry) reads its entry's columns, a vector ``[C]`` (no mask: entries are
-#: whole); with ``rows`` (an int array shaped like the int array ``columns``) it gathers
-#: entry ``rows`` after the block's first (clipped to the ref)
+#: ``load(ref, columns=None, per=1, rows=None, head=None)``: a block's tokens of a
+#: ``[L, S]`` or ``[L, S, C]`` ref, masked rows read as 0; ``columns`` a ``pl.ds`` of the
+#: columns, or an int vector whose entry ``c`` names the ref column that tile column ``c``
+#: reads (a gather: one load per element, where a window loads a row's columns
+#: together). ``per > 1``: the ref ``[L, S / per, C]`` holds one entry per ``per`` tokens
+#: and the block (which must lie in one entry) reads its entry's columns, a vector
+#: ``[C]`` (no mask: entries are whole); with ``rows`` (an int array shaped like the int
+#: array ``columns``) it gathers entry ``rows`` after the block's first (clipped to the
+#: ref). ``head``: the ref has a head axis after the layer (``[L, H, S, ...]``, a program
+#: serving ``H`` kv heads); an int reads that head's tokens as above, an int vector
+#: ``[R]`` gathers a ``[R, block_s]`` tile of a ``[L, H, S]`` ref, row ``r`` from head
+#: ``head[r]`` (per-token metadata laid out like the query rows it scales)
 Load = Callable[..., jax.Array]
 
 
 def _loader(layer, tile, ok) -> Load:
-    def load(ref, columns=None, per: int = 1, rows=None):
+    def load(ref, columns=None, per: int = 1, rows=None, head=None):
+        if getattr(head, "ndim", 0) == 1:
+            shape = (head.shape[0], tile.size)
+            index = (layer, jnp.broadcast_to(head[:, None], shape),
+                     tile.start + jax.lax.broadcasted_iota(jnp.int32, shape, 1))
+            if ok is None:
+                return ref[index]
+            return plgpu.load(ref.at[index], mask=jnp.broadcast_to(ok[None, :], shape),
+                              other=0)
+        # a Python int beside traced indices trips the masked load's discharge rule
+        lead = (layer,) if head is None else (layer, jnp.int32(head))
         if per > 1:
             entry = tile.start // per
             if rows is not None:
-                return ref[layer, jnp.minimum(entry + rows, ref.shape[1] - 1), columns]
-            return ref[layer, entry, slice(None) if columns is None else columns]
+                return ref[(*lead, jnp.minimum(entry + rows, ref.shape[len(lead)] - 1),
+                            columns)]
+            return ref[(*lead, entry, slice(None) if columns is None else columns)]
         mask = None if ok is None else ok[:, None]
-        if len(ref.shape) == 2:
-            index, mask = (layer, tile), ok
+        if len(ref.shape) == len(lead) + 1:
+            index, mask = (*lead, tile), ok
         elif isinstance(columns, jax.Array):
             shape = (tile.size, columns.shape[0])
             rows = tile.start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-            index = (layer, rows, jnp.broadcast_to(columns[None, :], shape))
+            index = (*lead, rows, jnp.broadcast_to(columns[None, :], shape))
             mask = None if ok is None else jnp.broadcast_to(mask, shape)
         else:
-            index = (layer, tile, slice(None) if columns is None else columns)
+            index = (*lead, tile, slice(None) if columns is None else columns)
         if ok is None:
             return ref[index]
         return plgpu.load(ref.at[index], mask=mask, other=0)
@@ -243,24 +262,55 @@ def split_len(slots: int, splits: int, block_s: int) -> int:
     return pl.cdiv(pl.cdiv(slots, splits), block_s) * block_s
 
 
-def stacked_spec(layers: int, slots: int, *trailing: int) -> pl.BlockSpec:
+def stacked_spec(layers: int, slots: int, *trailing: int, heads: int | None = None
+                 ) -> pl.BlockSpec:
     """The block of one (row, kv head) of a ``[L, B, K, S, *trailing]`` stack: every
-    layer and token of it (the kernel indexes the layer and the tokens itself)."""
+    layer and token of it (the kernel indexes the layer and the tokens itself).
+    ``heads``: the block of ``heads`` consecutive kv heads (program ``h`` of the grid's
+    head axis reads heads ``h * heads ..``), with the head axis kept (``[L, heads, S,
+    ...]``)."""
     zeros = (0,) * len(trailing)
-    return pl.BlockSpec((layers, None, None, slots, *trailing),
+    return pl.BlockSpec((layers, None, None if heads is None else heads, slots, *trailing),
                         lambda b, h, j: (0, b, h, 0, *zeros))
 
 
 def leading_inputs(n_comp: jax.Array, layer, q: jax.Array):
     """``(args, in_specs)`` of every decode kernel's first three inputs: the per-row
     token counts ``[B]``, the layer index ``[1]`` and the query rows ``[B, K, R, D]``
-    (float32; one ``[R, D]`` block per program)."""
-    rows, head_dim = q.shape[2:]
+    (float32; one ``[R, D]`` block per program), or ``[B, K / H, H, R, D]`` for programs
+    that serve ``H`` kv heads (:func:`group_heads`; one ``[H, R, D]`` block)."""
+    inner = q.shape[2:]
+    zeros = (0,) * len(inner)
     args = [n_comp.astype(jnp.int32), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
             q.astype(jnp.float32)]
     specs = [pl.BlockSpec((1,), lambda b, h, j: (b,)), pl.BlockSpec((1,), lambda b, h, j: (0,)),
-             pl.BlockSpec((None, None, rows, head_dim), lambda b, h, j: (b, h, 0, 0))]
+             pl.BlockSpec((None, None, *inner), lambda b, h, j: (b, h, *zeros))]
     return args, specs
+
+
+def group_heads(q: jax.Array, heads: int, rows: int) -> jax.Array:
+    """``q [B, K, G, D]`` as the query block of programs that serve ``heads`` kv heads
+    each: ``[B, K / heads, heads, rows, D]``, where head ``h``'s slot holds its ``G``
+    rows at rows ``h * G ..`` of the program's ``rows`` and zeros elsewhere. Summed over
+    the slots the block is every head's rows stacked, so a matmul of slot ``h`` with
+    head ``h``'s keys leaves each row's own scores and zeros for the others."""
+    batch, kv_heads, group, head_dim = q.shape
+    if kv_heads % heads or heads * group > rows:
+        raise ValueError(f"{kv_heads} kv heads of {group} rows do not fill programs of "
+                         f"{heads} heads and {rows} rows")
+    q = q.reshape(batch, kv_heads // heads, heads, group, head_dim)
+    return jnp.stack([jnp.pad(q[:, :, h], ((0, 0), (0, 0), (h * group, rows - (h + 1) * group),
+                                           (0, 0)))
+                      for h in range(heads)], axis=2)
+
+
+def ungroup_rows(a: jax.Array, heads: int, group: int) -> jax.Array:
+    """Per-program partials ``[B, K / heads, splits, rows, ...]`` as ``[B, K, splits,
+    group, ...]``: each kv head's ``group`` rows out of its program's block."""
+    batch, programs, splits, _, *rest = a.shape
+    a = a[:, :, :, :heads * group].reshape(batch, programs, splits, heads, group, *rest)
+    a = jnp.moveaxis(a, 3, 2)
+    return a.reshape(batch, programs * heads, splits, group, *rest)
 
 
 def decode_call(kernel, args, in_specs, *, batch: int, heads: int, splits: int, rows: int,

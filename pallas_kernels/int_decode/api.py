@@ -27,12 +27,10 @@ from pallas_kernels.flash import (
     NUM_WARPS,
     check_query,
     check_stack,
-    pad_query_rows,
     schedule,
 )
 from pallas_kernels.int_decode.kernel import Research, codes_partial
 from pallas_kernels.partial import empty_partial, merge_partials, unrotate_output
-from pallas_kernels.units import operand_width
 
 #: bit widths whose planar packing puts whole dims in each bit slot of a 32-bit word
 KERNEL_BITS = (2, 4, 8)
@@ -124,23 +122,25 @@ def int_decode(
     """
     check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
                  q_rotation, v_rotation, bits, offset)
-    batch, heads, group, head_dim = q.shape
+    batch, heads = q.shape[:2]
     slots = k_codes.shape[-2]
     if slots == 0:
         # no code slot at all (a residual window as long as the cache)
         return empty_partial(q)
     research = research or Research()
+    if heads % research.heads:
+        raise ValueError(f"{heads} kv heads do not split into programs of "
+                         f"{research.heads}")
     block_s, num_stages, splits, interpret = schedule(
-        batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
-        num_warps=num_warps, interpret=interpret)
-    rows = pad_query_rows(q.astype(jnp.float32), operand_width(head_dim, bits, research.layout))
+        batch, heads // research.heads, slots, block_s=block_s, num_stages=num_stages,
+        splits=splits, num_warps=num_warps, interpret=interpret)
     o, m, l = codes_partial(
-        rows, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, q_rotation, layer,
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, q_rotation, layer,
         bits=bits, offset=offset, sm_scale=sm_scale, block_s=block_s, splits=splits,
         num_warps=num_warps,
         num_stages=num_stages, interpret=interpret, research=research,
     )
-    o, m, l = merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
+    o, m, l = merge_partials((o, m, l), axis=2)
     if v_rotation is not None:
         o = unrotate_output(o, v_rotation)
     return o, m, l

@@ -1,6 +1,8 @@
 """experiments/bench_decode.py and profile_decode.py: arguments, the table, and the
 profiler's calls of the kernel entry (interpret mode on a CPU)."""
 
+import pytest
+
 from experiments import bench_decode, profile_decode
 from pallas_kernels.int_decode.kernel import Research
 
@@ -22,6 +24,10 @@ def test_variants_and_the_table():
         "research": Research(layout="halves", asm=False), "block_s": 64, "num_warps": 4,
         "num_stages": 2, "splits": 66}
     assert bench_decode.parse_variant("bytes:128:8:3")["splits"] is None
+    assert bench_decode.parse_variant("halves-sub-h4:128:2:3")["research"] == Research(
+        biased=False, heads=4)
+    with pytest.raises(ValueError, match="unknown layout suffixes"):
+        bench_decode.parse_variant("halves-x:128:2:3")
     row = {"shape": "llama-3-8b", "batch": 32, "slots": 32768, "splits": 4, "block_s": 128,
            "paths": {"cudnn": {"ms": 1.048, "gbs": 4100.0, "floor_ms": 1.013},
                      "fused": {"ms": 0.5, "gbs": 2280.0, "floor_ms": 0.269}}}

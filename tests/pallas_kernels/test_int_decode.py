@@ -185,6 +185,34 @@ class TestIntDecode(KernelSuite):
             Case(2, 2, 4, 50, 128, 4, (50, 31), saw=32,
                  research=Research(rotate_in_kernel=True)))
 
+    def test_unbiased_planes_match_reference(self):
+        """Codes turned into float16 with one subtraction per pair (no bias to take out)."""
+        self.test_entry_matches_reference(
+            Case(2, 2, 4, 70, 128, 4, (70, 9), research=Research(biased=False)))
+
+    @pytest.mark.parametrize("several", [
+        Case(2, 4, 4, 70, 128, 4, (70, 23), research=Research(heads=4)),
+        Case(2, 4, 3, 45, 64, 2, (45, 9), research=Research(heads=2)),
+        Case(1, 4, 7, 40, 64, 8, (33,), research=Research(heads=4)),
+        Case(2, 2, 4, 50, 128, 4, (50, 31), saw=32, saw_values=True,
+             research=Research(heads=2)),
+        Case(2, 4, 4, 50, 128, 8, (50, 19), hyperquant="hyperquant:e8,4bps,int8", layers=2,
+             research=Research(heads=2)),
+        Case(2, 2, 4, 40, 128, 4, (40, 7), research=Research(heads=2, biased=False)),
+    ], ids=str)
+    def test_programs_of_several_heads_match_reference(self, several):
+        """Programs that serve several kv heads, their rows sharing the matmul tiles."""
+        self.test_entry_matches_reference(several)
+
+    def test_heads_per_program_must_divide_the_heads(self):
+        kw = self.inputs(Case(1, 3, 4, 20, 64, 4, (20,)))
+        with pytest.raises(ValueError, match="do not split"):
+            api.int_decode(**{**kw, "research": Research(heads=2)})
+        with pytest.raises(ValueError, match="positive"):
+            Research(heads=0)
+        with pytest.raises(ValueError, match="one kv head"):
+            Research(heads=2, rotate_in_kernel=True)
+
     def test_bytes_layout_matches_reference(self):
         """The 8-bit-unit layout with int-to-float conversions."""
         self.test_entry_matches_reference(

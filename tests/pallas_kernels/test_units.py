@@ -145,6 +145,24 @@ def test_int_ptx(bits):
         np.testing.assert_array_equal(run(units.int_ptx(j, bits), [tile]), want)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_biased_int_ptx(bits):
+    tile = halves()
+    for j in range(16 // bits):
+        want = np.asarray(units.biased_int_plane(jnp.asarray(tile), j, bits, asm=False))
+        np.testing.assert_array_equal(run(units.biased_int_ptx(j, bits), [tile]), want)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_biased_planes_are_bias_plus_code(bits):
+    """Every plane of every unit reads its code exactly, shifted by the plane's bias."""
+    tile = halves()
+    for j in range(16 // bits):
+        got = np.asarray(units.biased_int_plane(jnp.asarray(tile), j, bits, asm=False))
+        code = (tile.astype(np.int64) >> (j * bits)) & ((1 << bits) - 1)
+        np.testing.assert_array_equal(got.astype(np.float64) - units.plane_bias(j, bits), code)
+
+
 @pytest.mark.parametrize("unit,bits,split", [
     (16, 2, False), (16, 4, False), (16, 8, False), (16, 3, True),
     (8, 2, False), (8, 8, False), (8, 3, True),
