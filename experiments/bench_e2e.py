@@ -130,6 +130,9 @@ def main(argv=None) -> int:
                    help="cache spec, repeatable (default: bf16, int:4, saw)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--point", action="append", metavar="B:S",
+                   help="rows and prompt tokens of a run, instead of --batch at --context "
+                        "(repeat for a grid: one table over batches and contexts)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--window", type=int, default=None,
@@ -154,16 +157,24 @@ def main(argv=None) -> int:
                    "buffers, unrolled: models.llama.unstack_layers)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    config = ModelConfig.from_shape(MODEL_SHAPES[args.shape],
-                                    max_len=args.context + args.new_tokens,
-                                    num_layers=args.layers)
     window = {} if args.window is None else {"residual_window": args.window}
     try:
+        points = [tuple(int(x) for x in text.split(":")) for text in args.point or ()]
+        if any(len(point) != 2 for point in points):
+            raise ValueError(f"--point takes B:S, got {args.point}")
+        points = points or [(batch, args.context) for batch in args.batch]
         cache_configs = {spec: parse_cache(spec, **window)
                          for spec in args.cache or ["bf16", "int:4", "saw"]}
     except ValueError as err:
         print(f"bench_e2e: error: {err}", file=sys.stderr)
         return 2
+    contexts = sorted({context for _, context in points})
+    if args.at_capacity and len(contexts) > 1:
+        print("bench_e2e: error: --at-capacity runs one context", file=sys.stderr)
+        return 2
+    config = ModelConfig.from_shape(MODEL_SHAPES[args.shape],
+                                    max_len=contexts[-1] + args.new_tokens,
+                                    num_layers=args.layers)
     if args.at_capacity and os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false":
         # the growing allocator fails single allocations of tens of GiB (a layer stack of
         # a full cache) long before the memory is used up
@@ -181,47 +192,50 @@ def main(argv=None) -> int:
     rows, checked = [], {}
     rng = np.random.default_rng(0)
     for spec, cache_config in cache_configs.items():
-        max_batch = capacity(config, cache_config, args.context, free) if free > 0 else None
+        max_batch = {context: capacity(config, cache_config, context, free) if free > 0
+                     else None for context in contexts}
         if args.check_programs and free_total > 0:
             checked[spec] = capacity_with_programs(
-                params, config, cache_config, context=args.context,
+                params, config, cache_config, context=contexts[-1],
                 chunk=args.capacity_chunk, new_tokens=args.new_tokens,
                 free_total=free_total)
             print(f"{spec}: {checked[spec][0]} rows fit with the compiled programs' "
                   f"temporaries (prefill {checked[spec][1] / 2**30:.2f} GiB, decode "
                   f"{checked[spec][2] / 2**30:.2f} GiB)", file=sys.stderr, flush=True)
-        runs = [(batch, args.prefill_chunk) for batch in args.batch]
-        at_capacity = checked[spec][0] if spec in checked else max_batch
+        runs = [(batch, context, args.prefill_chunk) for batch, context in points]
+        at_capacity = checked[spec][0] if spec in checked else max_batch[contexts[-1]]
         if args.at_capacity and at_capacity:
-            runs.append((at_capacity, args.capacity_chunk))
-        for batch, chunk in runs:
-            prompts = rng.integers(0, config.vocab_size, (batch, args.context)).tolist()
+            runs.append((at_capacity, contexts[-1], args.capacity_chunk))
+        for batch, context, chunk in runs:
+            prompts = rng.integers(0, config.vocab_size, (batch, context)).tolist()
             result = generate(params, config, prompts, cache_config=cache_config,
                               max_new_tokens=args.new_tokens, eos_token_ids=(),
                               prefill_chunk=chunk)
             rows.append({
                 "codec": spec, "cache": cache_config.spec, "batch": batch,
-                "context": args.context, "weights": weights,
+                "context": context, "weights": weights,
                 "decode_tok_per_s": result.decode_tok_per_s,
                 "floor_tok_per_s": floor_tok_per_s(weights_bytes(params), result.cache_bytes,
                                                    batch, args.peak_gbs),
                 "step_ms": 1e3 * result.decode_s / args.new_tokens,
                 "prefill_s": result.prefill_s,
                 "compile_s": result.compile_s, "cache_bytes": result.cache_bytes,
-                "max_batch": max_batch,
+                "max_batch": max_batch[context],
                 "max_batch_checked": checked[spec][0] if spec in checked else None,
                 "prefill_temp_bytes": checked[spec][1] if spec in checked else None,
                 "decode_temp_bytes": checked[spec][2] if spec in checked else None,
                 "git": source["git"], "device": source["device"]["device_kind"],
             })
             print(rows[-1], file=sys.stderr, flush=True)
-    base = {r["batch"]: r["decode_tok_per_s"] for r in rows if r["codec"] == "bf16"}
-    print(f"| codec | batch | context | decode tok/s | ms/step | of floor | vs bf16 | "
-          f"prefill s | compile s | cache GiB | max batch at {args.context} | "
-          f"checked with programs | weights | git | device |")
+    base = {(r["batch"], r["context"]): r["decode_tok_per_s"] for r in rows
+            if r["codec"] == "bf16"}
+    print("| codec | batch | context | decode tok/s | ms/step | of floor | vs bf16 | "
+          "prefill s | compile s | cache GiB | max batch at the context | "
+          "checked with programs | weights | git | device |")
     print("|---" * 15 + "|")
     for r in rows:
-        ratio = r["decode_tok_per_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
+        key = (r["batch"], r["context"])
+        ratio = r["decode_tok_per_s"] / base[key] if key in base else float("nan")
         print(f"| {r['codec']} | {r['batch']} | {r['context']} | {r['decode_tok_per_s']:.1f} | "
               f"{r['step_ms']:.2f} | {r['decode_tok_per_s'] / r['floor_tok_per_s']:.2f} | "
               f"{ratio:.2f}x | {r['prefill_s']:.1f} | {r['compile_s']:.1f} | "

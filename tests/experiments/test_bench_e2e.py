@@ -64,6 +64,19 @@ def test_smoke_run_prints_the_table(capsys, monkeypatch, tmp_path):
     assert all(r["weights"] == "per-layer" for r in rows)
 
 
+def test_points_make_one_table_over_batches_and_contexts(capsys, monkeypatch):
+    monkeypatch.setitem(MODEL_SHAPES, "tiny", TINY)
+    args = ["--shape", "tiny", "--point", "2:24", "--point", "1:40", "--new-tokens", "2",
+            "--prefill-chunk", "16", "--codec", "bf16", "--codec", "int:4",
+            "--device-gb", "1", "--layers", "1"]
+    assert bench_e2e.main(args) == 0
+    rows = [line.split(" | ")[:3] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == [["| bf16", "2", "24"], ["| bf16", "1", "40"], ["| int:4", "2", "24"],
+                    ["| int:4", "1", "40"]]
+    assert bench_e2e.main(["--point", "8"]) == 2
+    assert bench_e2e.main(["--point", "1:8", "--point", "1:16", "--at-capacity"]) == 2
+
+
 def test_floor_reads_weights_and_cache_once_per_step():
     # the floors of Llama-3-8B at B = 8, S = 32k on the H200: 1350 (int:4) and 673 (bf16)
     weights = 16_060_522_496
