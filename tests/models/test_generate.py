@@ -91,6 +91,25 @@ def test_decode_compiles_once(params):
     assert first.tokens != second.tokens
 
 
+@pytest.mark.parametrize("every", [1, 3])
+def test_done_checked_every_few_steps_gives_the_same_tokens(params, batch_result,
+                                                              monkeypatch, every):
+    """Steps run in blocks between checks for finished rows; a last, padded block (NEW
+    = 32 is no multiple of 3) neither records tokens nor writes the cache."""
+    monkeypatch.setattr(gen, "CHECK_EVERY", every)
+    monkeypatch.setattr(gen, "_COMPILED", {})
+    jax.clear_caches()  # the block size is read when the loop is traced
+    try:
+        got = _generate(params, PROMPTS)
+        assert got.tokens == batch_result.tokens and _cache_lengths_ok(got, PROMPTS)
+        eos = batch_result.tokens[0][6]
+        cut = _generate(params, PROMPTS, eos_token_ids=[eos])
+        assert cut.tokens[0] == batch_result.tokens[0][:6]
+        assert _cache_lengths_ok(cut, PROMPTS)
+    finally:
+        jax.clear_caches()
+
+
 def test_batch_rows_equal_single_prompts(params, batch_result):
     assert _cache_lengths_ok(batch_result, PROMPTS)
     for prompt, tokens in zip(PROMPTS, batch_result.tokens, strict=True):
