@@ -176,6 +176,25 @@ def test_per_layer_weights_give_the_same_tokens(params, batch_result):
     assert _cache_lengths_ok(result, PROMPTS)
 
 
+@pytest.mark.parametrize("spec,kernel", [("int:4", "int_decode"), ("bf16", "dense_decode")])
+def test_the_optimized_loop_gives_the_reference_loops_tokens(params, spec, kernel,
+                                                              monkeypatch):
+    """The loop as a GPU runs it (per-layer weights, done-checks in blocks, the decode
+    attention through the fused kernel, here in Pallas interpret mode) against the
+    reference loop (stacked weights, reference attention): the same greedy tokens."""
+    tokens = {}
+    for name, layers, attention in (("reference", params, ("reference",)),
+                                    ("kernel", unstack_layers(params), (kernel, "reference"))):
+        monkeypatch.setattr(gen, "_COMPILED", {})
+        result = _generate(layers, PROMPTS, max_new_tokens=8, cache_dtype=jnp.bfloat16,
+                           cache_config=CacheConfig(k=spec, v=spec, attention=attention))
+        tokens[name] = result.tokens
+        decode = [c for key, c in gen._COMPILED.items() if key[0] == "decode"]
+        # the kernel really ran in the decode loop (prefill chunks fall back)
+        assert (f"{kernel}_attention" in decode[0].as_text()) == (name == "kernel")
+    assert tokens["kernel"] == tokens["reference"]
+
+
 def _weights_temp_bytes(intermediate: int, per_layer: bool) -> int:
     """XLA's temporary bytes for the compiled decode loop of a float32 model (no dtype
     conversion of the weights on a CPU), its layers stacked or per layer."""
