@@ -12,10 +12,11 @@ not depend on their values), for each ``--run SPEC:B:S``; tracing (``lower``) an
 compile are timed apart, and ``--hlo DIR`` keeps each optimized program. Layouts (``--layout``,
 repeatable): ``stacked`` (one ``lax.scan`` over the stacked weights, as loaded),
 ``per-layer`` (:func:`models.llama.unstack_layers`: the layers unrolled, each reading its
-own buffers) and ``sliced`` (unrolled, but each layer's weights sliced from the stack
-inside the program). The generated tokens of every layout must agree; the op counts
-(fusions, custom calls, copies, dynamic slices) of the optimized program show what each
-layout adds per step.
+own buffers), ``sliced`` (unrolled, but each layer's weights sliced from the stack
+inside the program) and ``fused`` (per-layer, with the projections joined:
+:func:`models.llama.fuse_projections`, two fewer matmuls per layer). The generated
+tokens of every layout must agree; the op counts (fusions, custom calls, copies, dynamic
+slices) of the optimized program show what each layout adds per step.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvjax.eval.memory import MODEL_SHAPES
 from kvjax.spec import parse_cache
 from models.config import ModelConfig
 from models.llama import (
+    fuse_projections,
     hidden_states,
     init_params,
     layer_params,
@@ -42,7 +44,7 @@ from models.llama import (
     unstack_layers,
 )
 
-LAYOUTS = ("stacked", "per-layer", "sliced")
+LAYOUTS = ("stacked", "per-layer", "sliced", "fused")
 OPS = ("fusion", "custom-call", "copy", "dynamic-slice", "dynamic-update-slice")
 
 
@@ -140,8 +142,9 @@ def main(argv=None) -> int:
     config = ModelConfig.from_shape(MODEL_SHAPES[args.shape], max_len=longest + 64,
                           num_layers=args.layers)
     stacked = init_params(jax.random.key(0), config, jnp.bfloat16)
-    params = {layout: unstack_layers(stacked) if layout == "per-layer" else stacked
-              for layout in layouts}
+    arrange = {"per-layer": unstack_layers,
+               "fused": lambda p: fuse_projections(unstack_layers(p))}
+    params = {layout: arrange.get(layout, lambda p: p)(stacked) for layout in layouts}
     rows = []
     for spec, batch, context in runs:
         rows += bench(config, params, spec, batch, context, args.steps, args.repeats,

@@ -49,7 +49,7 @@ from kvjax.eval.sweep import write_json
 from kvjax.spec import CacheConfig, parse_cache
 from models.config import ModelConfig
 from models.generate import generate
-from models.llama import init_params, unstack_layers
+from models.llama import fuse_projections, init_params, unstack_layers
 
 
 def floor_tok_per_s(weights: int, cache: int, batch: int, peak_gbs: float) -> float:
@@ -154,6 +154,8 @@ def main(argv=None) -> int:
                    "nothing); --at-capacity then runs that batch")
     p.add_argument("--peak-gbs", type=float, default=4240.0,
                    help="memory bandwidth of the floor, GB/s (H200: 4240)")
+    p.add_argument("--fused-projections", action="store_true",
+                   help="wq|wk|wv and w_gate|w_up joined (models.llama.fuse_projections)")
     p.add_argument("--stacked-weights", action="store_true",
                    help="scan the layers over stacked weights (default: per-layer "
                    "buffers, unrolled: models.llama.unstack_layers)")
@@ -186,6 +188,9 @@ def main(argv=None) -> int:
     if not args.stacked_weights:
         params = unstack_layers(params)  # the stacked copy is freed here
     weights = "stacked" if args.stacked_weights else "per-layer"
+    if args.fused_projections:
+        params = fuse_projections(params)
+        weights += ", fused"
     source = provenance()
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit") or (args.device_gb or 0) * 1e9

@@ -21,7 +21,9 @@ The names inside :class:`DecoderLayer` are exactly the per-layer names above, so
 each leaf its own buffer (:func:`unstack_layers`): the layers are then unrolled and each
 reads its weights in place, where a scan over stacked weights copies every layer's
 weights on every step on a GPU (:func:`kvjax.cache.scan_layers`). Stacked compiles
-faster; per-layer decodes faster.
+faster; per-layer decodes faster. Either layout may hold its projections fused
+(:func:`fuse_projections`: ``w_qkv`` for wq|wk|wv, ``b_qkv``, ``w_gate_up`` for
+w_gate|w_up, joined along the output axis): fewer, wider matmuls per layer.
 
 Q and K use the HF RoPE convention: ``rotate_half`` on the two halves of each head.
 """
@@ -46,8 +48,15 @@ from models.config import ModelConfig, RopeScaling
 Params = dict[str, Any]
 
 
-def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one layer's parameters (no leading ``L``), by layout name."""
+#: what :func:`fuse_projections` joins: each fused leaf and the leaves it concatenates
+#: along their output axis, in order
+FUSED = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"),
+         "w_gate_up": ("w_gate", "w_up")}
+
+
+def layer_shapes(config: ModelConfig, fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's parameters (no leading ``L``), by layout name (``fused``:
+    with the projections :func:`fuse_projections` joins)."""
     h, d, f = config.hidden_size, config.head_dim, config.intermediate_size
     nd, kd = config.num_heads * d, config.num_kv_heads * d
     shapes = {
@@ -60,7 +69,43 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(bq=(nd,), bk=(kd,), bv=(kd,))
     if config.qk_norm:
         shapes.update(q_norm=(d,), k_norm=(d,))
+    if fused:
+        for name, parts in FUSED.items():
+            if parts[0] in shapes:
+                *lead, _ = shapes[parts[0]]
+                shapes[name] = (*lead, sum(shapes.pop(part)[-1] for part in parts))
     return shapes
+
+
+def is_fused(params: Params) -> bool:
+    """Whether ``params`` hold their projections joined (:func:`fuse_projections`)."""
+    layers = params["layers"]
+    first = layers[0] if isinstance(layers, (list, tuple)) else layers
+    return "w_qkv" in first
+
+
+def fuse_projections(params: Params) -> Params:
+    """``params`` with each layer's Q, K and V projections joined into one matrix
+    ``w_qkv`` (and their biases into ``b_qkv``), and the gate and up projections into
+    ``w_gate_up``, stacked or per-layer alike: one matmul instead of three and one
+    instead of two per layer, the same products up to the order a wider matmul sums in.
+    Already fused: unchanged."""
+    if is_fused(params):
+        return params
+
+    def fuse(layer):
+        layer = dict(layer)
+        for name, parts in FUSED.items():
+            if parts[0] in layer:
+                cat = np.concatenate if isinstance(layer[parts[0]], np.ndarray) \
+                    else jnp.concatenate
+                layer[name] = cat([layer.pop(part) for part in parts], axis=-1)
+        return layer
+
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return {**params, "layers": tuple(fuse(layer) for layer in layers)}
+    return {**params, "layers": fuse(layers)}
 
 
 def param_shapes(config: ModelConfig) -> Params:
@@ -110,11 +155,16 @@ def check_params(params: Params, config: ModelConfig) -> None:
     layers stacked or per layer)."""
     expected = param_shapes(config)
     problems = []
+    fused = "layers" in params and len(params["layers"]) > 0 and is_fused(params)
+    if fused:
+        expected["layers"] = {k: (config.num_layers, *s)
+                              for k, s in layer_shapes(config, fused=True).items()}
     if isinstance(params.get("layers"), (list, tuple)):
         layers = params["layers"]
         if len(layers) != config.num_layers:
             problems.append(f"{len(layers)} per-layer dicts, expected {config.num_layers}")
-        expected["layers"] = {str(i): layer_shapes(config) for i in range(len(layers))}
+        expected["layers"] = {str(i): layer_shapes(config, fused)
+                              for i in range(len(layers))}
         params = {**params, "layers": {str(i): layer for i, layer in enumerate(layers)}}
 
     def walk(exp, got, prefix):
@@ -192,10 +242,27 @@ class DecoderLayer(nn.Module):
 
     config: ModelConfig
     attention: tuple[str, ...]
+    fused: bool = False
 
     def _p(self, name: str) -> jax.Array:
         # zeros only matter for shape inference; loaders always supply the values
-        return self.param(name, nn.initializers.zeros_init(), layer_shapes(self.config)[name])
+        return self.param(name, nn.initializers.zeros_init(),
+                          layer_shapes(self.config, self.fused)[name])
+
+    def _project(self, x: jax.Array, name: str, bias: str | None = None
+                 ) -> tuple[jax.Array, ...]:
+        """``x`` times the projections ``FUSED[name]``: one matmul with the joined matrix
+        (its result split by columns) or one each."""
+        if self.fused:
+            y = x @ self._p(name)
+            if bias is not None:
+                y = y + self._p(bias)
+            widths = [layer_shapes(self.config)[part][-1] for part in FUSED[name]]
+            return tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
+        ys = tuple(x @ self._p(part) for part in FUSED[name])
+        if bias is not None:
+            ys = tuple(y + self._p(b) for y, b in zip(ys, FUSED[bias], strict=True))
+        return ys
 
     @nn.compact
     def __call__(self, h: jax.Array, layer_kv, step: Step, cos: jax.Array, sin: jax.Array):
@@ -203,9 +270,7 @@ class DecoderLayer(nn.Module):
         c = self.config
         b, t, _ = h.shape
         x = rms_norm(h, self._p("attn_norm"), c.rms_norm_eps)
-        q, k, v = x @ self._p("wq"), x @ self._p("wk"), x @ self._p("wv")
-        if c.attention_bias:
-            q, k, v = q + self._p("bq"), k + self._p("bk"), v + self._p("bv")
+        q, k, v = self._project(x, "w_qkv", "b_qkv" if c.attention_bias else None)
         q = q.reshape(b, t, c.num_heads, c.head_dim)
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -218,7 +283,8 @@ class DecoderLayer(nn.Module):
         h = h + o.reshape(b, t, -1).astype(h.dtype) @ self._p("wo")
 
         x = rms_norm(h, self._p("mlp_norm"), c.rms_norm_eps)
-        mlp = nn.silu(x @ self._p("w_gate")) * (x @ self._p("w_up"))
+        gate, up = self._project(x, "w_gate_up")
+        mlp = nn.silu(gate) * up
         return h + mlp @ self._p("w_down"), layer_kv
 
 
@@ -235,7 +301,7 @@ def hidden_states(
     step = make_step(cache, tokens.shape[1], valid)
     cos, sin = rope_tables(config, step.positions(tokens.shape[1]))
     h = jnp.take(params["embed"], tokens, axis=0)
-    layer = DecoderLayer(config, attention=cache.config.attention)
+    layer = DecoderLayer(config, attention=cache.config.attention, fused=is_fused(params))
 
     def body(h, layer_params, view):
         return layer.apply({"params": layer_params}, h, view, step, cos, sin)

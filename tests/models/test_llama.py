@@ -1,4 +1,7 @@
-"""The params layouts of :mod:`models.llama`: stacked over layers or one dict per layer."""
+"""The params layouts of :mod:`models.llama`: stacked over layers or one dict per layer,
+the projections separate or fused."""
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -7,7 +10,9 @@ import pytest
 from models.config import ModelConfig
 from models.llama import (
     check_params,
+    fuse_projections,
     init_params,
+    is_fused,
     layer_params,
     logits_no_cache,
     stack_layers,
@@ -58,3 +63,38 @@ def test_per_layer_forward_equals_stacked(params):
     tokens = np.arange(12).reshape(2, 6) % CONFIG.vocab_size
     np.testing.assert_allclose(logits_no_cache(unstack_layers(params), CONFIG, tokens),
                                logits_no_cache(params, CONFIG, tokens), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_give_the_same_logits(bias):
+    config = dataclasses.replace(CONFIG, attention_bias=bias, qk_norm=bias)
+    stacked = init_params(jax.random.key(1), config)
+    if bias:  # init_params leaves biases at zero: make them count
+        stacked["layers"] = {**stacked["layers"], **{
+            name: jax.random.normal(jax.random.key(i), stacked["layers"][name].shape)
+            for i, name in enumerate(("bq", "bk", "bv"))}}
+    tokens = np.arange(12).reshape(2, 6) % config.vocab_size
+    want = logits_no_cache(stacked, config, tokens)
+    for params in (stacked, unstack_layers(stacked)):
+        fused = fuse_projections(params)
+        assert is_fused(fused) and not is_fused(params)
+        assert fuse_projections(fused) is fused
+        check_params(fused, config)
+        layer = layer_params(fused, 1)
+        assert "wq" not in layer and "w_gate" not in layer and ("b_qkv" in layer) == bias
+        np.testing.assert_array_equal(layer["w_qkv"][:, :32], layer_params(params, 1)["wq"])
+        # one wider matmul may sum in another order: float32 rounding apart, equal
+        np.testing.assert_allclose(logits_no_cache(fused, config, tokens), want, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_check_params_names_fused_problems(params):
+    fused = unstack_layers(fuse_projections(params))
+    broken = dict(fused["layers"][0])
+    broken["w_gate_up"] = broken["w_gate_up"][:, :64]
+    with pytest.raises(ValueError, match=r"layers\.0\.w_gate_up has shape \(32, 64\)"):
+        check_params({**fused, "layers": (broken, *fused["layers"][1:])}, CONFIG)
+    with pytest.raises(ValueError, match=r"unexpected layers\.wq"):
+        stacked = fuse_projections(params)
+        check_params({**stacked, "layers": {**stacked["layers"],
+                                            "wq": params["layers"]["wq"]}}, CONFIG)
