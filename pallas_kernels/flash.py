@@ -341,6 +341,15 @@ def group_heads(q: jax.Array, heads: int, rows: int) -> jax.Array:
                       for h in range(heads)], axis=2)
 
 
+def fold_parts(a: jax.Array, parts: int, group: int) -> jax.Array:
+    """Per-program partials ``[B, K, splits, rows, ...]`` whose rows hold ``parts`` copies
+    of a head's ``group`` query rows, each over its part of every block, as ``[B, K,
+    splits * parts, group, ...]``: partials of the same rows to merge over axis 2."""
+    batch, heads, splits, _, *rest = a.shape
+    a = a[:, :, :, :parts * group]
+    return a.reshape(batch, heads, splits * parts, group, *rest)
+
+
 def ungroup_rows(a: jax.Array, heads: int, group: int) -> jax.Array:
     """Per-program partials ``[B, K / heads, splits, rows, ...]`` as ``[B, K, splits,
     group, ...]``: each kv head's ``group`` rows out of its program's block."""
