@@ -138,19 +138,13 @@ def f16(scale):
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_int_ptx(bits):
+@pytest.mark.parametrize("plane,ptx", [(units.int_plane, units.int_ptx),
+                                       (units.biased_int_plane, units.biased_int_ptx)])
+def test_int_ptx(bits, plane, ptx):
     tile = halves()
     for j in range(16 // bits):
-        want = np.asarray(units.int_plane(tile, j, bits, asm=False))
-        np.testing.assert_array_equal(run(units.int_ptx(j, bits), [tile]), want)
-
-
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_biased_int_ptx(bits):
-    tile = halves()
-    for j in range(16 // bits):
-        want = np.asarray(units.biased_int_plane(jnp.asarray(tile), j, bits, asm=False))
-        np.testing.assert_array_equal(run(units.biased_int_ptx(j, bits), [tile]), want)
+        want = np.asarray(plane(jnp.asarray(tile), j, bits, asm=False))
+        np.testing.assert_array_equal(run(ptx(j, bits), [tile]), want)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
