@@ -9,7 +9,10 @@ operands over windows of the cache, and cuDNN for a bf16 cache's decode on a GPU
 one-token decodes (:mod:`pallas_kernels.int_decode`); ``"codebook_decode"``, the fused
 kernel over TurboQuant keys (MSE and QJL) and group-wise INT values
 (:mod:`pallas_kernels.codebook_decode`); both through the adapter in :mod:`.fused`,
-which merges the raw sinks and window for every kernel.
+which merges the raw sinks and window for every kernel, as the other decode kernels
+(``"octopus_decode"``, ``"polar_decode"``, ``"hqmq_decode"``, ``"rice_decode"``,
+``"dense_decode"``) are; ``"chunk_flash"``, a fused flash attention for chunks of
+several tokens (:mod:`.prefill`, by name only: not in ``"auto"``).
 """
 
 from kvjax.attention import registry as _registry  # noqa: F401  (fills the registry)

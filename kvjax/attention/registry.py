@@ -7,11 +7,14 @@ line here (for a kernel over :class:`~kvjax.codec.IntFormat` codes,
 values, :func:`~kvjax.attention.fused.rotated_kernel` with its key format; over HQMQ
 codes, :func:`~kvjax.attention.fused.hqmq_kernel`; over Rice-coded HyperQuant blocks,
 :func:`~kvjax.attention.fused.rice_kernel`; over values stored as they are,
-:func:`~kvjax.attention.fused.dense_kernel`).
+:func:`~kvjax.attention.fused.dense_kernel`). ``"chunk_flash"`` (:mod:`.prefill`)
+serves chunks of several tokens, the prefill's, and is outside ``"auto"`` until
+measured on a GPU (``attn=chunk_flash,auto`` in a cache spec asks for it).
 """
 
 from __future__ import annotations
 
+import kvjax.attention.prefill as prefill
 import kvjax.attention.reference as reference
 import kvjax.attention.xla as xla
 import pallas_kernels.codebook_decode.api as codebook_decode
@@ -45,3 +48,5 @@ register(rice_kernel("rice_decode", rice_decode.rice_decode, rice_decode.unsuppo
 # before "xla": in the models' loop a bf16 cache's layer is a slice of its stack, which
 # cuDNN needs copied (B=8, S=32k: 13.7 ms per step against 29.4, docs/kernels.md)
 register(dense_kernel("dense_decode", dense_decode.dense_decode, dense_decode.unsupported))
+register(Impl(name="chunk_flash", supports=prefill.supports, run=prefill.run, fused=True,
+              auto=False))
