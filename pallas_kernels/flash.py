@@ -227,6 +227,23 @@ def _loader(layer, t0, block_s: int, stop, parts: int = 1) -> Load:
     return load
 
 
+def softmax_step(s: jax.Array, m_prev: jax.Array, l_prev: jax.Array, ok=None):
+    """One block of an online softmax: logits ``s [rows, cols]`` (``ok``: the visible
+    ones, a mask broadcasting to ``s``; the rest count as absent), the running maximum
+    and sum ``[rows]`` before it. Returns ``(p, correction, m, l)``: the block's
+    un-normalized probabilities, the factor that rescales the old accumulator to the new
+    maximum, and the new maximum and sum."""
+    if ok is not None:
+        s = jnp.where(ok, s, NEG)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    correction = jnp.exp(m_prev - m_next)
+    p = jnp.exp(s - m_next[:, None])
+    if ok is not None:
+        # a row that has seen nothing yet has m = NEG, where exp(s - m) is 1
+        p = jnp.where(ok, p, 0.0)
+    return p, correction, m_next, l_prev * correction + jnp.sum(p, axis=1)
+
+
 def split_softmax(
     n_ref,
     layer_ref,
@@ -270,18 +287,13 @@ def split_softmax(
         t0 = start + i * block_s
         load = _loader(layer, t0, block_s, stop if masked else None, parts)
         s = scores(load)
+        ok = None
         if masked:
             token = t0 + jnp.arange(sub)[None, :]
             if parts > 1:
                 token = token + row_part[:, None] * sub
             ok = token < stop
-            s = jnp.where(ok, s, NEG)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, None])
-        if masked:
-            p = jnp.where(ok, p, 0.0)
-        l_next = l_prev * correction + jnp.sum(p, axis=1)
+        p, correction, m_next, l_next = softmax_step(s, m_prev, l_prev, ok)
         return accumulate(acc, p, correction, load), m_next, l_next
 
     carry = (init, jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))

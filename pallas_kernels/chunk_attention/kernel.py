@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash import dot_nn, dot_nt, stacked_spec
+from pallas_kernels.flash import dot_nn, dot_nt, softmax_step, stacked_spec
 from pallas_kernels.partial import NEG
 
 
@@ -79,16 +79,8 @@ def _kernel(n_ref, layer_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, block_k, s
                 visible &= kpos[None, :] > pos[:, None] - window
         else:
             keys, vals = k_ref[layer, tile, :], v_ref[layer, tile, :]
-        s = dot_nt(q, keys) * sm_scale
-        if masked:
-            s = jnp.where(visible, s, NEG)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, None])
-        if masked:
-            # a row that has seen nothing yet has m = NEG, where exp(s - m) is 1
-            p = jnp.where(visible, p, 0.0)
-        l_next = l_prev * correction + jnp.sum(p, axis=1)
+        p, correction, m_next, l_next = softmax_step(dot_nt(q, keys) * sm_scale, m_prev,
+                                                     l_prev, visible if masked else None)
         acc = acc * correction[:, None] + dot_nn(p.astype(dtype), vals)
         return acc, m_next, l_next
 

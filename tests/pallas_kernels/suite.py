@@ -58,6 +58,18 @@ class Shape:
         return f"B{self.batch}K{self.heads}G{self.group}S{self.slots}D{self.head_dim}"
 
 
+def layer_stacks(stored, case) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """``(keys, values, layer)`` of a case: ``stored(case, seed)`` itself, or with
+    ``case.layers`` a stack of that many draws read at layer 1."""
+    keys, values = stored(case, 0)
+    if not case.layers:
+        return keys, values, None
+    # other layers hold other values: reading the wrong one cannot pass
+    stacks = [stored(case, seed) for seed in (1, 0, 2)[:case.layers]]
+    keys, values = (jnp.stack([s[r] for s in stacks]) for r in range(2))
+    return keys, values, jnp.int32(1)
+
+
 def normalized(partial) -> np.ndarray:
     """``o / l`` of a partial, in numpy (rows that saw nothing give 0)."""
     o, _, l = (np.asarray(a) for a in partial)

@@ -30,7 +30,7 @@ import pytest
 
 from pallas_kernels.chunk_attention import api, reference
 from pallas_kernels.chunk_attention.kernel import key_blocks
-from tests.pallas_kernels.suite import Shape
+from tests.pallas_kernels.suite import Shape, layer_stacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,13 +102,7 @@ def inputs(case: Case) -> dict:
     """The keyword arguments of the entry and its reference."""
     q = jax.random.normal(jax.random.key(9), (case.batch, case.heads,
                                               case.group * case.tokens, case.head_dim))
-    keys, values = stored(case, 0)
-    layer = None
-    if case.layers:
-        # other layers hold other values: reading the wrong one cannot pass
-        stacks = [stored(case, seed) for seed in (1, 0, 2)[:case.layers]]
-        keys, values = (jnp.stack([s[r] for s in stacks]) for r in range(2))
-        layer = jnp.int32(1)
+    keys, values, layer = layer_stacks(stored, case)
     return {"q": q, "keys": keys, "values": values, "q_positions": positions(case),
             "lengths": jnp.asarray(case.lengths, jnp.int32), "layer": layer,
             "sm_scale": case.head_dim**-0.5, "sliding_window": case.window,

@@ -19,7 +19,7 @@ import pytest
 from kvjax.attention import fused
 from kvjax.spec import parse_codec
 from pallas_kernels.dense_decode import api, reference
-from tests.pallas_kernels.suite import KernelSuite, Shape
+from tests.pallas_kernels.suite import KernelSuite, Shape, layer_stacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +74,7 @@ class TestDenseDecode(KernelSuite):
     def inputs(self, case: Case) -> dict:
         q = jax.random.normal(jax.random.key(9),
                               (case.batch, case.heads, case.group, case.head_dim))
-        keys, values = stored(case, 0)
-        layer = None
-        if case.layers:
-            # other layers hold other values: reading the wrong one cannot pass
-            stacks = [stored(case, seed) for seed in (1, 0, 2)[:case.layers]]
-            keys, values = (jnp.stack([s[r] for s in stacks]) for r in range(2))
-            layer = jnp.int32(1)
+        keys, values, layer = layer_stacks(stored, case)
         return {"q": q, "keys": keys, "values": values,
                 "lengths": jnp.asarray(case.lengths, jnp.int32), "layer": layer,
                 "sm_scale": case.head_dim**-0.5, "block_s": case.block_s,
