@@ -58,6 +58,13 @@ def floor_tok_per_s(weights: int, cache: int, batch: int, peak_gbs: float) -> fl
     return batch * peak_gbs * 1e9 / (weights + cache)
 
 
+def short_sha(git: str | None) -> str:
+    """A provenance's commit in a table cell: 12 digits, and whether the tree differed."""
+    if not git:
+        return "-"
+    return git[:12] + ("+dirty" if git.endswith("+dirty") else "")
+
+
 def weights_bytes(params) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
@@ -255,7 +262,7 @@ def main(argv=None) -> int:
               f"{r['cache_bytes'] / 2**30:.2f} | "
               f"{r['max_batch'] if r['max_batch'] is not None else '-'} | "
               f"{r['max_batch_checked'] if r['max_batch_checked'] is not None else '-'} | "
-              f"{r['weights']} | {(r['git'] or '-')[:12]} | {r['device']} |")
+              f"{r['weights']} | {short_sha(r['git'])} | {r['device']} |")
     if args.json:
         write_json(args.json, {"rows": rows}, source=source)
     return 0

@@ -206,7 +206,9 @@ def generate(
     prefill for all chunks): the reference attention's scores then take ``[B, N, chunk,
     max_len]`` instead of ``[B, N, prompt, max_len]``, which long prompts need. Raises
     ``ValueError`` for bad arguments and, after generation, for a cache whose flags
-    :func:`kvjax.cache.check` reports (overflow, non-finite or saturated K/V).
+    :func:`kvjax.cache.check` reports (overflow, non-finite or saturated K/V). The loop
+    checks whether every row is done once every :data:`CHECK_EVERY` steps, so after the
+    last row's EOS up to ``CHECK_EVERY - 1`` steps may still run (recording nothing).
     """
     max_len = _validate(config, prompts, max_new_tokens, temperature, top_p, max_len)
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int | np.integer)

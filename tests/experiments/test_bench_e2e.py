@@ -77,6 +77,12 @@ def test_points_make_one_table_over_batches_and_contexts(capsys, monkeypatch):
     assert bench_e2e.main(["--point", "1:8", "--point", "1:16", "--at-capacity"]) == 2
 
 
+def test_the_table_says_when_the_tree_differed_from_its_commit():
+    sha = "a76f4b35ee9dd69c67908c19a8d04e5def4dd0ff"
+    assert bench_e2e.short_sha(sha + "+dirty") == "a76f4b35ee9d+dirty"
+    assert bench_e2e.short_sha(sha) == "a76f4b35ee9d" and bench_e2e.short_sha(None) == "-"
+
+
 def test_floor_reads_weights_and_cache_once_per_step():
     # the floors of Llama-3-8B at B = 8, S = 32k on the H200: 1350 (int:4) and 673 (bf16)
     weights = 16_060_522_496
