@@ -1,0 +1,107 @@
+"""The optimized decode loop against the reference loop on a real model: the same tokens?
+
+    python experiments/loop_tokens.py                     # the embedded SmolLM2, on a GPU
+    python experiments/loop_tokens.py --cache int:4 --attention int_decode,reference \\
+        --new-tokens 8                                    # the kernel in interpret mode (CPU)
+
+For each cache spec, greedy generation from the same prompts twice: the reference loop
+(weights stacked and scanned, every attention call the float32 reference) and the
+optimized one (weights per layer, unrolled; the cache config's attention ``--attention``,
+by default ``"auto"``: on a GPU the fused kernels). Prints per spec how many rows agree
+and where the first disagreeing row parts; exits 1 when any row differs. The fused
+kernels' matmul operands are 16-bit (the reference's float32), so a near-tie between
+two tokens can part the rows legitimately; the table says at which step. With bfloat16
+weights (``--dtype``) even the same attention parts the two layouts now and then: XLA
+may keep a fused chain of bfloat16 operations in float32 (its excess precision), and a
+scan over layers and unrolled layers fuse differently; with float32 weights the layouts
+agree token for token (the embedded SmolLM2 on a CPU, 3 prompts x 8 tokens, int:4 and
+bf16 caches), and what parts the rows is the kernels' rounding alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import models
+from kvjax.eval.provenance import provenance
+from kvjax.eval.sweep import write_json
+from kvjax.spec import parse_cache
+from models.generate import generate
+from models.llama import unstack_layers
+
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first step at which two token lists differ (None: equal)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(params, config, prompts, spec: str, attention: str, new_tokens: int) -> dict:
+    """One spec's row: tokens of the reference loop and of the optimized loop."""
+    reference = parse_cache(f"{spec} attn=reference")
+    optimized = parse_cache(f"{spec} attn={attention}")
+    kw = {"max_new_tokens": new_tokens, "eos_token_ids": ()}
+    want = generate(params, config, prompts, cache_config=reference, **kw).tokens
+    got = generate(unstack_layers(params), config, prompts, cache_config=optimized,
+                   **kw).tokens
+    parts = [first_difference(w, g) for w, g in zip(want, got, strict=True)]
+    return {"cache": spec, "attention": attention, "rows": len(prompts),
+            "equal_rows": sum(p is None for p in parts),
+            "first_difference": min((p for p in parts if p is not None), default=None),
+            "reference": want, "optimized": got}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    p.add_argument("--cache", action="append", metavar="SPEC",
+                   help="cache specs (default: bf16, int:4)")
+    p.add_argument("--attention", default="auto",
+                   help="the optimized loop's attention list, as in attn= of a cache spec")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the weights' type")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    specs = args.cache or ["bf16", "int:4"]
+    try:
+        for spec in specs:
+            parse_cache(f"{spec} attn={args.attention}")
+    except ValueError as err:
+        print(f"loop_tokens: {err}", file=sys.stderr)
+        return 2
+    config, params, tokenizer = models.load(args.model, dtype=jnp.dtype(args.dtype))
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    rows = []
+    for spec in specs:
+        rows.append(compare(params, config, prompts, spec, args.attention, args.new_tokens))
+        print({k: v for k, v in rows[-1].items() if k not in ("reference", "optimized")},
+              file=sys.stderr, flush=True)
+    print("| cache | weights | optimized attention | rows equal | first differing step | "
+          "device |")
+    print("|---|---|---|---|---|---|")
+    device = jax.devices()[0].device_kind
+    for r in rows:
+        step = "-" if r["first_difference"] is None else r["first_difference"]
+        print(f"| {r['cache']} | {args.dtype} | {r['attention']} | {r['equal_rows']} / "
+              f"{r['rows']} | {step} | {device} |")
+    if args.json:
+        write_json(args.json, {"rows": rows}, source=provenance())
+    return 0 if all(r["equal_rows"] == r["rows"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
