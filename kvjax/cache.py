@@ -420,7 +420,11 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
     # the same whether it reaches the codec straight from a chunk or through the window
     limit = float(jnp.finfo(store.raw.dtype).max)
     saturated = store.saturated
-    if limit < float(jnp.finfo(jnp.float32).max):
+    chunk_max = float(jnp.finfo(x.dtype if jnp.issubdtype(x.dtype, jnp.floating)
+                                else jnp.float32).max)
+    # a chunk whose type holds nothing beyond the raw dtype (a bf16 model's K/V into a bf16
+    # cache) needs no check: at decode it would cost a reduction per role and layer
+    if limit < chunk_max:
         # finite values beyond the raw dtype are clipped; Inf is the nonfinite flag's
         beyond = jnp.any(jnp.isfinite(x) & (jnp.abs(x) > limit), axis=(1, 3)) & is_new
         saturated = saturated | jnp.where(jnp.any(beyond, axis=1), SATURATED_RAW, 0).astype(
@@ -462,7 +466,10 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
         codes = jax.tree.map(lambda buf, val: _rows_set(buf, slot, val, store.layer),
                              store.codes, encoded)
         limits = store.codec.limits
-        if math.isfinite(limits.element) or math.isfinite(limits.norm):
+        # every staged value is finite and within the raw dtype: a codec whose only limit
+        # is an element bound at least that wide cannot be exceeded (bf16 codes of a bf16
+        # raw store), and the check would cost a reduction per role and layer
+        if math.isfinite(limits.norm) or limits.element < limit:
             # the codec saturated (under jit) whichever written token it cannot represent
             written = jnp.arange(max_new, dtype=jnp.int32)[None, :] < (
                 new_n_comp - old_n_comp)[:, None]

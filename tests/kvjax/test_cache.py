@@ -381,6 +381,28 @@ def test_values_beyond_the_raw_dtype_are_clipped_and_flagged():
         "saturated in rows [1]")
 
 
+def test_no_range_check_where_nothing_can_exceed_the_storage():
+    """A bf16 chunk into a bf16 raw store of bf16 codes cannot hold a value out of range:
+    its append runs no range reduction (one per role and layer at every decode step);
+    a float32 chunk is still checked, clipped and flagged."""
+    config = kc.CacheConfig(k="bf16", v="bf16", residual_window=2)
+    cache = _new(config, dtype=jnp.bfloat16)
+    x = np.ones((2, 5, 2, 16), np.float32)
+    x[1, 3, 0, 0] = 3.4e38  # beyond bfloat16, finite in float32
+
+    def reductions(chunk):
+        text = str(jax.make_jaxpr(_append_all)(cache, chunk, chunk))
+        return sum(text.count(op) for op in ("reduce_or", "reduce_max"))
+
+    wide, narrow = jnp.asarray(x), jnp.asarray(x).astype(jnp.bfloat16)
+    assert reductions(narrow) < reductions(wide)
+    flagged = _append_all(cache, wide, wide)
+    assert np.asarray(flagged.layer(0).k.saturated).tolist() == [0, kc.SATURATED_RAW]
+    clean = _append_all(cache, narrow, narrow)  # as bfloat16 it is inf: nonfinite
+    assert not np.asarray(clean.layer(0).k.saturated).any()
+    assert np.asarray(clean.layer(0).k.nonfinite).tolist() == [False, True]
+
+
 class _SmallInt(IntCodec):
     """``int`` storage that holds vectors of norm up to 8 only."""
 
