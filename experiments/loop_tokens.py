@@ -49,13 +49,15 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(params, config, prompts, spec: str, attention: str, new_tokens: int) -> dict:
-    """One spec's row: tokens of the reference loop and of the optimized loop."""
+def compare(params, per_layer, config, prompts, spec: str, attention: str,
+            new_tokens: int) -> dict:
+    """One spec's row: tokens of the reference loop (``params`` stacked) and of the
+    optimized loop (``per_layer``, the same weights unstacked)."""
     reference = parse_cache(f"{spec} attn=reference")
     optimized = parse_cache(f"{spec} attn={attention}")
     kw = {"max_new_tokens": new_tokens, "eos_token_ids": ()}
     want = generate(params, config, prompts, cache_config=reference, **kw).tokens
-    got = generate(unstack_layers(params), config, prompts, cache_config=optimized,
+    got = generate(per_layer, config, prompts, cache_config=optimized,
                    **kw).tokens
     parts = [first_difference(w, g) for w, g in zip(want, got, strict=True)]
     return {"cache": spec, "attention": attention, "rows": len(prompts),
@@ -85,9 +87,11 @@ def main(argv=None) -> int:
         return 2
     config, params, tokenizer = models.load(args.model, dtype=jnp.dtype(args.dtype))
     prompts = [tokenizer.encode(text) for text in PROMPTS]
+    per_layer = unstack_layers(params)
     rows = []
     for spec in specs:
-        rows.append(compare(params, config, prompts, spec, args.attention, args.new_tokens))
+        rows.append(compare(params, per_layer, config, prompts, spec, args.attention,
+                            args.new_tokens))
         print({k: v for k, v in rows[-1].items() if k not in ("reference", "optimized")},
               file=sys.stderr, flush=True)
     print("| cache | weights | optimized attention | rows equal | first differing step | "

@@ -115,9 +115,9 @@ def _decode(params, config, max_new_tokens, greedy, logits, cache, eos, key, tem
     def step(_, state):
         i, logits, cache, done, out = state
         tok = _choose(logits, jax.random.fold_in(key, i), temperature, top_p, greedy)
-        # steps past max_new_tokens (the last block's padding) count as done: they
-        # neither record a token nor write the cache
-        done_now = done | is_eos(tok) | (i >= max_new_tokens)
+        # steps past max_new_tokens (the last block's padding) feed nothing back, so they
+        # write nothing to the cache; what they record lands past the columns returned
+        done_now = done | is_eos(tok)
         out = out.at[:, i].set(jnp.where(done_now, -1, tok))
         # the token is fed back only if generation goes on after it; the last step's
         # forward is spent but keeps the loop body uniform

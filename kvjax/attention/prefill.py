@@ -35,14 +35,20 @@ def supports(call: Call) -> str | None:
     return api.unsupported(jnp.bfloat16, call.head_dim)
 
 
+def _in_place(layer: Segment, head_dim: int):
+    """The K and V dense formats the kernel reads the layer's codes in place by, or why
+    it cannot (a string)."""
+    for role, store in (("K", layer.k), ("V", layer.v)):
+        if store.sinks or store.raw_capacity:
+            return f"{role} keeps tokens in sinks or a raw window beside its codes"
+    return dense_reads(layer.k.codec, layer.v.codec, head_dim, unsupported=api.unsupported)
+
+
 def in_place_reason(layer: Segment, head_dim: int) -> str | None:
     """Why the kernel cannot read the layer's keys and values where they are stored, as
     the codes of a dense 16-bit region holding every token at its position (None: it
     can)."""
-    for role, store in (("K", layer.k), ("V", layer.v)):
-        if store.sinks or store.raw_capacity:
-            return f"{role} keeps tokens in sinks or a raw window beside its codes"
-    formats = dense_reads(layer.k.codec, layer.v.codec, head_dim, unsupported=api.unsupported)
+    formats = _in_place(layer, head_dim)
     return formats if isinstance(formats, str) else None
 
 
@@ -51,9 +57,9 @@ def kernel_arrays(layer: Segment, lengths: jax.Array, head_dim: int):
     the view's index in them (None for a view of its own), read in place, where
     :func:`in_place_reason` allows; else the stored tokens decoded to bfloat16 ``[B, K,
     max_len, D]`` in position order (zeros past each row's length)."""
-    if in_place_reason(layer, head_dim) is None:
-        k_fmt, v_fmt = dense_reads(layer.k.codec, layer.v.codec, head_dim,
-                                   unsupported=api.unsupported)
+    formats = _in_place(layer, head_dim)
+    if not isinstance(formats, str):
+        k_fmt, v_fmt = formats
         # in a scan over layers the codes are the segment's whole stack (Store.layer)
         return k_fmt.values(layer.k.codes), v_fmt.values(layer.v.codes), layer.k.layer
     return (dense(layer.k, lengths, jnp.bfloat16), dense(layer.v, lengths, jnp.bfloat16),
