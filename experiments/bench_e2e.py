@@ -9,15 +9,17 @@ For each cache spec and batch size: a random-weight model of the given shape
 generates ``--new-tokens`` greedy tokens after a random prompt of ``--context``
 tokens, prefilled ``--prefill-chunk`` tokens at a time (after a warm-up run of the same
 compiled programs on a prompt of one chunk, which the compile time is taken from), its
-layers unrolled over per-layer weight buffers (``--stacked-weights``: scanned over
-stacked ones, which a GPU copies layer by layer every step); reported are decode tokens/s
+weights in ``--weights`` layout: ``decode`` (:func:`models.llama.decode_layout`: layers
+unrolled over per-layer buffers, projections joined), ``per-layer`` (the projections
+apart) or ``stacked`` (scanned, which a GPU copies layer by layer every step); reported
+are decode tokens/s
 (all rows, compilation excluded), milliseconds per decode step, prefill seconds and the
 cache's bytes. The models' attention is their cache config's, ``"auto"``: on a GPU the
 decode steps of ``int:N`` and SAW caches run the fused INT kernel (``"int_decode"``),
 those of TurboQuant, OCTOPUS and PolarQuant caches their kernels over rotated keys
 (``"codebook_decode"``, ``"octopus_decode"``, ``"polar_decode"``), those of a ``bf16``
-cache ``"dense_decode"`` (reading the layer in place), and prefill chunks walk the
-cache in windows with bfloat16 operands (``"xla"``; see :func:`kvjax.attention.auto_names`).
+cache ``"dense_decode"`` (reading the layer in place), and prefill chunks run the flash
+attention ``"chunk_flash"`` (see :func:`kvjax.attention.auto_names`).
 
 Capacity: the largest batch whose cache of ``--context`` tokens (the bytes of the arrays
 that :func:`kvjax.cache.init_cache` allocates: :func:`kvjax.eval.memory.cache_bytes`) fits
@@ -49,7 +51,11 @@ from kvjax.eval.sweep import write_json
 from kvjax.spec import CacheConfig, parse_cache
 from models.config import ModelConfig
 from models.generate import generate
-from models.llama import fuse_projections, init_params, unstack_layers
+from models.llama import decode_layout, init_params, unstack_layers
+
+#: ``--weights``: how the random stacked weights are laid out for the run
+WEIGHT_LAYOUTS = {"decode": decode_layout, "per-layer": unstack_layers,
+                  "stacked": lambda params: params}
 
 
 def floor_tok_per_s(weights: int, cache: int, batch: int, peak_gbs: float) -> float:
@@ -161,11 +167,8 @@ def main(argv=None) -> int:
                    "nothing); --at-capacity then runs that batch")
     p.add_argument("--peak-gbs", type=float, default=4240.0,
                    help="memory bandwidth of the floor, GB/s (H200: 4240)")
-    p.add_argument("--fused-projections", action="store_true",
-                   help="wq|wk|wv and w_gate|w_up joined (models.llama.fuse_projections)")
-    p.add_argument("--stacked-weights", action="store_true",
-                   help="scan the layers over stacked weights (default: per-layer "
-                   "buffers, unrolled: models.llama.unstack_layers)")
+    p.add_argument("--weights", choices=list(WEIGHT_LAYOUTS), default="decode",
+                   help="the weights' layout (default: models.llama.decode_layout)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     window = {} if args.window is None else {"residual_window": args.window}
@@ -192,12 +195,8 @@ def main(argv=None) -> int:
         print("bench_e2e: XLA_PYTHON_CLIENT_PREALLOCATE=false: a cache near the memory "
               "limit may fail to allocate; unset it for --at-capacity", file=sys.stderr)
     params = init_params(jax.random.key(0), config, jnp.bfloat16)
-    if not args.stacked_weights:
-        params = unstack_layers(params)  # the stacked copy is freed here
-    weights = "stacked" if args.stacked_weights else "per-layer"
-    if args.fused_projections:
-        params = fuse_projections(params)
-        weights += ", fused"
+    params = WEIGHT_LAYOUTS[args.weights](params)  # a stacked copy is freed here
+    weights = args.weights
     source = provenance()
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit") or (args.device_gb or 0) * 1e9
@@ -247,6 +246,7 @@ def main(argv=None) -> int:
                 "git": source["git"], "device": source["device"]["device_kind"],
             })
             print(rows[-1], file=sys.stderr, flush=True)
+            del result  # its cache would sit beside the next run's
     base = {(r["batch"], r["context"]): r["decode_tok_per_s"] for r in rows
             if r["codec"] == "bf16"}
     print("| codec | batch | context | decode tok/s | ms/step | of floor | vs bf16 | "

@@ -6,7 +6,8 @@
 
 For each cache spec, greedy generation from the same prompts twice: the reference loop
 (weights stacked and scanned, every attention call the float32 reference) and the
-optimized one (weights per layer, unrolled; the cache config's attention ``--attention``,
+optimized one (:func:`models.llama.decode_layout`: weights per layer, unrolled, the
+projections joined; the cache config's attention ``--attention``,
 by default ``"auto"``: on a GPU the fused kernels). Prints per spec how many rows agree
 and where the first disagreeing row parts; exits 1 when any row differs. The fused
 kernels' matmul operands are 16-bit (the reference's float32), so a near-tie between
@@ -32,7 +33,7 @@ from kvjax.eval.provenance import provenance
 from kvjax.eval.sweep import write_json
 from kvjax.spec import parse_cache
 from models.generate import generate
-from models.llama import unstack_layers
+from models.llama import decode_layout
 
 PROMPTS = (
     "The capital of France is",
@@ -52,7 +53,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def compare(params, per_layer, config, prompts, spec: str, attention: str,
             new_tokens: int) -> dict:
     """One spec's row: tokens of the reference loop (``params`` stacked) and of the
-    optimized loop (``per_layer``, the same weights unstacked)."""
+    optimized loop (``per_layer``, the same weights in the decode layout)."""
     reference = parse_cache(f"{spec} attn=reference")
     optimized = parse_cache(f"{spec} attn={attention}")
     kw = {"max_new_tokens": new_tokens, "eos_token_ids": ()}
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
         return 2
     config, params, tokenizer = models.load(args.model, dtype=jnp.dtype(args.dtype))
     prompts = [tokenizer.encode(text) for text in PROMPTS]
-    per_layer = unstack_layers(params)
+    per_layer = decode_layout(params)
     rows = []
     for spec in specs:
         rows.append(compare(params, per_layer, config, prompts, spec, args.attention,

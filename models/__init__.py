@@ -79,10 +79,10 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16,
          per_layer: bool = False):
     """Load ``(config, params, tokenizer)`` from a registered name, a GGUF or an HF dir.
 
-    ``per_layer``: the layers' weights as one buffer per layer
-    (:func:`models.llama.unstack_layers`), which a GPU decodes faster (the stacked
-    weights are copied once, then freed); stacked compiles faster."""
-    from models.llama import unstack_layers
+    ``per_layer``: the layout a GPU decodes fastest (:func:`models.llama.decode_layout`:
+    one buffer per layer, projections joined; the stacked weights are copied once, then
+    freed); stacked compiles faster."""
+    from models.llama import decode_layout
 
     kind, path = _locate(name_or_path)
     if kind == "gguf":
@@ -94,7 +94,7 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16,
         from models.hf import load_hf_dir
 
         config, params, tokenizer = load_hf_dir(path, dtype)
-    return config, unstack_layers(params) if per_layer else params, tokenizer
+    return config, decode_layout(params) if per_layer else params, tokenizer
 
 
 def context_length(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> int:

@@ -131,6 +131,13 @@ def unstack_layers(params: Params) -> Params:
         {name: leaf[i] for name, leaf in layers.items()} for i in range(count))}
 
 
+def decode_layout(params: Params) -> Params:
+    """``params`` in the layout a GPU decodes fastest: one buffer per layer
+    (:func:`unstack_layers`) with the projections joined (:func:`fuse_projections`; a
+    Llama-3-8B decode step at B = 1 takes 5.44 ms against 6.16, docs/kernels.md)."""
+    return fuse_projections(unstack_layers(params))
+
+
 def stack_layers(params: Params) -> Params:
     """Inverse of :func:`unstack_layers`: the layers stacked over a leading ``L`` axis."""
     layers = params["layers"]

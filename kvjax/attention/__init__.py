@@ -12,7 +12,7 @@ kernel over TurboQuant keys (MSE and QJL) and group-wise INT values
 which merges the raw sinks and window for every kernel, as the other decode kernels
 (``"octopus_decode"``, ``"polar_decode"``, ``"hqmq_decode"``, ``"rice_decode"``,
 ``"dense_decode"``) are; ``"chunk_flash"``, a fused flash attention for chunks of
-several tokens (:mod:`.prefill`, by name only: not in ``"auto"``).
+several tokens (:mod:`.prefill`).
 """
 
 from kvjax.attention import registry as _registry  # noqa: F401  (fills the registry)

@@ -1,7 +1,6 @@
 """A chunk's attention through the fused flash-attention kernel of
 :mod:`pallas_kernels.chunk_attention`: registered as ``"chunk_flash"``
-(:mod:`kvjax.attention.registry`), reachable by name only until its compiled form is
-measured on a GPU.
+(:mod:`kvjax.attention.registry`), the first choice of ``"auto"`` for chunks on a GPU.
 
 It serves what ``"xla"``'s windowed attention serves for chunks of several tokens (a
 codec whose scores are ``q . decode(codes)``), with the scores of a block of queries

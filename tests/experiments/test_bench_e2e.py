@@ -55,13 +55,13 @@ def test_smoke_run_prints_the_table(capsys, monkeypatch, tmp_path):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("| codec | batch | context | decode tok/s | ms/step | of floor")
     assert out[2].startswith("| int:4 | 1 | 40 |") and out[3].startswith("| bf16 | 1 | 40 |")
-    assert " | per-layer | " in out[2]
+    assert " | decode | " in out[2]
     record = json.loads((tmp_path / "rows.json").read_text())
     rows = record["rows"]
     assert [r["codec"] for r in rows] == ["int:4", "bf16"]
     assert record["provenance"]["device"]["device_kind"] == rows[0]["device"]
     assert all(0 < r["decode_tok_per_s"] < r["floor_tok_per_s"] for r in rows)
-    assert all(r["weights"] == "per-layer" for r in rows)
+    assert all(r["weights"] == "decode" for r in rows)
 
 
 def test_points_make_one_table_over_batches_and_contexts(capsys, monkeypatch):

@@ -18,6 +18,7 @@ import pytest
 import models
 from models import gguf as mg
 from models.files import ModelFileError
+from models.llama import fuse_projections
 from tests.fuzz import example_count, rng
 from tests.models.gguf_files import (
     ARRAY,
@@ -181,13 +182,16 @@ def test_load_smollm2_layout(loaded):
                            "w_gate", "w_up", "w_down"}
 
 
-def test_load_per_layer_holds_the_same_weights(loaded):
+def test_load_per_layer_holds_the_same_weights_joined(loaded):
     _, params, _ = loaded
     _, per_layer, _ = models.load("smollm2-135m", jnp.float32, per_layer=True)
     assert isinstance(per_layer["layers"], tuple) and len(per_layer["layers"]) == 30
+    assert set(per_layer["layers"][0]) == {"attn_norm", "w_qkv", "wo", "mlp_norm",
+                                           "w_gate_up", "w_down"}
+    joined = fuse_projections(params)["layers"]
     for i in (0, 29):
         for name, leaf in per_layer["layers"][i].items():
-            np.testing.assert_array_equal(leaf, params["layers"][name][i])
+            np.testing.assert_array_equal(leaf, joined[name][i])
 
 
 def test_weights_equal_transformers_gguf_loader(loaded, hf_model):

@@ -84,11 +84,12 @@ def test_layers_scanned_over_their_stack_are_read_in_place():
     assert 0 < float(err) < ATOL
 
 
-def test_registered_by_name_only():
+def test_registered_in_auto_on_a_gpu_only():
     assert "chunk_flash" in registered()
     impl = REGISTRY["chunk_flash"]
-    assert impl.fused and not impl.auto
-    assert "chunk_flash" not in auto_names("gpu")
+    assert impl.fused and impl.auto
+    assert auto_names("gpu")[-3:] == ("chunk_flash", "xla", "reference")
+    assert "chunk_flash" not in auto_names("cpu")
     assert registered()[:4] == ("reference", "xla", "int_decode", "codebook_decode")
 
 
