@@ -650,15 +650,27 @@ def scan_layers(
 def _unrolled_layers(body, carry, cache: KVCache, xs) -> tuple[Any, KVCache]:
     new_segments = []
     for seg in cache.segments:
+        flags = {"k": [], "v": []}
         for j in range(seg.stop - seg.start):
             index = jnp.int32(j)
             carry, view = body(carry, xs[seg.start + j], _layer_view(seg, index))
-            seg = _write_back(seg, view, index)
+            seg = _write_back(seg, view, index,
+                              tuple(name for name in _SMALL if name not in _FLAGS))
+            flags["k"].append(view.k)
+            flags["v"].append(view.v)
+        # each layer's flags written into the stack apart would be two tiny kernels per
+        # layer and step; stacked at the end they are one (each layer reads only its own)
+        seg = dataclasses.replace(seg, **{role: dataclasses.replace(getattr(seg, role), **{
+            name: jnp.stack([getattr(v, name) for v in views]).astype(
+                getattr(getattr(seg, role), name).dtype) for name in _FLAGS})
+            for role, views in flags.items()})
         new_segments.append(seg)
     return carry, dataclasses.replace(cache, segments=tuple(new_segments))
 
 
-_SMALL = ("params", "raw", "sink", "nonfinite", "saturated")
+#: a layer view's own parts, sliced from the segment's stacks (its codes are the stack)
+_FLAGS = ("nonfinite", "saturated")
+_SMALL = ("params", "raw", "sink", *_FLAGS)
 
 
 def _layer_view(seg: Segment, i: jax.Array) -> Segment:
@@ -671,11 +683,12 @@ def _layer_view(seg: Segment, i: jax.Array) -> Segment:
     return dataclasses.replace(seg, k=view(seg.k), v=view(seg.v))
 
 
-def _write_back(seg: Segment, view: Segment, i: jax.Array) -> Segment:
+def _write_back(seg: Segment, view: Segment, i: jax.Array,
+                names: tuple[str, ...] = _SMALL) -> Segment:
     def write(stack: Store, new: Store) -> Store:
         small = {name: jax.tree.map(
             lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), i, 0),
-            getattr(stack, name), getattr(new, name)) for name in _SMALL}
+            getattr(stack, name), getattr(new, name)) for name in names}
         return dataclasses.replace(stack, codes=new.codes, **small)
 
     return dataclasses.replace(seg, k=write(seg.k, view.k), v=write(seg.v, view.v))

@@ -239,6 +239,33 @@ def test_layer_policy_segments_and_scan_match_a_python_loop():
         kc.scan_layers(body, 0, cache, [scales[i] for i in range(4)])
 
 
+def test_unrolled_layers_write_their_flags_once_per_segment():
+    """Unrolled, each layer's flags land in its own row of the stack, written by one
+    stack per segment rather than one update per layer and flag."""
+    rng = np.random.default_rng(5)
+    k = jnp.asarray(rng.standard_normal((2, 1, 2, 16)), jnp.float32)
+
+    def run(layers, bad_layer):
+        cache = _new(parse_cache("int:4"), layers=layers)
+        step = kc.make_step(cache, 1)
+        scales = [jnp.float32(jnp.nan if i == bad_layer else 1.0) for i in range(layers)]
+
+        def body(carry, scale, view):
+            return carry, kc.append(view, k * scale, k, step)
+
+        def go(c):
+            return kc.scan_layers(body, 0, c, scales)[1]
+        text = str(jax.make_jaxpr(go)(cache))
+        return go(cache), text.count("name=dynamic_update_index_in_dim")
+
+    out, updates = run(4, bad_layer=2)
+    assert np.asarray(out.segments[0].k.nonfinite).tolist() == [[False] * 2] * 2 + [
+        [True] * 2] + [[False] * 2]
+    assert not np.asarray(out.segments[0].v.nonfinite).any()
+    # per layer: the raw window and the sinks of K and V (int:4 has no parameters)
+    assert (updates - run(2, bad_layer=0)[1]) // 2 == 4
+
+
 def test_bad_policy_and_shapes_are_clear_errors():
     with pytest.raises(ValueError, match="layer 7"):
         _new(parse_cache("int:4 layers[7]:k=bf16"), layers=3)
