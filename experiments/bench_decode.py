@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -46,6 +44,7 @@ import numpy as np
 
 from kvjax.attention import fused
 from kvjax.eval.memory import model_shape
+from kvjax.eval.timing import timed
 from kvjax.spec import parse_cache
 from pallas_kernels.flash import NUM_WARPS, default_blocking, default_splits
 from pallas_kernels.int_decode.api import int_decode, random_inputs
@@ -68,26 +67,6 @@ DISTINCT_TOKENS = 1024
 
 def nbytes(*arrays) -> int:
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays)
-
-
-def timed(fn, args, inner, repeats):
-    """(compile seconds, median seconds per call) of ``fn(q, *rest) -> out like q``."""
-
-    def loop(q, *rest):
-        def body(_, q):
-            return q + 1e-30 * fn(q, *rest).astype(q.dtype)
-        return jax.lax.fori_loop(0, inner, body, q)
-
-    t0 = time.perf_counter()
-    compiled = jax.jit(loop).lower(*args).compile()
-    compile_s = time.perf_counter() - t0
-    jax.block_until_ready(compiled(*args))
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        samples.append((time.perf_counter() - t) / inner)
-    return compile_s, statistics.median(samples)
 
 
 def parse_variant(text: str) -> dict:

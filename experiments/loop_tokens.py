@@ -22,6 +22,7 @@ bf16 caches), and what parts the rows is the kernels' rounding alone.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -40,6 +41,19 @@ PROMPTS = (
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea,",
 )
+
+
+def read_prompt_ids(path: Path) -> list[list[int]]:
+    """The prompts' token ids from ``path``: a JSON list of non-empty lists of ints, or
+    an object holding one under ``"prompts"`` (what ``--json`` writes)."""
+    data = json.loads(Path(path).read_text())
+    prompts = data.get("prompts") if isinstance(data, dict) else data
+    if not (isinstance(prompts, list) and prompts and all(
+            isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)
+            for ids in prompts)):
+        raise ValueError(f"{path}: expected a non-empty list of non-empty lists of token "
+                         "ids (or an object with one under 'prompts')")
+    return prompts
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -77,17 +91,24 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="the weights' type")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path,
+                   help="the rows and the prompts' token ids (which --prompt-ids reads)")
+    p.add_argument("--prompt-ids", type=Path, metavar="JSON",
+                   help="token ids of the prompts (a list of lists, or a --json file) in "
+                   "place of tokenizing PROMPTS: the model loads without its tokenizer, "
+                   "so neither transformers nor tokenizers need be installed")
     args = p.parse_args(argv)
     specs = args.cache or ["bf16", "int:4"]
     try:
         for spec in specs:
             parse_cache(f"{spec} attn={args.attention}")
-    except ValueError as err:
+        given = read_prompt_ids(args.prompt_ids) if args.prompt_ids else None
+    except (ValueError, OSError) as err:
         print(f"loop_tokens: {err}", file=sys.stderr)
         return 2
-    config, params, tokenizer = models.load(args.model, dtype=jnp.dtype(args.dtype))
-    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    config, params, tokenizer = models.load(args.model, dtype=jnp.dtype(args.dtype),
+                                            tokenizer=given is None)
+    prompts = given or [tokenizer.encode(text) for text in PROMPTS]
     per_layer = decode_layout(params)
     rows = []
     for spec in specs:
@@ -104,7 +125,7 @@ def main(argv=None) -> int:
         print(f"| {r['cache']} | {args.dtype} | {r['attention']} | {r['equal_rows']} / "
               f"{r['rows']} | {step} | {device} |")
     if args.json:
-        write_json(args.json, {"rows": rows}, source=provenance())
+        write_json(args.json, {"rows": rows, "prompts": prompts}, source=provenance())
     return 0 if all(r["equal_rows"] == r["rows"] for r in rows) else 1
 
 

@@ -76,8 +76,11 @@ def _locate(name_or_path: str | os.PathLike) -> tuple[str, str]:
 
 
 def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16,
-         per_layer: bool = False):
+         per_layer: bool = False, tokenizer: bool = True):
     """Load ``(config, params, tokenizer)`` from a registered name, a GGUF or an HF dir.
+
+    ``tokenizer=False`` skips building the tokenizer (None is returned in its place): the
+    weights alone need neither transformers nor the time it takes.
 
     ``per_layer``: the layout a GPU decodes fastest (:func:`models.llama.decode_layout`:
     one buffer per layer, projections joined; the stacked weights are copied once, then
@@ -88,13 +91,13 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16,
     if kind == "gguf":
         from models.gguf import load_gguf
 
-        config, params, tokenizer = load_gguf(path, dtype)
+        config, params, built = load_gguf(path, dtype, tokenizer=tokenizer)
     else:
         # Imported here: the HF loader pulls in safetensors/transformers only when used.
         from models.hf import load_hf_dir
 
-        config, params, tokenizer = load_hf_dir(path, dtype)
-    return config, decode_layout(params) if per_layer else params, tokenizer
+        config, params, built = load_hf_dir(path, dtype, tokenizer=tokenizer)
+    return config, decode_layout(params) if per_layer else params, built
 
 
 def context_length(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> int:

@@ -237,13 +237,14 @@ def _index_shards(index: str) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def load_hf_dir(path: str | os.PathLike, dtype: Any = jnp.bfloat16):
+def load_hf_dir(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *,
+                tokenizer: bool = True):
     """Load an HF model directory: ``(ModelConfig, params in dtype, tokenizer or None)``.
 
     The tokenizer comes from ``transformers.AutoTokenizer`` when the directory holds
-    tokenizer files; nothing is downloaded. Every problem with the directory's files
-    (config, shards, tensors that do not fit the config, a tokenizer that cannot be
-    built) raises :class:`ModelFileError`.
+    tokenizer files (and ``tokenizer`` is true); nothing is downloaded. Every problem
+    with the directory's files (config, shards, tensors that do not fit the config, a
+    tokenizer that cannot be built) raises :class:`ModelFileError`.
     """
     path = os.fspath(path)
     config_file = os.path.join(path, "config.json")
@@ -256,13 +257,13 @@ def load_hf_dir(path: str | os.PathLike, dtype: Any = jnp.bfloat16):
         raise
     except ValueError as err:  # tensors that do not fit the config
         raise ModelFileError(path, str(err)) from None
-    tokenizer = None
+    built = None
     tokenizer_files = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    if any(os.path.exists(os.path.join(path, n)) for n in tokenizer_files):
+    if tokenizer and any(os.path.exists(os.path.join(path, n)) for n in tokenizer_files):
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            built = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as err:  # the tokenizers backend raises plain Exception
             raise ModelFileError(path, f"its tokenizer cannot be built: {err}") from None
-    return config, params, tokenizer
+    return config, params, built

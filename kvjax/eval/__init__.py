@@ -19,6 +19,8 @@
   (self-score shrinkage, equal stored bits, bit splits, 3x3 rounding vs the full grid).
 - :mod:`kvjax.eval.lattice_rates`: HyperQuant's lattice rate measurements (second
   moments, Rice rate and the cost of not stripping, realized vs target rate).
+- :mod:`kvjax.eval.timing`: the benchmarks' timing of jitted functions (compile apart,
+  the median of dependent loops).
 
 The model is an argument, never an import.
 """
