@@ -49,7 +49,8 @@ class GenerateResult:
             (EOS is excluded) or after ``max_new_tokens``.
         prefill_s, decode_s: wall seconds of the prefill and of the decode loop,
             compilation excluded.
-        compile_s: seconds spent tracing and compiling (0 when both were cached).
+        compile_s: seconds spent tracing and compiling (0 when both were cached), the sum
+            of ``prefill_compile_s`` and ``decode_compile_s`` (each program's).
         decode_tok_per_s: new tokens of all rows per decode second (the loop samples the
             first one from the prefill logits and runs every forward after it).
         cache_bytes: :func:`kvjax.cache.memory_bytes` of the final cache.
@@ -63,6 +64,8 @@ class GenerateResult:
     decode_tok_per_s: float
     cache_bytes: int
     cache: KVCache
+    prefill_compile_s: float = 0.0
+    decode_compile_s: float = 0.0
 
 
 def _prefill(params, config, tokens, valid, cache):
@@ -275,6 +278,8 @@ def generate(
         prefill_s=t2 - t1,
         decode_s=decode_s,
         compile_s=(t1 - t0) + (t3 - t2),
+        prefill_compile_s=t1 - t0,
+        decode_compile_s=t3 - t2,
         decode_tok_per_s=decoded / decode_s if decode_s > 0 else float("nan"),
         cache_bytes=memory_bytes(cache),
         cache=cache,

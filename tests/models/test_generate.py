@@ -88,6 +88,8 @@ def test_decode_compiles_once(params):
     assert after_first["prefill"] - before["prefill"] <= 1
     assert gen.TRACE_COUNTS == after_first
     assert first.compile_s > 0 and second.compile_s < first.compile_s
+    assert first.decode_compile_s > 0 and first.compile_s == (
+        first.prefill_compile_s + first.decode_compile_s)
     assert first.tokens != second.tokens
 
 
