@@ -14,7 +14,9 @@ causally to the ``S`` tokens before it and to itself: what every chunk of a chun
 prefill does, ``S`` growing chunk by chunk. ``chunk_flash`` is
 :func:`pallas_kernels.chunk_attention.api.chunk_attention` (what the ``"chunk_flash"``
 attention calls) over bfloat16 keys and values ``[B, K, S + T, D]``; a ``--variant
-BLOCK_Q:BLOCK_K:WARPS:STAGES`` runs it with that blocking, and its output is compared
+BLOCK_Q:BLOCK_K:WARPS:STAGES[:ORDER]`` runs it with that blocking (and grid order:
+``queries`` starts the query blocks of one row and kv head together), and its output is
+compared
 with the default's (``max diff``, which must stay at bfloat16 rounding). ``cudnn`` is
 ``jax.nn.dot_product_attention`` with ``is_causal`` over the chunk alone, so it runs
 only where ``S = 0`` (its causal mask is aligned at the first query; a chunk after a
@@ -41,6 +43,7 @@ from kvjax.eval.memory import MODEL_SHAPES, model_shape
 from kvjax.eval.sweep import write_json
 from kvjax.eval.timing import timed
 from pallas_kernels.chunk_attention.api import chunk_attention
+from pallas_kernels.chunk_attention.kernel import ORDERS
 
 DEFAULT_POINTS = ((8, 1024, 0), (8, 1024, 15360), (8, 1024, 31744), (1, 4096, 126976))
 
@@ -58,16 +61,19 @@ def parse_point(text: str) -> tuple[int, int, int]:
 
 
 def parse_variant(text: str) -> dict:
-    """``BLOCK_Q:BLOCK_K:WARPS:STAGES`` -> the kernel entry's blocking keywords."""
+    """``BLOCK_Q:BLOCK_K:WARPS:STAGES[:ORDER]`` -> the kernel entry's keywords (``ORDER``
+    one of :data:`pallas_kernels.chunk_attention.kernel.ORDERS`, default ``rows``)."""
     names = ("block_q", "block_k", "num_warps", "num_stages")
+    parts = text.split(":")
+    order = parts.pop() if len(parts) == len(names) + 1 else "rows"
     try:
-        values = [int(p) for p in text.split(":")]
+        values = [int(p) for p in parts]
     except ValueError:
         values = []
-    if len(values) != len(names) or min(values) < 1:
+    if len(values) != len(names) or min(values) < 1 or order not in ORDERS:
         raise ValueError(f"a variant is BLOCK_Q:BLOCK_K:WARPS:STAGES (positive integers), "
-                         f"got '{text}'")
-    return dict(zip(names, values, strict=True))
+                         f"then optionally :ORDER, one of {ORDERS}; got '{text}'")
+    return {**dict(zip(names, values, strict=True)), "order": order}
 
 
 def visible_keys(tokens: int, history: int) -> int:
@@ -155,7 +161,7 @@ def main(argv=None) -> int:
                    help="rows, chunk tokens, stored tokens before the chunk (default: "
                    + ", ".join(":".join(map(str, pt)) for pt in DEFAULT_POINTS) + ")")
     p.add_argument("--variant", action="append", default=[],
-                   metavar="BLOCK_Q:BLOCK_K:WARPS:STAGES")
+                   metavar="BLOCK_Q:BLOCK_K:WARPS:STAGES[:ORDER]")
     p.add_argument("--inner", type=int, default=5)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=989.0,

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.chunk_attention.kernel import chunk_call
+from pallas_kernels.chunk_attention.kernel import ORDERS, chunk_call
 from pallas_kernels.flash import MIN_DOT, check_query, check_stack, query_rows
 
 #: the storage types the kernel's matmuls take as they are
@@ -77,7 +77,7 @@ def check_arrays(q, keys, values, q_positions, lengths, layer, sliding_window=No
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "block_q", "block_k", "num_warps",
-                     "num_stages", "interpret"),
+                     "num_stages", "order", "interpret"),
 )
 def chunk_attention(
     q: jax.Array,            # [B, K, G*T, D] float: the chunk's queries of kv head k
@@ -93,6 +93,7 @@ def chunk_attention(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    order: str = "rows",     # the grid's order (kernel.ORDERS)
     interpret: bool | None = None,  # Pallas interpret mode; default: off a GPU
 ) -> jax.Array:
     """Causal attention of a chunk's query rows over the stored keys: ``o [B, K, G*T, D]``
@@ -112,6 +113,8 @@ def chunk_attention(
     kernel cannot serve these arrays (:func:`unsupported`), ``ValueError`` when they are
     malformed.
     """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     check_arrays(q, keys, values, q_positions, lengths, layer, sliding_window, block_q,
                  block_k)
     rows, head_dim = q.shape[2:]
@@ -129,5 +132,5 @@ def chunk_attention(
     o = chunk_call(q, positions, keys, values, jnp.clip(lengths, 0, slots), layer,
                    sm_scale=sm_scale, window=sliding_window, block_q=block_q,
                    block_k=block_k or BLOCK_K, num_warps=num_warps or NUM_WARPS,
-                   num_stages=num_stages or NUM_STAGES, interpret=interpret)
+                   num_stages=num_stages or NUM_STAGES, order=order, interpret=interpret)
     return o[:, :, :rows]

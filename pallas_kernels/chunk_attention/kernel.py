@@ -8,8 +8,9 @@ back for the softmax; here a program keeps the scores of its block of query rows
 against one block of keys in registers, folds them into an online softmax and moves
 on, so only the output is ever written.
 
-Grid ``(B, K, query blocks)``: a program holds ``block_q`` query rows of one (row, kv
-head) and walks the key blocks any of them can see, from the sliding window's start
+Grid ``(B, K, query blocks)`` (or ``(query blocks, K, B)``: :data:`ORDERS`): a program
+holds ``block_q`` query rows of one (row, kv head) and walks the key blocks any of them
+can see, from the sliding window's start
 (or 0) to the block's largest position (or the row's length). Blocks every row sees
 whole run without masks; the blocks at the window's edge, on the causal diagonal and at
 the row's length are masked, and load nothing past the length. The matmul operands are
@@ -28,6 +29,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.flash import dot_nn, dot_nt, softmax_step, stacked_spec
 from pallas_kernels.partial import NEG
+
+#: the grid's order: ``"rows"`` ``(B, K, query blocks)``, ``"queries"`` ``(query blocks,
+#: K, B)``. A GPU starts a grid's programs with the first axis varying fastest (CUDA's
+#: usual block order, not a promise), so under ``"queries"`` the programs in flight
+#: together would be the query blocks of a few (row, kv head) pairs, which read the same
+#: keys and values (one pair's 32k keys and values are 16 MB: a few pairs fit the L2);
+#: under ``"rows"`` they are the same query block of every pair, each with its own.
+#: ``experiments/bench_prefill.py`` measures both.
+ORDERS = ("rows", "queries")
 
 
 def key_blocks(first, last, length, *, block_k: int, window: int | None, slots: int):
@@ -99,33 +109,42 @@ def _kernel(n_ref, layer_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, block_k, s
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "window", "block_q", "block_k", "num_warps", "num_stages",
-                     "interpret"),
+                     "order", "interpret"),
 )
 def chunk_call(q, positions, keys, values, lengths, layer=None, *, sm_scale: float,
                window: int | None, block_q: int, block_k: int, num_warps: int,
-               num_stages: int, interpret: bool):
+               num_stages: int, interpret: bool, order: str = "rows"):
     """The ``pallas_call``: ``q [B, K, R, D]`` in the stored type with ``R`` a multiple of
     ``block_q``, ``positions [B, R]`` int32, ``keys`` and ``values`` ``[L, B, K, S, D]``
     (``layer`` None: ``[B, K, S, D]``), ``lengths [B]`` int32 at most ``S``. Returns the
-    normalized output ``[B, K, R, D]`` float32; no check (:func:`.api.chunk_attention`
-    does them)."""
+    normalized output ``[B, K, R, D]`` float32; ``order`` one of :data:`ORDERS`; no check
+    (:func:`.api.chunk_attention` does them)."""
     batch, heads, rows, head_dim = q.shape
     if layer is None:
         keys, values, layer = keys[None], values[None], 0
     layers, slots = keys.shape[0], keys.shape[3]
     kernel = functools.partial(_kernel, block_k=block_k, sm_scale=sm_scale, window=window)
     query_block = pl.BlockSpec((None, None, block_q, head_dim), lambda b, h, i: (b, h, i, 0))
+    in_specs = [
+        pl.BlockSpec((1,), lambda b, h, i: (b,)),
+        pl.BlockSpec((1,), lambda b, h, i: (0,)),
+        pl.BlockSpec((None, block_q), lambda b, h, i: (b, i)),
+        query_block,
+        stacked_spec(layers, slots, head_dim),
+        stacked_spec(layers, slots, head_dim),
+    ]
+    grid = (batch, heads, rows // block_q)
+    if order == "queries":
+        def swap(spec):
+            return pl.BlockSpec(spec.block_shape,
+                                lambda i, h, b, index=spec.index_map: index(b, h, i))
+        in_specs, query_block, grid = [swap(s) for s in in_specs], swap(query_block), grid[::-1]
+    elif order != "rows":
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     return pl.pallas_call(
         kernel,
-        grid=(batch, heads, rows // block_q),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, i: (b,)),
-            pl.BlockSpec((1,), lambda b, h, i: (0,)),
-            pl.BlockSpec((None, block_q), lambda b, h, i: (b, i)),
-            query_block,
-            stacked_spec(layers, slots, head_dim),
-            stacked_spec(layers, slots, head_dim),
-        ],
+        grid=grid,
+        in_specs=in_specs,
         out_specs=query_block,
         out_shape=jax.ShapeDtypeStruct((batch, heads, rows, head_dim), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -131,6 +131,14 @@ class TestChunkAttention:
                                             case.window)).any(-1)
         assert np.all(got.transpose(0, 2, 1, 3)[~sees] == 0)
 
+    def test_query_blocks_first_order_gives_the_same_output(self, case):
+        """The grid's order changes only which programs run together, not what each
+        computes: the outputs are the same bits."""
+        kw = inputs(case)
+        rows = np.asarray(api.chunk_attention(**kw))
+        queries = np.asarray(api.chunk_attention(**kw, order="queries"))
+        np.testing.assert_array_equal(queries, rows)
+
     def test_cases_hold_rows_that_see_nothing(self):
         for case, row in ((CASES[0], 2), (CASES[5], 1)):
             kw = inputs(case)
@@ -167,7 +175,8 @@ class TestChunkAttention:
                 ("layer", jnp.int32(0), "keys must be \\[L, B, K, S, D\\]"),
                 ("sliding_window", 0, "sliding_window must be"),
                 ("block_q", 24, "block_q must be a power of two"),
-                ("block_k", 8, "block_k must be a power of two")):
+                ("block_k", 8, "block_k must be a power of two"),
+                ("order", "heads", "order must be one of")):
             with pytest.raises(ValueError, match=match):
                 api.chunk_attention(**{**kw, name: bad})
 
