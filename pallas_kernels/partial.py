@@ -76,9 +76,25 @@ def merge_partials(partials, axis: int | None = None):
         o = jnp.stack([p[0] for p in partials])
         m = jnp.stack([p[1] for p in partials])
         l = jnp.stack([p[2] for p in partials])
-    top = jnp.max(m, axis=0)
-    weight = jnp.exp(m - top)
-    return jnp.sum(weight[..., None] * o, axis=0), top, jnp.sum(weight * l, axis=0)
+    if o.shape[0] == 1:
+        return o[0], m[0], l[0]
+    # one variadic reduction whose step merges two partials, rather than the largest
+    # logit first and the weighted sums after it: at decode time each reduction is a
+    # kernel launch of its own, per layer and step, on a few kilobytes
+    f32 = jnp.float32
+    o, top, total = jax.lax.reduce(
+        (o.astype(f32), jnp.broadcast_to(m[..., None], o.shape).astype(f32),
+         jnp.broadcast_to(l[..., None], o.shape).astype(f32)),
+        (f32(0), f32(NEG), f32(0)), _merge_two, (0,))
+    return o, top[..., 0], total[..., 0]
+
+
+def _merge_two(a, b):
+    (oa, ma, la), (ob, mb, lb) = a, b
+    top = jnp.maximum(ma, mb)
+    # NEG is finite: two empty partials weigh exp(0) = 1 each and add zeros
+    wa, wb = jnp.exp(ma - top), jnp.exp(mb - top)
+    return oa * wa + ob * wb, top, la * wa + lb * wb
 
 
 def normalize(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:

@@ -46,6 +46,18 @@ def test_merging_the_parts_equals_the_whole():
                                atol=1e-5)
 
 
+def test_merge_is_one_reduction():
+    """The splits of a decode kernel merge in one reduction (one kernel per layer and
+    step on a GPU), not a max and then the weighted sums."""
+    q, k, v = _case()
+    valid = jnp.ones((2, 37), bool)
+    parts = tuple(jnp.stack(x, axis=2) for x in zip(*[
+        dense_partial(q, k[:, :, a:a + 8], v[:, :, a:a + 8], valid[:, a:a + 8],
+                      sm_scale=0.3) for a in (0, 8, 16, 24)], strict=True))
+    text = str(jax.make_jaxpr(lambda p: normalize(*merge_partials(p, axis=2)))(parts))
+    assert text.count("reduce") == 1 and "reduce_max" not in text
+
+
 def test_an_empty_partial_is_absorbed_and_normalizes_to_zero():
     q, k, v = _case(n=9)
     valid = jnp.ones((2, 9), bool)
