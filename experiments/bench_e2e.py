@@ -246,7 +246,8 @@ def main(argv=None) -> int:
                 "max_batch_checked": checked[spec][0] if spec in checked else None,
                 "prefill_temp_bytes": checked[spec][1] if spec in checked else None,
                 "decode_temp_bytes": checked[spec][2] if spec in checked else None,
-                "git": source["git"], "device": source["device"]["device_kind"],
+                "git": source["git"], "code": source["code"],
+                "device": source["device"]["device_kind"],
             })
             print(rows[-1], file=sys.stderr, flush=True)
             del result  # its cache would sit beside the next run's
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
             if r["codec"] == "bf16"}
     print("| codec | batch | context | decode tok/s | ms/step | of floor | vs bf16 | "
           "prefill s | compile s (prefill + decode) | cache GiB | max batch at the context | "
-          "checked with programs | weights | git | device |")
+          "checked with programs | weights | git (code digest) | device |")
     print("|---" * 15 + "|")
     for r in rows:
         key = (r["batch"], r["context"])
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
               f"{r['cache_bytes'] / 2**30:.2f} | "
               f"{r['max_batch'] if r['max_batch'] is not None else '-'} | "
               f"{r['max_batch_checked'] if r['max_batch_checked'] is not None else '-'} | "
-              f"{r['weights']} | {short_sha(r['git'])} | {r['device']} |")
+              f"{r['weights']} | {short_sha(r['git'])} ({r['code'][:8]}) | {r['device']} |")
     if args.json:
         write_json(args.json, {"rows": rows}, source=source)
     return 0

@@ -60,6 +60,9 @@ def test_smoke_run_prints_the_table(capsys, monkeypatch, tmp_path):
     rows = record["rows"]
     assert [r["codec"] for r in rows] == ["int:4", "bf16"]
     assert record["provenance"]["device"]["device_kind"] == rows[0]["device"]
+    # each row names the code it ran, which any commit's tree can be checked against
+    assert rows[0]["code"] == record["provenance"]["code"]
+    assert f"({rows[0]['code'][:8]}) |" in out[2]
     assert all(0 < r["decode_tok_per_s"] < r["floor_tok_per_s"] for r in rows)
     assert all(r["weights"] == "decode" for r in rows)
 
