@@ -16,4 +16,4 @@ def test_table_and_json(tmp_path, capsys):
     assert [r["codec"] for r in stored["rows"]] == ["int:4"]
     assert stored["settings"] == {"seeds": 1, "needle_seeds": 1, "head_dim": 32, "seed": 0,
                                   "seconds": stored["settings"]["seconds"]}
-    assert set(stored[KEY]) == {"git", "versions", "device", "command", "time"}
+    assert set(stored[KEY]) == {"git", "code", "versions", "device", "command", "time"}

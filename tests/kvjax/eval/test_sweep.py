@@ -158,7 +158,7 @@ def test_write_json_is_atomic_and_carries_provenance(tmp_path):
     sweep.write_json(path, {"rows": [1, 2]})
     stored = json.loads(path.read_text())
     assert stored["rows"] == [1, 2] and set(stored[KEY]) == {
-        "git", "versions", "device", "command", "time"}
+        "git", "code", "versions", "device", "command", "time"}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
