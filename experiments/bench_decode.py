@@ -72,19 +72,16 @@ def nbytes(*arrays) -> int:
 def parse_variant(text: str) -> dict:
     """``LAYOUT:BLOCK_S:WARPS:STAGES[:SPLITS]`` (LAYOUT ``halves`` or ``bytes``, with any
     of the suffixes ``-jnp``: unpacked without inline PTX, ``-sub``: unbiased planes, one
-    subtraction per pair of codes, ``-hN``: programs of N kv heads, ``-pN``: each block
-    scored in N parts by N copies of the query rows) as :func:`int_decode` options."""
+    subtraction per pair of codes, ``-hN``: programs of N kv heads) as
+    :func:`int_decode` options."""
     layout, block_s, warps, stages, *splits = text.split(":")
     name, *flags = layout.split("-")
-    counts = {kind: [int(f[1:]) for f in flags if re.fullmatch(kind + r"\d+", f)]
-              for kind in "hp"}
-    unknown = {f for f in flags if not re.fullmatch(r"[hp]\d+", f)} - {"jnp", "sub"}
-    if unknown or any(len(c) > 1 for c in counts.values()):
+    heads = [int(f[1:]) for f in flags if re.fullmatch(r"h\d+", f)]
+    unknown = {f for f in flags if not re.fullmatch(r"h\d+", f)} - {"jnp", "sub"}
+    if unknown or len(heads) > 1:
         raise ValueError(f"unknown layout suffixes in {text!r}")
     return {"research": Research(layout=name, asm="jnp" not in flags,
-                                 biased="sub" not in flags,
-                                 heads=counts["h"][0] if counts["h"] else 1,
-                                 parts=counts["p"][0] if counts["p"] else 1),
+                                 biased="sub" not in flags, heads=heads[0] if heads else 1),
             "block_s": int(block_s), "num_warps": int(warps), "num_stages": int(stages),
             "splits": int(splits[0]) if splits else None}
 
@@ -245,8 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--variant", action="append", default=[],
                    metavar="LAYOUT:BLOCK_S:WARPS:STAGES[:SPLITS]",
                    help="extra kernel configurations to time, e.g. bytes:128:8:3, "
-                        "halves-h2:128:2:3 (programs of 2 kv heads), halves-p4:128:2:3 (blocks "
-                        "scored in 4 parts), halves-sub:128:2:3 "
+                        "halves-h2:128:2:3 (programs of 2 kv heads), halves-sub:128:2:3 "
                         "(unbiased planes) or halves-jnp:64:4:2:66 (-jnp: unpack without "
                         "inline PTX)")
     p.add_argument("--codec", action="append", metavar="SPEC",

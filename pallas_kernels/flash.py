@@ -151,57 +151,31 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
                    axis=1)
 
 
-#: ``load(ref, columns=None, per=1, rows=None, head=None, part=None, row_part=None)``: a
-#: block's tokens of a ``[L, S]`` or ``[L, S, C]`` ref, masked rows read as 0; ``columns``
-#: a ``pl.ds`` of the columns, or an int vector whose entry ``c`` names the ref column
-#: that tile column ``c`` reads (a gather: one load per element, where a window loads a
-#: row's columns together). ``per > 1``: the ref ``[L, S / per, C]`` holds one entry per
-#: ``per`` tokens and the block (which must lie in one entry) reads its entry's columns, a
-#: vector ``[C]`` (no mask: entries are whole); with ``rows`` (an int array shaped like
-#: the int array ``columns``) it gathers entry ``rows`` after the block's first (clipped
-#: to the ref). ``head``: the ref has a head axis after the layer (``[L, H, S, ...]``, a
-#: program serving ``H`` kv heads); an int reads that head's tokens as above, an int
-#: vector ``[R]`` gathers a ``[R, block_s]`` tile of a ``[L, H, S]`` ref, row ``r`` from
-#: head ``head[r]`` (per-token metadata laid out like the query rows it scales).
-#: ``part``: only the tokens of part ``part`` of the block (of ``parts`` equal parts,
-#: :func:`split_softmax`); ``row_part``: an int vector ``[R]``, a gather of a ``[R,
-#: block_s / parts]`` tile of a ``[L, S]`` (or, with an int ``head``, ``[L, H, S]``) ref,
-#: row ``r`` from the block's part ``row_part[r]``
+#: ``load(ref, columns=None, per=1, rows=None, head=None)``: a block's tokens of a
+#: ``[L, S]`` or ``[L, S, C]`` ref, masked rows read as 0; ``columns`` a ``pl.ds`` of the
+#: columns, or an int vector whose entry ``c`` names the ref column that tile column ``c``
+#: reads (a gather: one load per element, where a window loads a row's columns
+#: together). ``per > 1``: the ref ``[L, S / per, C]`` holds one entry per ``per`` tokens
+#: and the block (which must lie in one entry) reads its entry's columns, a vector
+#: ``[C]`` (no mask: entries are whole); with ``rows`` (an int array shaped like the int
+#: array ``columns``) it gathers entry ``rows`` after the block's first (clipped to the
+#: ref). ``head``: the ref has a head axis after the layer (``[L, H, S, ...]``, a program
+#: serving ``H`` kv heads); an int reads that head's tokens as above, an int vector
+#: ``[R]`` gathers a ``[R, block_s]`` tile of a ``[L, H, S]`` ref, row ``r`` from head
+#: ``head[r]`` (per-token metadata laid out like the query rows it scales)
 Load = Callable[..., jax.Array]
 
 
-def _loader(layer, t0, block_s: int, stop, parts: int = 1) -> Load:
-    """The :data:`Load` of the block at token ``t0``; ``stop`` None: every token of the
-    block is valid (no masks), else tokens from ``stop`` on read as 0."""
-    sub = block_s // parts
-
-    def window(part):
-        first, size = (t0, block_s) if part is None else (t0 + part * sub, sub)
-        ok = None if stop is None else (first + jnp.arange(size)) < stop
-        return pl.ds(first, size), ok
-
-    def gather(ref, head, row_part):
-        rows_of = row_part if row_part is not None else head
-        size = block_s if row_part is None else sub
-        shape = (rows_of.shape[0], size)
-        token = t0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-        if row_part is not None:
-            token = token + row_part[:, None] * sub
+def _loader(layer, tile, ok) -> Load:
+    def load(ref, columns=None, per: int = 1, rows=None, head=None):
         if getattr(head, "ndim", 0) == 1:
-            index = (layer, jnp.broadcast_to(head[:, None], shape), token)
-        elif head is not None:
-            index = (layer, jnp.int32(head), token)
-        else:
-            index = (layer, token)
-        if stop is None:
-            return ref[index]
-        return plgpu.load(ref.at[index], mask=token < stop, other=0)
-
-    def load(ref, columns=None, per: int = 1, rows=None, head=None, part=None,
-             row_part=None):
-        if row_part is not None or getattr(head, "ndim", 0) == 1:
-            return gather(ref, head, row_part)
-        tile, ok = window(part)
+            shape = (head.shape[0], tile.size)
+            index = (layer, jnp.broadcast_to(head[:, None], shape),
+                     tile.start + jax.lax.broadcasted_iota(jnp.int32, shape, 1))
+            if ok is None:
+                return ref[index]
+            return plgpu.load(ref.at[index], mask=jnp.broadcast_to(ok[None, :], shape),
+                              other=0)
         # a Python int beside traced indices trips the masked load's discharge rule
         lead = (layer,) if head is None else (layer, jnp.int32(head))
         if per > 1:
@@ -255,8 +229,6 @@ def split_softmax(
     scores: Callable[[Load], jax.Array],
     accumulate: Callable[[Any, jax.Array, jax.Array, Load], Any],
     init: Any,
-    parts: int = 1,
-    row_part: jax.Array | None = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
     """The online softmax of one program over its slice of the coded tokens.
 
@@ -269,31 +241,20 @@ def split_softmax(
     the old accumulator to the new maximum. Returns ``(acc, m, l)``; a slice with no
     token returns ``(init, NEG, 0)``. Whole blocks run without masks, the partial last
     block with them.
-
-    ``parts > 1``: each block is cut into ``parts`` equal parts and row ``r`` of the
-    program sees only part ``row_part[r]`` (an int vector ``[rows]``): the logits and
-    probabilities are ``[rows, block_s / parts]``, each row its own partial softmax over
-    its parts of the blocks (rows that hold the same query are merged after the kernel).
     """
     n = n_ref[0]
     layer = layer_ref[0]
     start = pl.program_id(2) * split_len
     stop = jnp.minimum(start + split_len, n)
     full = jnp.maximum(stop - start, 0) // block_s
-    sub = block_s // parts
 
     def body(i, carry, masked):
         acc, m_prev, l_prev = carry
         t0 = start + i * block_s
-        load = _loader(layer, t0, block_s, stop if masked else None, parts)
-        s = scores(load)
-        ok = None
-        if masked:
-            token = t0 + jnp.arange(sub)[None, :]
-            if parts > 1:
-                token = token + row_part[:, None] * sub
-            ok = token < stop
-        p, correction, m_next, l_next = softmax_step(s, m_prev, l_prev, ok)
+        ok = (t0 + jnp.arange(block_s)) < stop if masked else None
+        load = _loader(layer, pl.ds(t0, block_s), ok)
+        p, correction, m_next, l_next = softmax_step(
+            scores(load), m_prev, l_prev, None if ok is None else ok[None, :])
         return accumulate(acc, p, correction, load), m_next, l_next
 
     carry = (init, jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
@@ -351,15 +312,6 @@ def group_heads(q: jax.Array, heads: int, rows: int) -> jax.Array:
     return jnp.stack([jnp.pad(q[:, :, h], ((0, 0), (0, 0), (h * group, rows - (h + 1) * group),
                                            (0, 0)))
                       for h in range(heads)], axis=2)
-
-
-def fold_parts(a: jax.Array, parts: int, group: int) -> jax.Array:
-    """Per-program partials ``[B, K, splits, rows, ...]`` whose rows hold ``parts`` copies
-    of a head's ``group`` query rows, each over its part of every block, as ``[B, K,
-    splits * parts, group, ...]``: partials of the same rows to merge over axis 2."""
-    batch, heads, splits, _, *rest = a.shape
-    a = a[:, :, :, :parts * group]
-    return a.reshape(batch, heads, splits * parts, group, *rest)
 
 
 def ungroup_rows(a: jax.Array, heads: int, group: int) -> jax.Array:

@@ -134,9 +134,6 @@ def int_decode(
     block_s, num_stages, splits, interpret = schedule(
         batch, heads // research.heads, slots, block_s=block_s, num_stages=num_stages,
         splits=splits, num_warps=num_warps, interpret=interpret)
-    if block_s % research.parts:
-        raise ValueError(f"blocks of {block_s} tokens do not split into "
-                         f"{research.parts} parts")
     o, m, l = codes_partial(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, q_rotation, layer,
         bits=bits, offset=offset, sm_scale=sm_scale, block_s=block_s, splits=splits,

@@ -47,7 +47,6 @@ from pallas_kernels.flash import (
     decode_call,
     dot_nn,
     dot_nt,
-    fold_parts,
     group_heads,
     leading_inputs,
     query_rows,
@@ -85,12 +84,6 @@ class Research:
     biased_int_plane`), the biases taken out of the matmuls' results once per row;
     False subtracts them from every pair of codes (:func:`~pallas_kernels.units.
     int_plane`).
-    heads: kv heads per program; their query rows share the matmul tiles (at G = 4 a
-    16-row tile holds one head's 4 rows and 12 of padding).
-    parts: the query rows repeated ``parts`` times in the tile, copy ``j`` scoring only
-    part ``j`` of each block of tokens: ``[16, block_s / parts]`` logits with every row
-    real instead of ``[16, block_s]`` with 4 real at G = 4 (the copies are partial
-    softmaxes of one query, merged after the kernel).
     """
 
     layout: str = "halves"
@@ -98,28 +91,18 @@ class Research:
     rotate_in_kernel: bool = False
     biased: bool = True
     heads: int = 1
-    parts: int = 1
 
     def __post_init__(self):
         unit_bits(self.layout)
-        if self.heads < 1 or self.parts < 1:
-            raise ValueError(f"heads and parts must be positive, got {self.heads}, "
-                             f"{self.parts}")
-        if self.heads > 1 and self.parts > 1:
-            raise ValueError("a program serves several kv heads or several parts of a "
-                             "block, not both")
-        if (self.heads > 1 or self.parts > 1) and self.rotate_in_kernel:
+        if self.heads < 1:
+            raise ValueError(f"heads per program must be positive, got {self.heads}")
+        if self.heads > 1 and self.rotate_in_kernel:
             raise ValueError("the query is rotated in the kernel only by programs of one "
-                             "kv head and one part")
-
-    @property
-    def slots(self) -> int:
-        """Query slots of a program's block (:func:`pallas_kernels.flash.group_heads`)."""
-        return max(self.heads, self.parts)
+                             "kv head")
 
 
 def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_scale,
-            rotated, offset, asm, biased, group, parts):
+            rotated, offset, asm, biased, group):
     refs = list(refs)
     rot_ref = refs.pop(0) if rotated else None
     if offset is None:
@@ -127,14 +110,9 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_
     else:
         (kc_ref, ks_ref, vc_ref, vs_ref, o_ref, m_ref, l_ref), kz_ref, vz_ref = refs, None, None
     planes = 8 * jnp.dtype(kc_ref.dtype).itemsize // bits
-    slots, rows = q_ref.shape[:2]
-    # each query row's slot: its kv head, or the part of a block it scores (padding
-    # rows: the last slot's; their query is zero)
-    row_slot = jnp.minimum(jnp.arange(rows, dtype=jnp.int32) // group, slots - 1)
-
-    def codes_of(s):
-        """Where slot ``s`` reads its codes: its head's, or its part of the block."""
-        return {"head": s} if parts == 1 else {"head": 0, "part": s}
+    heads, rows = q_ref.shape[:2]
+    # each query row's kv head (padding rows: the last one's; their query is zero)
+    row_head = jnp.minimum(jnp.arange(rows, dtype=jnp.int32) // group, heads - 1)
 
     def q_slot(h, j):
         """Head ``h``'s query slot of plane ``j``: ``[rows, width]``, zero outside its
@@ -149,9 +127,9 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_
     # one head: the query slots stay in registers; several: each slot is read from the
     # (cached) query block where it is used, as holding them all would cost H times the
     # registers
-    held = [q_slot(0, j) for j in range(planes)] if slots == 1 else None
+    held = [q_slot(0, j) for j in range(planes)] if heads == 1 else None
     plane_sums = [sum(jnp.sum((held[j] if held else q_slot(h, j)).astype(jnp.float32), axis=1)
-                      for h in range(slots)) for j in range(planes)]
+                      for h in range(heads)) for j in range(planes)]
     q_sum = sum(plane_sums)
     if biased:
         # plane j reads bias_j + code: the biases' share of q . k, from the same float16
@@ -166,19 +144,16 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_
         q_bias = q_bias + float(offset) * q_sum
 
     def per_token(load, ref):
-        """A token's scale or zero for every query row: ``[1, block]`` for one slot, a
-        gather of each row's head (``[rows, block]``) or part (``[rows, block / parts]``)
-        for several."""
-        if slots == 1:
+        """A token's scale or zero for every query row: ``[1, block]`` for one head, a
+        ``[rows, block]`` gather of each row's head for several."""
+        if heads == 1:
             return load(ref, head=0).astype(jnp.float32)[None, :]
-        if parts > 1:
-            return load(ref, head=0, row_part=row_slot).astype(jnp.float32)
-        return load(ref, head=row_slot).astype(jnp.float32)
+        return load(ref, head=row_head).astype(jnp.float32)
 
     def scores(load):
         dots = 0.0
-        for h in range(slots):
-            kc = load(kc_ref, **codes_of(h))
+        for h in range(heads):
+            kc = load(kc_ref, head=h)
             dots = dots + sum(dot_nt(held[j] if held else q_slot(h, j), plane(kc, j))
                               for j in range(planes))
         ks = per_token(load, ks_ref)
@@ -200,10 +175,10 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_
             # not cancel
             pv_sum = pv_sum * correction + jnp.sum(pv.astype(jnp.float32), axis=1)
         o_slots = [o * correction[:, None] for o in o_slots]
-        for h in range(slots):
-            vc = load(vc_ref, **codes_of(h))
-            # a slot's values meet only its own rows' probabilities
-            pv_h = pv if slots == 1 else jnp.where((row_slot == h)[:, None], pv,
+        for h in range(heads):
+            vc = load(vc_ref, head=h)
+            # a head's values meet only its own rows' probabilities
+            pv_h = pv if heads == 1 else jnp.where((row_head == h)[:, None], pv,
                                                    jnp.zeros_like(pv))
             o_slots = [o + dot_nn(pv_h, plane(vc, j)) for j, o in enumerate(o_slots)]
         return tuple(o_slots), o_zero, pv_sum
@@ -212,8 +187,7 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_
     init = (tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(planes)), zeros, zeros)
     (o_slots, o_zero, pv_sum), m, l = split_softmax(
         n_ref, layer_ref, rows=rows, slots=kc_ref.shape[2], block_s=block_s,
-        split_len=split_len, scores=scores, accumulate=accumulate, init=init, parts=parts,
-        row_part=row_slot if parts > 1 else None)
+        split_len=split_len, scores=scores, accumulate=accumulate, init=init)
     # every value is zero + scale * code: the zeros' share is the same in every column
     for j in range(planes):
         shift = biases[j] + (0.0 if offset is None else float(offset))
@@ -263,7 +237,7 @@ def codes_partial(
     1.6x slower at one row and 128k tokens: each of the ~500 programs re-reads and
     multiplies the ``[D, D]`` matrix; docs/kernels.md).
     """
-    layout, heads, parts = research.layout, research.heads, research.parts
+    layout, heads = research.layout, research.heads
     batch, kv_heads, group, head_dim = q.shape
     if layer is None:
         # one layer's arrays: a stack of one (a reshape, no copy)
@@ -287,18 +261,15 @@ def codes_partial(
                            precision=jax.lax.Precision.HIGHEST)
             rotation = None
     rotated = rotation is not None
-    rows = query_rows(research.slots * group, width)
+    rows = query_rows(heads * group, width)
     kernel = functools.partial(
         _kernel, bits=bits, width=width, block_s=block_s,
         split_len=split_len(slots_total, splits, block_s),
         sm_scale=sm_scale, rotated=rotated, offset=offset,
         asm=not interpret and research.asm, biased=research.biased and layout == "halves",
-        group=group, parts=parts,
+        group=group,
     )
-    if parts > 1:
-        # one copy of each head's rows per part of a block
-        q = jnp.repeat(q, parts, axis=1)
-    args, in_specs = leading_inputs(n_comp, layer, group_heads(q, research.slots, rows))
+    args, in_specs = leading_inputs(n_comp, layer, group_heads(q, heads, rows))
     if rotated:
         in_specs.append(pl.BlockSpec((None, head_dim, head_dim), lambda b, h, j: (h, 0, 0)))
         args.append(rotation.astype(OPERAND))
@@ -314,8 +285,5 @@ def codes_partial(
                           splits=splits, rows=rows, head_dim=head_dim, num_warps=num_warps,
                           num_stages=num_stages, interpret=interpret,
                           name="int_decode_attention")
-    if parts > 1:
-        o, m, l = (fold_parts(a, parts, group) for a in (o, m, l))
-    else:
-        o, m, l = (ungroup_rows(a, heads, group) for a in (o, m, l))
+    o, m, l = (ungroup_rows(a, heads, group) for a in (o, m, l))
     return o[..., np.argsort(perm)], m, l

@@ -26,7 +26,6 @@ def test_variants_and_the_table():
     assert bench_decode.parse_variant("bytes:128:8:3")["splits"] is None
     assert bench_decode.parse_variant("halves-sub-h4:128:2:3")["research"] == Research(
         biased=False, heads=4)
-    assert bench_decode.parse_variant("halves-p4:128:2:3")["research"] == Research(parts=4)
     with pytest.raises(ValueError, match="unknown layout suffixes"):
         bench_decode.parse_variant("halves-x:128:2:3")
     row = {"shape": "llama-3-8b", "batch": 32, "slots": 32768, "splits": 4, "block_s": 128,

@@ -204,32 +204,12 @@ class TestIntDecode(KernelSuite):
         """Programs that serve several kv heads, their rows sharing the matmul tiles."""
         self.test_entry_matches_reference(several)
 
-    @pytest.mark.parametrize("parted", [
-        Case(2, 2, 4, 70, 128, 4, (70, 23), block_s=64, research=Research(parts=4)),
-        Case(2, 1, 4, 45, 64, 2, (45, 9), block_s=32, research=Research(parts=2)),
-        Case(1, 2, 7, 40, 64, 8, (33,), block_s=32, research=Research(parts=2)),
-        Case(2, 2, 4, 50, 128, 4, (50, 31), saw=32, saw_values=True, block_s=64,
-             research=Research(parts=4)),
-        Case(2, 2, 4, 50, 128, 8, (50, 19), hyperquant="hyperquant:e8,4bps,int8", layers=2,
-             block_s=32, research=Research(parts=2)),
-        Case(2, 2, 4, 40, 128, 4, (40, 7), block_s=64, research=Research(parts=4,
-                                                                       biased=False)),
-    ], ids=str)
-    def test_blocks_scored_in_parts_match_reference(self, parted):
-        """Each block scored in parts by copies of the query rows (rows of one tile all
-        real), the copies' partial softmaxes merged after the kernel."""
-        self.test_entry_matches_reference(parted)
-
     def test_heads_per_program_must_divide_the_heads(self):
         kw = self.inputs(Case(1, 3, 4, 20, 64, 4, (20,)))
         with pytest.raises(ValueError, match="do not split"):
             api.int_decode(**{**kw, "research": Research(heads=2)})
         with pytest.raises(ValueError, match="positive"):
             Research(heads=0)
-        with pytest.raises(ValueError, match="not both"):
-            Research(heads=2, parts=2)
-        with pytest.raises(ValueError, match="do not split into 3 parts"):
-            api.int_decode(**{**kw, "block_s": 16, "research": Research(parts=3)})
         with pytest.raises(ValueError, match="one kv head"):
             Research(heads=2, rotate_in_kernel=True)
 
