@@ -46,15 +46,16 @@ def dense_partial(
 def logits_partial(
     s: jax.Array,       # [B, K, G, n] logits (sm_scale applied)
     values: jax.Array,  # [B, K, n, D] raw values
-    valid: jax.Array,   # bool [B, n]: which of the n tokens are stored
+    valid: jax.Array,   # bool [B, n]: which of the n tokens are stored, or [B, G, n] per row
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmax of given logits over raw ``values`` (exact float32, HIGHEST):
-    for scores that are not a plain ``q . k`` (an estimator's).
+    for scores that are not a plain ``q . k`` (an estimator's), or that each query row
+    sees its own part of (``valid [B, G, n]``: a causal chunk's).
 
     Returns ``o [B, K, G, D]``, ``m, l [B, K, G]``.
     """
     f32 = jnp.float32
-    ok = valid[:, None, None, :]
+    ok = valid[:, None] if valid.ndim == 3 else valid[:, None, None, :]
     s = jnp.where(ok, s.astype(f32), NEG)
     m = jnp.max(s, axis=-1) if s.shape[-1] else jnp.full(s.shape[:-1], NEG, f32)
     p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)

@@ -2,7 +2,7 @@
 
 :func:`chunk_attention` has the signature of :func:`.api.chunk_attention` and returns the
 same normalized output, exactly: the stored values widened to float32, every product
-float32 at HIGHEST precision, masked logits at :data:`~pallas_kernels.partial.NEG`. The
+float32 at HIGHEST precision (:func:`~pallas_kernels.partial.logits_partial`). The
 kernel rounds the query and the probabilities to the values' 16-bit type; its tests
 state the tolerance that costs.
 """
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.chunk_attention.api import check_arrays
 from pallas_kernels.flash import layer_arrays
-from pallas_kernels.partial import EXACT, NEG
+from pallas_kernels.partial import EXACT, logits_partial, normalize
 
 
 def visible(q_positions: jax.Array, lengths: jax.Array, slots: int,
@@ -65,10 +65,6 @@ def chunk_attention(
     stored = (jnp.arange(slots)[None, :] < lengths[:, None])[:, None, :, None]
     keys, values = (jnp.where(stored, a.astype(f32), 0.0)
                     for a in layer_arrays((keys, values), layer))
-    ok = visible(q_positions, lengths, slots, sliding_window)[:, None]
     s = jnp.einsum("bkrd,bksd->bkrs", q.astype(f32), keys, precision=EXACT) * sm_scale
-    s = jnp.where(ok, s, NEG)
-    m = jnp.max(s, axis=-1, keepdims=True, initial=NEG)
-    p = jnp.where(ok, jnp.exp(s - m), 0.0)
-    o = jnp.einsum("bkrs,bksd->bkrd", p, values, precision=EXACT)
-    return o / jnp.maximum(jnp.sum(p, axis=-1), jnp.finfo(f32).tiny)[..., None]
+    return normalize(*logits_partial(s, values, visible(q_positions, lengths, slots,
+                                                        sliding_window)))
