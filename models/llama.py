@@ -108,11 +108,13 @@ def fuse_projections(params: Params) -> Params:
     return {**params, "layers": fuse(layers)}
 
 
-def param_shapes(config: ModelConfig) -> Params:
-    """Shapes of the whole params pytree in the shared layout."""
+def param_shapes(config: ModelConfig, fused: bool = False) -> Params:
+    """Shapes of the whole params pytree in the shared layout (``fused``: with the
+    projections :func:`fuse_projections` joins)."""
     shapes: Params = {
         "embed": (config.vocab_size, config.hidden_size),
-        "layers": {k: (config.num_layers, *s) for k, s in layer_shapes(config).items()},
+        "layers": {k: (config.num_layers, *s)
+                   for k, s in layer_shapes(config, fused).items()},
         "final_norm": (config.hidden_size,),
     }
     if not config.tie_word_embeddings:
@@ -160,12 +162,9 @@ def layer_params(params: Params, i: int) -> Params:
 def check_params(params: Params, config: ModelConfig) -> None:
     """Raise ``ValueError`` naming every missing, unexpected or wrongly shaped leaf (the
     layers stacked or per layer)."""
-    expected = param_shapes(config)
-    problems = []
     fused = "layers" in params and len(params["layers"]) > 0 and is_fused(params)
-    if fused:
-        expected["layers"] = {k: (config.num_layers, *s)
-                              for k, s in layer_shapes(config, fused=True).items()}
+    expected = param_shapes(config, fused)
+    problems = []
     if isinstance(params.get("layers"), (list, tuple)):
         layers = params["layers"]
         if len(layers) != config.num_layers:
