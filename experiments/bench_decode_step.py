@@ -13,8 +13,8 @@ compile are timed apart, and ``--hlo DIR`` keeps each optimized program. Layouts
 repeatable): ``stacked`` (one ``lax.scan`` over the stacked weights, as loaded),
 ``per-layer`` (:func:`models.llama.unstack_layers`: the layers unrolled, each reading its
 own buffers), ``sliced`` (unrolled, but each layer's weights sliced from the stack
-inside the program) and ``fused`` (per-layer, with the projections joined:
-:func:`models.llama.fuse_projections`, two fewer matmuls per layer). The generated
+inside the program) and ``fused`` (:func:`models.llama.decode_layout`: per-layer, with
+the projections joined, two fewer matmuls per layer). The generated
 tokens of every layout must agree; the op counts (fusions, custom calls, copies, dynamic
 slices) of the optimized program show what each layout adds per step.
 """
@@ -35,7 +35,7 @@ from kvjax.eval.memory import MODEL_SHAPES
 from kvjax.spec import parse_cache
 from models.config import ModelConfig
 from models.llama import (
-    fuse_projections,
+    decode_layout,
     hidden_states,
     init_params,
     layer_params,
@@ -142,8 +142,7 @@ def main(argv=None) -> int:
     config = ModelConfig.from_shape(MODEL_SHAPES[args.shape], max_len=longest + 64,
                           num_layers=args.layers)
     stacked = init_params(jax.random.key(0), config, jnp.bfloat16)
-    arrange = {"per-layer": unstack_layers,
-               "fused": lambda p: fuse_projections(unstack_layers(p))}
+    arrange = {"per-layer": unstack_layers, "fused": decode_layout}
     params = {layout: arrange.get(layout, lambda p: p)(stacked) for layout in layouts}
     rows = []
     for spec, batch, context in runs:

@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 import models
-from kvjax.eval.provenance import provenance
 from kvjax.eval.sweep import write_json
 from kvjax.spec import parse_cache
 from models.generate import generate
@@ -125,7 +124,7 @@ def main(argv=None) -> int:
         print(f"| {r['cache']} | {args.dtype} | {r['attention']} | {r['equal_rows']} / "
               f"{r['rows']} | {step} | {device} |")
     if args.json:
-        write_json(args.json, {"rows": rows, "prompts": prompts}, source=provenance())
+        write_json(args.json, {"rows": rows, "prompts": prompts})
     return 0 if all(r["equal_rows"] == r["rows"] for r in rows) else 1
 
 

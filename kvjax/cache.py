@@ -650,27 +650,33 @@ def scan_layers(
 def _unrolled_layers(body, carry, cache: KVCache, xs) -> tuple[Any, KVCache]:
     new_segments = []
     for seg in cache.segments:
-        flags = {"k": [], "v": []}
+        views = []
         for j in range(seg.stop - seg.start):
             index = jnp.int32(j)
             carry, view = body(carry, xs[seg.start + j], _layer_view(seg, index))
             seg = _write_back(seg, view, index,
                               tuple(name for name in _SMALL if name not in _FLAGS))
-            flags["k"].append(view.k)
-            flags["v"].append(view.v)
-        # each layer's flags written into the stack apart would be two tiny kernels per
-        # layer and step; stacked at the end they are one (each layer reads only its own)
-        seg = dataclasses.replace(seg, **{role: dataclasses.replace(getattr(seg, role), **{
-            name: jnp.stack([getattr(v, name) for v in views]).astype(
-                getattr(getattr(seg, role), name).dtype) for name in _FLAGS})
-            for role, views in flags.items()})
-        new_segments.append(seg)
+            views.append(view)
+        new_segments.append(_stack_flags(seg, views))
     return carry, dataclasses.replace(cache, segments=tuple(new_segments))
 
 
 #: a layer view's own parts, sliced from the segment's stacks (its codes are the stack)
 _FLAGS = ("nonfinite", "saturated")
 _SMALL = ("params", "raw", "sink", *_FLAGS)
+
+
+def _stack_flags(seg: Segment, views: list[Segment]) -> Segment:
+    """``seg`` with the flags of its layers' ``views`` (one per layer, in order) as its
+    flag stacks: each layer's written into the stack apart would be two tiny kernels per
+    layer and step; stacked they are one (each layer reads only its own)."""
+    def stacked(role: str) -> Store:
+        store = getattr(seg, role)
+        return dataclasses.replace(store, **{
+            name: jnp.stack([getattr(getattr(v, role), name) for v in views]).astype(
+                getattr(store, name).dtype) for name in _FLAGS})
+
+    return dataclasses.replace(seg, k=stacked("k"), v=stacked("v"))
 
 
 def _layer_view(seg: Segment, i: jax.Array) -> Segment:

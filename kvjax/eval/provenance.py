@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import io
 import platform
 import shlex
 import subprocess
@@ -60,11 +61,8 @@ def commit_code_digest(commit: str, repo: str | Path | None = None) -> str:
     archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=repo,
                              capture_output=True, check=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        with tempfile.TemporaryFile() as buf:
-            buf.write(archive)
-            buf.seek(0)
-            with tarfile.open(fileobj=buf) as tar:
-                tar.extractall(tmp, filter="data")
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tmp, filter="data")
         return code_digest(tmp)
 
 
