@@ -139,8 +139,6 @@ def chunk_call(q, positions, keys, values, lengths, layer=None, *, sm_scale: flo
             return pl.BlockSpec(spec.block_shape,
                                 lambda i, h, b, index=spec.index_map: index(b, h, i))
         in_specs, query_block, grid = [swap(s) for s in in_specs], swap(query_block), grid[::-1]
-    elif order != "rows":
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     return pl.pallas_call(
         kernel,
         grid=grid,
