@@ -32,6 +32,13 @@ dtype's largest finite value (clipped to it) or, for a token being encoded, outs
 codec's :attr:`~kvjax.codec.Codec.limits` (see :meth:`~kvjax.codec.Codec.saturate`).
 :func:`check` raises ``ValueError`` naming the rows and the cause of every flag set;
 generation and evaluation call it.
+
+Key transforms. With a cache spec's ``center=`` / ``smooth=`` clauses every K store
+keeps ``shift`` and ``scale`` vectors per (row, kv head) and stores ``(k - shift) /
+scale`` in all its regions (:mod:`kvjax.centering`): attention multiplies the query by
+``scale`` (:func:`kvjax.attention.attend`) and is then exact; every reader here returns
+the stored (transformed) keys, and :func:`restore` (or ``dense(..., restore=True)``) maps
+them back to the keys that were appended.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import centering
 from kvjax.codec import Codec, codes_nbytes, round_to_dtype
 from kvjax.spec import CacheConfig
 
@@ -58,8 +66,9 @@ def _register(cls, data: tuple[str, ...], meta: tuple[str, ...]):
 
 @functools.partial(
     _register,
-    data=("codes", "params", "raw", "sink", "nonfinite", "saturated", "layer"),
-    meta=("codec", "window", "sinks", "max_len"),
+    data=("codes", "params", "raw", "sink", "nonfinite", "saturated", "layer", "shift",
+          "scale"),
+    meta=("codec", "window", "sinks", "max_len", "center", "smooth"),
 )
 @dataclasses.dataclass(frozen=True)
 class Store:
@@ -77,6 +86,10 @@ class Store:
     the view's layer in ``codes``, which then keep their ``L`` axis: appending writes the
     new blocks into the whole stack in place and readers index it
     (:meth:`layer_codes`), so no step copies a layer's codes (the bulk of the cache).
+    shift, scale: ``None``, or for a K store with a key transform (``center`` /
+    ``smooth``: ``"first"`` or ``"calib"``, the cache spec's clauses) bf16 ``[L, B, K,
+    D]``: the stored keys are ``(k - shift) / scale`` (module docstring); ``scale`` is
+    None without smoothing, ``shift`` None without centering.
     """
 
     codes: Any
@@ -90,6 +103,10 @@ class Store:
     sinks: int
     max_len: int
     layer: Any = None
+    shift: Any = None
+    scale: Any = None
+    center: str = ""
+    smooth: str = ""
 
     def layer_codes(self) -> Any:
         """This layer's codes, leaves ``[B, K, NB, ...]``."""
@@ -199,11 +216,14 @@ def init_cache(
     head_dim: int,
     max_len: int,
     dtype: Any = jnp.bfloat16,
+    calibration: centering.KeyCalibration | None = None,
 ) -> KVCache:
     """An empty cache for ``batch`` rows of up to ``max_len`` tokens.
 
     Codec parameters are drawn per (layer, kv head, K|V) from ``key``; raw tokens
     (window, sinks, raw layers' storage excluded) are kept in ``dtype``.
+    ``calibration`` (:func:`key_calibration`) supplies the key transform of a config with
+    ``center=calib`` or ``smooth=calib``; it must then match the layers, heads and dim.
     """
     for name, value in (("num_layers", num_layers), ("batch", batch),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -212,6 +232,14 @@ def init_cache(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if config.sink_tokens > max_len:
         raise ValueError(f"sink_tokens={config.sink_tokens} exceeds max_len={max_len}")
+    if config.calibrated:
+        if calibration is None:
+            raise ValueError(f"cache spec '{config.spec}' takes its key transform from a "
+                             "calibration: pass calibration= (kvjax.cache.key_calibration)")
+        if calibration.shape != (num_layers, num_kv_heads, head_dim):
+            raise ValueError(f"the key calibration is for [layers, kv heads, head dim] = "
+                             f"{list(calibration.shape)}, the cache has "
+                             f"{[num_layers, num_kv_heads, head_dim]}")
     per_layer = config.layer_codecs(num_layers)
     for k_codec, v_codec in set(per_layer):
         k_codec.check_head_dim(head_dim)
@@ -228,6 +256,8 @@ def init_cache(
                 key, codec, role, range(start, stop), config, batch, num_kv_heads,
                 head_dim, max_len, dtype,
             )
+        stores["k"] = _with_key_transform(stores["k"], config, calibration,
+                                          range(start, stop))
         segments.append(Segment(k=stores["k"], v=stores["v"], start=start, stop=stop))
         start = stop
     return KVCache(
@@ -277,6 +307,28 @@ def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_l
         nonfinite=jnp.zeros((n, batch), bool),
         saturated=jnp.zeros((n, batch), jnp.uint8),
     )
+
+
+def _with_key_transform(store: Store, config: CacheConfig, calibration, layers) -> Store:
+    """``store`` with the key transform's vectors: calibrated ones broadcast to every row,
+    or neutral ones that a row's first append replaces (``first``)."""
+    n, batch, heads = store.raw.shape[:3]
+    head_dim = store.raw.shape[-1]
+    shape = (n, batch, heads, head_dim)
+
+    def vectors(mode: str, calibrated, neutral: float):
+        if not mode:
+            return None
+        if mode == "calib":
+            per_layer = jnp.asarray(calibrated[layers.start:layers.stop])
+            return jnp.broadcast_to(per_layer[:, None], shape).astype(centering.DTYPE)
+        return jnp.full(shape, neutral, centering.DTYPE)
+
+    return dataclasses.replace(
+        store, center=config.center, smooth=config.smooth,
+        shift=vectors(config.center, calibration and calibration.center, 0.0),
+        scale=vectors(config.smooth, calibration and calibration.scale(bool(config.center)),
+                      1.0))
 
 
 def _param_key(key, layer, head, role):
@@ -416,6 +468,8 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
     is_new = t[None, :] < step.valid[:, None]
     finite = jnp.all(jnp.isfinite(x), axis=(1, 3)) | ~is_new
     nonfinite = store.nonfinite | ~jnp.all(finite, axis=1)
+    if store.center or store.smooth:
+        store, x = _transform_keys(store, x, step)
     # every token is rounded to the raw dtype before it is encoded, so a token encodes
     # the same whether it reaches the codec straight from a chunk or through the window
     limit = float(jnp.finfo(store.raw.dtype).max)
@@ -487,6 +541,42 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
                                saturated=saturated)
 
 
+def _transform_keys(store: Store, x: jax.Array, step: Step) -> tuple[Store, jax.Array]:
+    """``(store, (x - shift) / scale)`` for a chunk ``x[B, K, T, D]``, float32; a row's
+    first append (``first`` modes) sets its vectors from the chunk before it is stored.
+    Non-finite values pass through for the append's own handling."""
+    finite = jnp.isfinite(x)
+    x = x.astype(jnp.float32)
+    shift, scale = store.shift, store.scale
+    if "first" in (store.center, store.smooth):
+        weight = centering.first_chunk_weights(step.valid, x.shape[2])[:, None, :]
+        mean, rms = centering.statistics(jnp.where(finite, x, 0.0), weight)
+        first = ((step.start == 0) & (step.valid > 0))[:, None, None]
+        big = float(jnp.finfo(centering.DTYPE).max)
+        if store.center == "first":
+            shift = jnp.where(first, jnp.clip(mean, -big, big).astype(shift.dtype), shift)
+        if store.smooth == "first":
+            spread = rms if store.center else jnp.sqrt(rms * rms + mean * mean)
+            new = jnp.clip(centering.smoothing_scale(spread), 0, big).astype(scale.dtype)
+            scale = jnp.where(first, new, scale)
+    y = x
+    if shift is not None:
+        y = y - shift.astype(jnp.float32)[:, :, None]
+    if scale is not None:
+        y = y / scale.astype(jnp.float32)[:, :, None]
+    return dataclasses.replace(store, shift=shift, scale=scale), jnp.where(finite, y, x)
+
+
+def restore(store: Store, keys: jax.Array) -> jax.Array:
+    """The keys as appended from ``keys[B, K, S, D]`` read from a layer view's store
+    (``keys * scale + shift``; unchanged for a store without a key transform)."""
+    if store.scale is not None:
+        keys = keys * store.scale.astype(keys.dtype)[:, :, None]
+    if store.shift is not None:
+        keys = keys + store.shift.astype(keys.dtype)[:, :, None]
+    return keys
+
+
 # -- reading -----------------------------------------------------------------------------
 
 
@@ -546,11 +636,14 @@ def decode_window(store: Store, lengths: jax.Array, first: jax.Array, size: int,
     return values, pos[None, :] < lengths[:, None]
 
 
-@functools.partial(jax.jit, static_argnames="dtype")
-def dense(store: Store, lengths: jax.Array, dtype=jnp.float32) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("dtype", "restore_keys"))
+def dense(store: Store, lengths: jax.Array, dtype=jnp.float32, restore_keys: bool = False
+          ) -> jax.Array:
     """All stored tokens of a layer view's store, decoded, in position order.
 
-    ``[B, K, max_len, D]``; slots at or beyond a row's length are zero.
+    ``[B, K, max_len, D]``; slots at or beyond a row's length are zero. Keys come as
+    stored (transformed, where the cache centers or smooths them) unless
+    ``restore_keys`` (:func:`restore`).
     """
     batch, heads = store.raw.shape[:2]
     out = jnp.zeros((batch, heads, store.max_len, store.raw.shape[-1]), dtype)
@@ -562,6 +655,10 @@ def dense(store: Store, lengths: jax.Array, dtype=jnp.float32) -> jax.Array:
         else:
             values = payload
         out = _rows_set(out, jnp.where(valid, pos, store.max_len), values.astype(dtype))
+    if restore_keys:
+        filled = jnp.arange(store.max_len)[None, :] < lengths[:, None]
+        out = jnp.where(filled[:, None, :, None], restore(store, out.astype(jnp.float32)),
+                        0).astype(dtype)
     return out
 
 
@@ -663,7 +760,7 @@ def _unrolled_layers(body, carry, cache: KVCache, xs) -> tuple[Any, KVCache]:
 
 #: a layer view's own parts, sliced from the segment's stacks (its codes are the stack)
 _FLAGS = ("nonfinite", "saturated")
-_SMALL = ("params", "raw", "sink", *_FLAGS)
+_SMALL = ("params", "raw", "sink", "shift", "scale", *_FLAGS)
 
 
 def _stack_flags(seg: Segment, views: list[Segment]) -> Segment:
@@ -727,9 +824,10 @@ def stored_bits(cache: KVCache) -> dict[str, float]:
     Per-slot costs are the arrays' bytes divided by their slot counts; the occupied
     slots (compressed blocks, raw window, sinks, raw layers) are then summed over rows,
     layers, heads and K/V. Codec parameters are a per-model constant and are excluded
-    (see :func:`memory_bytes`). Returns ``bits``, ``elements`` and ``bits_per_element``,
-    plus ``k_bits``, ``v_bits`` and the per-element bits of K and V alone (K and V each
-    hold half of ``elements``).
+    (see :func:`memory_bytes`); the key transform's vectors (``center=`` / ``smooth=``)
+    are counted per row that holds a token, calibrated ones too. Returns ``bits``,
+    ``elements`` and ``bits_per_element``, plus ``k_bits``, ``v_bits`` and the
+    per-element bits of K and V alone (K and V each hold half of ``elements``).
     """
     lengths = np.asarray(cache.lengths, np.int64)
     totals = {"k": [0.0, 0], "v": [0.0, 0]}
@@ -745,6 +843,11 @@ def stored_bits(cache: KVCache) -> dict[str, float]:
                 per_row_bits = 8 * block_bytes * (n_comp // store.block)
             token_bytes = store.raw.dtype.itemsize * head_dim
             per_row_bits = per_row_bits + 8 * token_bytes * (n_raw + n_sink)
+            # a row's key transform vectors, once it holds a token
+            for vectors in (store.shift, store.scale):
+                if vectors is not None:
+                    per_row_bits = per_row_bits + 8 * vectors.dtype.itemsize * head_dim * (
+                        lengths > 0)
             totals[role][0] += float(np.sum(per_row_bits)) * n_layers * heads
             totals[role][1] += int(lengths.sum()) * n_layers * heads * head_dim
     bits = totals["k"][0] + totals["v"][0]
@@ -756,3 +859,25 @@ def stored_bits(cache: KVCache) -> dict[str, float]:
         out[f"{role}_bits"] = b
         out[f"{role}_bits_per_element"] = b / e if e else float("nan")
     return out
+
+
+def key_calibration(cache: KVCache) -> centering.KeyCalibration:
+    """Per (layer, kv head) statistics of every key ``cache`` holds (all rows), for a
+    cache spec's ``calib`` modes (:mod:`kvjax.centering`); fill the cache with
+    calibration text through a lossless or raw cache (e.g. ``bf16``) first."""
+    lengths = cache.lengths
+    if int(jnp.sum(lengths)) == 0:
+        raise ValueError("the cache holds no tokens to calibrate the keys on")
+    centers, spreads = [], []
+    for i in range(cache.num_layers):
+        keys = dense(cache.layer(i).k, lengths, restore_keys=True)  # [B, K, S, D]
+        filled = jnp.arange(cache.max_len)[None, :] < lengths[:, None]  # [B, S]
+        # all rows' tokens of a head pooled: heads to the front, rows and tokens joined
+        pooled = jnp.swapaxes(keys, 0, 1).reshape(keys.shape[1], -1, keys.shape[-1])
+        weight = jnp.broadcast_to(filled[None], (keys.shape[1], *filled.shape))
+        mean, rms = centering.statistics(pooled, weight.reshape(keys.shape[1], -1))
+        centers.append(mean)
+        spreads.append(rms)
+    return centering.KeyCalibration(center=np.asarray(jnp.stack(centers)),
+                                    rms=np.asarray(jnp.stack(spreads)),
+                                    tokens=int(jnp.sum(lengths)))

@@ -21,11 +21,15 @@ A whole cache (:func:`parse_cache`, :class:`CacheConfig`): clauses separated by 
     k=int:4 layers[0,-1]:k=bf16            K of the first and last layer stored as bf16
     k=int:4 layers[4:12]:kv=int:2          layers 4..11 (a slice) at 2 bits, K and V
     int:4 attn=int_decode,xla,reference    the attention implementations, in order
+    turboquant:b4 center=first             keys stored centered (exact for attention)
+    int:4 center=calib smooth=calib        centered and channel-smoothed from calibration
 
 A first clause without ``=`` is the codec of K, whose value codec (KIVI: the per-token
 variant) serves V unless ``v=`` is given. Layer rules apply in order (a later rule wins
-where two name the same layer) and take ``k``, ``v`` or ``kv``. ``CacheConfig.spec`` is
-canonical: ``parse_cache(config.spec) == config``.
+where two name the same layer) and take ``k``, ``v`` or ``kv``. ``center=`` and
+``smooth=`` (``first`` or ``calib``) transform the keys every layer stores, exactly for
+attention (:mod:`kvjax.centering`). ``CacheConfig.spec`` is canonical:
+``parse_cache(config.spec) == config``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 import numpy as np
 
 import kvjax.codecs  # noqa: F401  (the built-in codecs register on import)
+from kvjax.centering import MODES as CENTER_MODES
 from kvjax.codec import Codec, CodecError, registry
 from kvjax.codecs.outliers import MedOutlierCodec
 
@@ -81,7 +86,8 @@ def parse_codec(spec: str | Codec) -> Codec:
 
 #: the clauses of a cache spec, for error messages
 CACHE_CLAUSES = ("CODEC", "k=CODEC", "v=CODEC", "window=N", "sinks=N",
-                 "layers[SEL]:k|v|kv=CODEC", "attn=IMPL[,IMPL...]")
+                 "layers[SEL]:k|v|kv=CODEC", "attn=IMPL[,IMPL...]", "center=first|calib",
+                 "smooth=first|calib")
 #: a layer selection: indices and Python slices, e.g. ``0,-1`` or ``4:12`` or ``::2``
 _LAYER_RULE = re.compile(r"layers\[([^\]]*)\]:(k|v|kv)=(.+)", re.S)
 _DEFAULT_ATTENTION = ("auto",)
@@ -158,6 +164,9 @@ class CacheConfig:
         layers: per-layer rules, applied in order over the K/V codecs above.
         attention: names of attention implementations, tried in order
             (:mod:`kvjax.attention` validates them).
+        center: ``""``, ``"first"`` or ``"calib"``: where the vector subtracted from
+            every stored key comes from (:mod:`kvjax.centering`).
+        smooth: the same for the per-channel key scales folded into the query.
     """
 
     k: Codec | str
@@ -166,6 +175,8 @@ class CacheConfig:
     sink_tokens: int = 0
     layers: tuple[LayerRule, ...] = ()
     attention: tuple[str, ...] = _DEFAULT_ATTENTION
+    center: str = ""
+    smooth: str = ""
 
     def __post_init__(self):
         k = parse_codec(self.k)
@@ -185,6 +196,15 @@ class CacheConfig:
         if not attention or not all(attention):
             raise CacheSpecError("attn= needs at least one implementation name")
         object.__setattr__(self, "attention", attention)
+        for name in ("center", "smooth"):
+            if getattr(self, name) not in ("", *CENTER_MODES):
+                raise CacheSpecError(f"{name}={getattr(self, name)!r}: valid values are "
+                                     f"{', '.join(CENTER_MODES)}")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the keys' transform needs a calibration (a ``calib`` clause)."""
+        return "calib" in (self.center, self.smooth)
 
     @property
     def spec(self) -> str:
@@ -200,6 +220,8 @@ class CacheConfig:
         clauses += [rule.spec for rule in self.layers]
         if self.attention != _DEFAULT_ATTENTION:
             clauses.append("attn=" + ",".join(self.attention))
+        clauses += [f"{name}={getattr(self, name)}" for name in ("center", "smooth")
+                    if getattr(self, name)]
         return " ".join(clauses)
 
     def layer_codecs(self, num_layers: int) -> list[tuple[Codec, Codec]]:
@@ -279,6 +301,11 @@ def parse_cache(spec: str | CacheConfig, **defaults: Any) -> CacheConfig:
                 put("sink_tokens", _non_negative(clause, value), clause)
             elif key == "attn":
                 put("attention", tuple(value.split(",")), clause)
+            elif key in ("center", "smooth"):
+                if value not in CENTER_MODES:
+                    raise CacheSpecError(f"'{clause}': {key}= takes "
+                                         f"{' or '.join(CENTER_MODES)}")
+                put(key, value, clause)
             else:
                 raise CacheSpecError(f"unknown clause '{clause}'")
         except CacheSpecError as err:

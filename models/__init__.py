@@ -32,11 +32,34 @@ REGISTRY = {
 }
 
 
+def _with_outlier_bias(config, params):
+    """The outlier regime's k-projection bias added (:mod:`kvjax.eval.outlier_regime`)."""
+    from kvjax.eval.outlier_regime import default_profile, key_bias
+    from models.llama import add_key_bias
+
+    bias = key_bias(default_profile(config.num_layers), config.num_kv_heads, config.head_dim)
+    return add_key_bias(config, params, bias)
+
+
+#: derived models: name -> (the registered model a variant changes, how:
+#: ``(config, params) -> (config, params)`` on the stacked params, at load)
+VARIANTS = {
+    "smollm2-135m-biased": ("smollm2-135m", _with_outlier_bias),
+}
+
+
+def known_names() -> list[str]:
+    """Every name :func:`load` takes besides paths: registered models and variants."""
+    return sorted([*REGISTRY, *VARIANTS])
+
+
 def registered_path(name: str) -> str:
     """Path of the file behind registered model ``name``; clear errors if unavailable."""
+    if name in VARIANTS:
+        name = VARIANTS[name][0]
     if name not in REGISTRY:
         raise ValueError(
-            f"unknown model '{name}'; known names: {', '.join(sorted(REGISTRY))} "
+            f"unknown model '{name}'; known names: {', '.join(known_names())} "
             "(or pass a .gguf file or an HF checkpoint directory)"
         )
     module, filename, install = REGISTRY[name]
@@ -56,7 +79,7 @@ def _locate(name_or_path: str | os.PathLike) -> tuple[str, str]:
     """``("gguf", file)`` or ``("hf", directory)`` behind a name or path; clear errors
     (:class:`ModelFileError` for a path that is neither)."""
     target = os.fspath(name_or_path)
-    if target in REGISTRY:
+    if target in REGISTRY or target in VARIANTS:
         return "gguf", registered_path(target)
     if target.endswith(".gguf"):
         if not os.path.isfile(target):
@@ -71,13 +94,14 @@ def _locate(name_or_path: str | os.PathLike) -> tuple[str, str]:
         raise ModelFileError(target, "neither a .gguf file nor a directory with config.json")
     raise ValueError(
         f"unknown model '{target}' (no such file or directory); known names: "
-        f"{', '.join(sorted(REGISTRY))}"
+        f"{', '.join(known_names())}"
     )
 
 
 def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16,
          per_layer: bool = False, tokenizer: bool = True):
-    """Load ``(config, params, tokenizer)`` from a registered name, a GGUF or an HF dir.
+    """Load ``(config, params, tokenizer)`` from a registered name, a variant
+    (:data:`VARIANTS`), a GGUF or an HF dir.
 
     ``tokenizer=False`` skips building the tokenizer (None is returned in its place): the
     weights alone need neither transformers nor the time it takes.
@@ -97,6 +121,8 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16,
         from models.hf import load_hf_dir
 
         config, params, built = load_hf_dir(path, dtype, tokenizer=tokenizer)
+    if os.fspath(name_or_path) in VARIANTS:
+        config, params = VARIANTS[os.fspath(name_or_path)][1](config, params)
     return config, decode_layout(params) if per_layer else params, built
 
 

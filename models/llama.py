@@ -30,6 +30,7 @@ Q and K use the HF RoPE convention: ``rotate_half`` on the two halves of each he
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -149,6 +150,30 @@ def stack_layers(params: Params) -> Params:
         else jnp.stack
     return {**params, "layers": {name: stack([layer[name] for layer in layers])
                                  for name in layers[0]}}
+
+
+def add_key_bias(config: ModelConfig, params: Params, bias: Any
+                 ) -> tuple[ModelConfig, Params]:
+    """``(config, params)`` with ``bias[L, K*D]`` added to every layer's k projection
+    (pre-RoPE, as a trained model's ``bk``), stacked and unfused params only; a model
+    without attention biases gains zero ``bq``/``bv`` beside it."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)) or is_fused(params):
+        raise ValueError("add_key_bias takes stacked, unfused params (before decode_layout)")
+    bias = jnp.asarray(bias)
+    kd = config.num_kv_heads * config.head_dim
+    if bias.shape != (config.num_layers, kd):
+        raise ValueError(f"key bias must be [{config.num_layers}, {kd}], got {bias.shape}")
+    dtype = layers["wk"].dtype
+    layers = dict(layers)
+    if not config.attention_bias:
+        layers["bq"] = jnp.zeros((config.num_layers, config.num_heads * config.head_dim),
+                                 dtype)
+        layers["bk"] = jnp.zeros((config.num_layers, kd), dtype)
+        layers["bv"] = jnp.zeros((config.num_layers, kd), dtype)
+    layers["bk"] = (layers["bk"].astype(jnp.float32) + bias).astype(dtype)
+    return (dataclasses.replace(config, attention_bias=True),
+            {**params, "layers": layers})
 
 
 def layer_params(params: Params, i: int) -> Params:

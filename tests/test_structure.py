@@ -23,6 +23,7 @@ RANKS = (
     ("pallas_kernels", 1),
     ("kvjax.codec", 1),
     ("kvjax.codecs", 2),
+    ("kvjax.centering", 2),
     ("kvjax.spec", 3),
     ("kvjax.cache", 4),
     ("kvjax.attention", 5),

@@ -143,6 +143,10 @@ def attend(
     ``impl`` is an implementation name or an ordered list of them (a cache config's
     ``attention``); the first that serves the call runs, and :class:`NoImplementationError`
     gives every one's reason when none does. Returns ``[B, T, N, D]`` in ``q.dtype``.
+
+    Keys a cache stores centered or smoothed (:mod:`kvjax.centering`) are attended as
+    stored: the centre shifts every score of a query alike, and the query is multiplied
+    by the smoothing scale here, before any implementation sees it.
     """
     return _attend(q, layer, step, scale=scale, sliding_window=sliding_window,
                    names=resolve(impl))
@@ -156,6 +160,11 @@ def _attend(q, layer, step, *, scale, sliding_window, names):
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {layer.k.raw.shape[-1]}")
     if num_heads % heads:
         raise ValueError(f"{num_heads} query heads do not split over {heads} kv heads")
+    if layer.k.scale is not None:
+        # the keys are stored divided by the smoothing scale: the query takes it instead
+        group = num_heads // heads
+        scale_q = jnp.repeat(layer.k.scale.astype(jnp.float32), group, axis=1)
+        q = (q.astype(jnp.float32) * scale_q[:, None]).astype(q.dtype)
     call = Call(q=q, layer=layer, step=step,
                 lengths=jnp.minimum(step.start + step.valid, layer.k.max_len),
                 scale=head_dim**-0.5 if scale is None else scale,

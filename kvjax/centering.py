@@ -1,0 +1,152 @@
+"""Key centering and channel smoothing: exact transforms of the keys a cache stores.
+
+Keys of many models carry a large, position-stable component in a few channels (a k
+projection bias, the low-frequency RoPE pairs that barely rotate): a per-vector codec
+then spends its range, or a rotation its norm, on a component that is the same for every
+token. Two transforms remove it without changing attention:
+
+- **Centering** stores ``k - mu`` for one vector ``mu`` per (row, layer, kv head). Each
+  query's scores change by the constant ``q . mu``, which softmax ignores, so attention
+  over the centered keys equals attention over the keys (up to the codec's error, now on
+  a smaller vector). No reader adds ``mu`` back; the fused kernels read the centered
+  codes as they read any codes.
+- **Smoothing** stores ``k / s`` for a per-channel scale ``s`` and attention multiplies
+  the query by ``s`` instead: ``(q * s) . (k / s) = q . k`` exactly. Channels of very
+  different spread come out alike, so a token-wise codec's range is not set by one wide
+  channel. ``s`` is the channel's RMS (about the centre where keys are centered, about
+  zero otherwise: the spread of what is stored) to the power :data:`SMOOTH_POWER`,
+  normalized to a geometric mean of 1 (:func:`smoothing_scale`).
+
+Where ``mu`` and ``s`` come from (the cache spec's ``center=`` and ``smooth=`` clauses):
+
+- ``first``: from each row's first append (the prompt's first chunk), per row, before
+  anything is stored; the statistics skip the row's first token when the chunk has
+  others (the BOS / attention-sink token's key is atypical in many models).
+- ``calib``: from a calibration run (:class:`KeyCalibration`, built by
+  :func:`kvjax.cache.key_calibration` from a cache that holds calibration text), per
+  (layer, kv head), the same for every row.
+
+Either way the vectors are fixed before the first key of a row is stored, which is what
+makes the transforms exact; both are kept in bf16 (any value works exactly: the keys and
+the query use the same one) and counted by :func:`kvjax.cache.stored_bits`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: where a transform's statistics come from (the ``center=`` / ``smooth=`` clause values)
+MODES = ("first", "calib")
+#: the storage type of ``mu`` and ``s``
+DTYPE = jnp.bfloat16
+#: ``s = rms ** SMOOTH_POWER``: 1 would make every channel's spread equal; a half (the
+#: usual migration strength of activation smoothing) keeps the wide channels somewhat
+#: wider, which keeps their share of the codec's error in proportion to their weight in
+#: the scores
+SMOOTH_POWER = 0.5
+#: channel scales below this fraction of the largest are raised to it: a channel that
+#: is all but constant in the statistics must not be blown up by a huge ``1 / s``
+SMOOTH_FLOOR = 1e-2
+
+
+def check_mode(name: str, mode: str) -> str:
+    """``mode`` if it is '' (off) or one of :data:`MODES`; else a ``ValueError``."""
+    if mode not in ("", *MODES):
+        raise ValueError(f"{name}={mode!r}: valid values are {', '.join(MODES)}")
+    return mode
+
+
+def statistics(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Weighted per-channel mean and RMS about it of ``x[..., T, D]`` over its tokens,
+    ``weight[..., T]`` (0/1); ``(mean, rms)`` each ``[..., D]`` float32 (zeros where no
+    token has weight)."""
+    w = weight.astype(jnp.float32)[..., None]
+    count = jnp.maximum(jnp.sum(w, axis=-2), 1.0)
+    x = x.astype(jnp.float32)
+    mean = jnp.sum(w * x, axis=-2) / count
+    rms = jnp.sqrt(jnp.sum(w * jnp.square(x - mean[..., None, :]), axis=-2) / count)
+    return mean, rms
+
+
+def smoothing_scale(rms: jax.Array) -> jax.Array:
+    """Per-channel scales ``s[..., D]`` from the channels' RMS: ``rms ** SMOOTH_POWER``,
+    floored at :data:`SMOOTH_FLOOR` of the largest, divided by their geometric mean (so
+    the transform moves no overall magnitude between the keys and the query); all ones
+    where every RMS is zero."""
+    s = jnp.power(jnp.maximum(rms.astype(jnp.float32), 0.0), SMOOTH_POWER)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    s = jnp.maximum(s, SMOOTH_FLOOR * top)
+    log_mean = jnp.mean(jnp.log(jnp.where(top > 0, s, 1.0)), axis=-1, keepdims=True)
+    return jnp.where(top > 0, s / jnp.exp(log_mean), 1.0)
+
+
+def first_chunk_weights(valid: jax.Array, num_tokens: int) -> jax.Array:
+    """``[B, T]`` weights of a row's first chunk for its statistics: its valid tokens,
+    without the first one when the chunk holds more than one."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    skip_first = (valid > 1)[:, None]
+    return (t < valid[:, None]) & ~(skip_first & (t == 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyCalibration:
+    """Per (layer, kv head) key statistics from a calibration run, for ``calib`` modes.
+
+    ``center``: ``float32[L, K, D]`` the mean key; ``rms``: ``float32[L, K, D]`` each
+    channel's RMS about it; ``tokens``: how many tokens (all rows together) the
+    statistics cover. :meth:`scale` gives the smoothing scales.
+    """
+
+    center: np.ndarray
+    rms: np.ndarray
+    tokens: int
+
+    def __post_init__(self):
+        center = np.asarray(self.center, np.float32)
+        rms = np.asarray(self.rms, np.float32)
+        if center.ndim != 3 or center.shape != rms.shape:
+            raise ValueError("a key calibration holds center and rms of one shape "
+                             f"[layers, kv heads, head dim], got {center.shape} and "
+                             f"{rms.shape}")
+        if not (np.isfinite(center).all() and np.isfinite(rms).all() and (rms >= 0).all()):
+            raise ValueError("a key calibration must be finite with non-negative rms")
+        object.__setattr__(self, "center", center)
+        object.__setattr__(self, "rms", rms)
+
+    def scale(self, centered: bool) -> np.ndarray:
+        """``float32[L, K, D]`` smoothing scales of keys stored centered or not."""
+        rms = self.rms if centered else np.sqrt(self.rms**2 + self.center**2)
+        return np.asarray(smoothing_scale(jnp.asarray(rms)))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(layers, kv heads, head dim)``."""
+        return tuple(self.center.shape)
+
+    def save(self, path: str | Path) -> None:
+        """Write to an ``.npz`` file (:meth:`load` reads it back)."""
+        np.savez(path, center=self.center, rms=self.rms, tokens=self.tokens)
+
+    @classmethod
+    def load(cls, path: str | Path) -> KeyCalibration:
+        """Read a file written by :meth:`save`."""
+        with np.load(path) as data:
+            return cls(center=data["center"], rms=data["rms"], tokens=int(data["tokens"]))
+
+
+__all__ = [
+    "DTYPE",
+    "MODES",
+    "SMOOTH_FLOOR",
+    "SMOOTH_POWER",
+    "KeyCalibration",
+    "check_mode",
+    "first_chunk_weights",
+    "smoothing_scale",
+    "statistics",
+]
