@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import key_calibration
+from kvjax.centering import KeyCalibration
 from kvjax.eval import needle as needle_task
 from kvjax.eval.corpus import load_corpus, tokenize_prefix, windows
 from kvjax.eval.ppl import PerplexityResult, perplexity
@@ -25,6 +27,9 @@ from models.generate import generate
 #: new tokens generated per needle prompt: an 8-digit number is 8 tokens in SmolLM2's
 #: and Llama-3's tokenizers, and a few more show whether the model stopped after it
 NEEDLE_NEW_TOKENS = 12
+#: windows of calibration text (each as long as the evaluation's) for ``calib`` clauses:
+#: the corpus right after the evaluation windows, so no evaluated token is seen
+CALIBRATION_WINDOWS = 4
 
 
 def check_window_len(context: int, window_len: int) -> None:
@@ -73,11 +78,13 @@ def cache_perplexity(
     seed: int = 0,
     cache_dtype: Any = jnp.bfloat16,
     progress: bool = False,
+    calibration: KeyCalibration | None = None,
 ) -> PerplexityResult:
     """:func:`kvjax.eval.perplexity` of the model with caches of ``cache_config``.
 
     Codec parameters are drawn from ``seed``; raw cache regions are stored in
-    ``cache_dtype``. ``windows`` is ``int[num_windows, window_len]``.
+    ``cache_dtype``. ``windows`` is ``int[num_windows, window_len]``. ``calibration``
+    serves ``calib`` clauses (:func:`calibrate_keys`).
     """
     if windows.shape[-1] > config.max_position_embeddings:
         raise ValueError(f"windows of {windows.shape[-1]} tokens exceed the model's context "
@@ -88,10 +95,22 @@ def cache_perplexity(
 
     def new_cache(batch, max_len):
         return llama.new_cache(config, cache_config, batch=batch, max_len=max_len,
-                               dtype=cache_dtype, key=jax.random.PRNGKey(seed))
+                               dtype=cache_dtype, key=jax.random.PRNGKey(seed),
+                               calibration=calibration)
 
     return perplexity(forward, new_cache, windows, chunk=chunk, batch_size=batch_size,
                       progress=progress)
+
+
+def calibrate_keys(params: llama.Params, config: ModelConfig, windows) -> KeyCalibration:
+    """The key statistics of the model on ``windows`` (``int[N, S]``, text kept apart
+    from what is evaluated), for a cache spec's ``center=calib`` / ``smooth=calib``:
+    the windows run through a float32 cache and every stored key counts."""
+    windows = jnp.asarray(windows)
+    cache = llama.new_cache(config, CacheConfig(k="f32", v="f32"), batch=windows.shape[0],
+                            max_len=windows.shape[1], dtype=jnp.float32)
+    _, cache = llama.jit_forward(params, config, windows, cache, None)
+    return key_calibration(cache)
 
 
 def needle_cases(
@@ -132,13 +151,16 @@ def needle_retrieval(
     seed: int = 0,
     batch_size: int | None = None,
     progress: bool = False,
+    calibration: KeyCalibration | None = None,
 ) -> list[dict]:
     """Greedy answers of the model, with caches of ``cache_config``, to needle ``cases``
-    (:func:`needle_cases`), scored by exact match (:func:`kvjax.eval.needle.run_needle`)."""
+    (:func:`needle_cases`), scored by exact match (:func:`kvjax.eval.needle.run_needle`);
+    ``calibration`` serves ``calib`` clauses."""
 
     def run(prompts: list[list[int]]) -> list[list[int]]:
         return generate(params, config, prompts, cache_config=cache_config,
-                        max_new_tokens=NEEDLE_NEW_TOKENS, seed=seed).tokens
+                        max_new_tokens=NEEDLE_NEW_TOKENS, seed=seed,
+                        calibration=calibration).tokens
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -152,9 +174,24 @@ def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
     """The evaluator of :func:`kvjax.eval.sweep.run_sweep` for ``settings``: loads the
     model and corpus once and returns the function that measures one configuration
     (perplexity over the windows; needle retrieval, ``needle_batch`` prompts per
-    generate call, when asked)."""
+    generate call, when asked). A configuration with ``calib`` clauses gets the key
+    statistics of :data:`CALIBRATION_WINDOWS` windows that follow the evaluated ones
+    (computed once)."""
     config, params, tokenizer, text, wins = load_model_and_windows(
         settings.model, settings.corpus, settings.windows, settings.window_len)
+    calibrations: dict[str, KeyCalibration] = {}
+
+    def calibration_for(cache_config: CacheConfig) -> KeyCalibration | None:
+        if not cache_config.calibrated:
+            return None
+        if "keys" not in calibrations:
+            start = settings.windows * settings.window_len
+            ids = tokenize_prefix(tokenizer, text,
+                                  start + CALIBRATION_WINDOWS * settings.window_len)
+            calibrations["keys"] = calibrate_keys(
+                params, config, windows(ids, CALIBRATION_WINDOWS, settings.window_len, start))
+        return calibrations["keys"]
+
     cases = None
     if settings.needle_trials:
         cases = needle_cases(config, tokenizer, text, lengths=settings.needle_lengths,
@@ -162,12 +199,15 @@ def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
                              seed=settings.seed)
 
     def evaluate(name: str, cache_config: CacheConfig, with_needle: bool) -> dict:
+        calibration = calibration_for(cache_config)
         result = cache_perplexity(params, config, cache_config, wins, chunk=settings.chunk,
-                                  seed=settings.seed, progress=progress)
+                                  seed=settings.seed, progress=progress,
+                                  calibration=calibration)
         row = dataclasses.asdict(result)
         if with_needle:
             answers = needle_retrieval(params, config, tokenizer, cache_config, cases,
-                                       seed=settings.seed, batch_size=needle_batch)
+                                       seed=settings.seed, batch_size=needle_batch,
+                                       calibration=calibration)
             row["needle_rows"] = answers
             row["needle_accuracy"] = sum(a["correct"] for a in answers) / len(answers)
         return row
@@ -176,8 +216,10 @@ def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
 
 
 __all__ = [
+    "CALIBRATION_WINDOWS",
     "NEEDLE_NEW_TOKENS",
     "cache_perplexity",
+    "calibrate_keys",
     "check_needle_lengths",
     "check_window_len",
     "load_model_and_windows",

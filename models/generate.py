@@ -195,6 +195,7 @@ def generate(
     max_len: int | None = None,
     cache_dtype: Any = jnp.bfloat16,
     prefill_chunk: int | None = None,
+    calibration: Any = None,
 ) -> GenerateResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt, batched.
 
@@ -212,6 +213,8 @@ def generate(
     :func:`kvjax.cache.check` reports (overflow, non-finite or saturated K/V). The loop
     checks whether every row is done once every :data:`CHECK_EVERY` steps, so after the
     last row's EOS up to ``CHECK_EVERY - 1`` steps may still run (recording nothing).
+    ``calibration`` serves a cache spec's ``calib`` clauses
+    (:func:`models.evaluate.calibrate_keys`).
     """
     max_len = _validate(config, prompts, max_new_tokens, temperature, top_p, max_len)
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int | np.integer)
@@ -234,7 +237,7 @@ def generate(
     tokens = jnp.asarray(tokens)
     root = jax.random.PRNGKey(seed)
     cache = new_cache(config, cache_config, batch=batch, max_len=max_len, dtype=cache_dtype,
-                      key=jax.random.fold_in(root, 0))
+                      key=jax.random.fold_in(root, 0), calibration=calibration)
     greedy = temperature == 0
     temperature_arr = jnp.float32(temperature if not greedy else 1.0)
     top_p_arr = jnp.float32(top_p)

@@ -369,13 +369,14 @@ jit_forward = jax.jit(forward, static_argnums=1)
 
 def new_cache(
     config: ModelConfig, cache_config: CacheConfig, *, batch: int, max_len: int,
-    dtype: Any = jnp.bfloat16, key: jax.Array | None = None,
+    dtype: Any = jnp.bfloat16, key: jax.Array | None = None, calibration: Any = None,
 ) -> KVCache:
-    """An empty kvjax cache shaped for this model."""
+    """An empty kvjax cache shaped for this model (``calibration``: the key calibration
+    of a spec with ``calib`` clauses, :func:`models.evaluate.calibrate_keys`)."""
     return init_cache(
         jax.random.PRNGKey(0) if key is None else key, cache_config,
         num_layers=config.num_layers, batch=batch, num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim, max_len=max_len, dtype=dtype,
+        head_dim=config.head_dim, max_len=max_len, dtype=dtype, calibration=calibration,
     )
 
 
