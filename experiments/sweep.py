@@ -5,6 +5,7 @@ and Pareto plots (:mod:`kvjax.eval.sweep`).
     python experiments/sweep.py --preset demo
     python experiments/sweep.py --codec int:4 --codec kivi:2,g32 --codec "k=int:4 v=int:2" \\
         --windows 8 --window-len 512 --cache-options "window=32 layers[0,-1]:k=bf16" --needle
+    python experiments/sweep.py --preset rotation --seeds 0 1 2 3 4
 
 A configuration is a cache spec (``int:4``; KIVI's spec gives V its per-token variant;
 ``k=SPEC v=SPEC`` sets them apart); ``--cache-options`` are cache-spec clauses added to
@@ -12,13 +13,26 @@ every configuration. Results go to ``OUT/RUN/configs/*.json`` where ``RUN`` name
 model, corpus, windows and cache options, so a second run with the same settings skips
 every configuration already done (resumable; ``--force`` redoes them). ``bf16`` always
 runs: it is the baseline of every delta.
+
+``--seed S`` draws the codecs' parameters (sign flips, rotations, projections, HQMQ's
+quaternions, dither keys) from ``S`` and names the run. ``--seeds S [S ...]`` runs the
+configurations once per seed, each seed its own resumable run folder ``OUT/RUN`` as
+``--seed`` would write it, the model loaded once: a configuration whose parameters depend
+on the seed is measured for every seed, one whose parameters do not (``int``, ``kivi``,
+``bf16``...) once (with ``--needle``, whose prompts the seed draws, every configuration
+runs for every seed). The report over the seeds goes to ``OUT/RUN-seedsLABEL`` (``RUN``
+without its seed; ``seeds0-4`` for ``--seeds 0 1 2 3 4``): ``summary.csv`` and
+``summary.md`` (bits, ppl per seed, mean, sd, min, max and the delta of the mean to bf16;
+a configuration measured once is marked and has sd 0) and ``pareto.png``/
+``pareto_zoom.png`` (the means, with min..max error bars). One seed given to ``--seeds``
+is the same as ``--seed``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvjax.eval import sweep as sw
@@ -72,7 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "window, raw sink tokens, per-layer rules, attention, e.g. "
                         "'window=32 sinks=4 layers[0,-1]:k=bf16' (the bits of raw layers "
                         "are counted)")
-    p.add_argument("--seed", type=int, default=0)
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=0, metavar="S",
+                       help="the seed of the codec parameters (default 0)")
+    seeds.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S",
+                       help="run every seed given, each its own run (a configuration "
+                            "whose parameters do not depend on the seed once), and report "
+                            "mean and spread over them in OUT/RUN-seedsLABEL")
     p.add_argument("--needle", action="store_true", help="also run needle retrieval")
     p.add_argument("--needle-lengths", type=int, nargs="+", default=[512, 1024])
     p.add_argument("--needle-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
@@ -86,11 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None, evaluate: sw.Evaluate | None = None) -> int:
+def main(argv: Sequence[str] | None = None, evaluate: sw.Evaluate | None = None,
+         build: Callable[[sw.Settings], sw.Evaluate] | None = None) -> int:
     """Run the sweep; prints the table and the paths of the CSV, table and plots.
 
-    ``evaluate`` replaces the model evaluation (tests use it); by default the model and
-    corpus of the arguments are loaded once. Returns 2 with a one-line reason on bad input.
+    ``evaluate`` (every seed's evaluator) or ``build`` (``build(settings)``, the evaluator
+    of a seed's settings) replaces the model evaluation (tests use them); by default the
+    model and corpus of the arguments are loaded once, when a configuration needs
+    measuring. Returns 2 with a one-line reason on bad input.
     """
     args = build_parser().parse_args(argv)
     try:
@@ -101,6 +124,9 @@ def main(argv: Sequence[str] | None = None, evaluate: sw.Evaluate | None = None)
                                args.needle_batch or 1) < 1:
             raise ValueError("--needle-trials, --needle-lengths and --needle-batch must be "
                              ">= 1")
+        if args.seeds is not None and min(args.seeds) < 0:
+            raise ValueError("--seeds must be >= 0")
+        seeds = sorted(set(args.seeds)) if args.seeds else [args.seed]
         configs = list(PRESETS[args.preset]) if args.preset else []
         configs += args.configs or []
         if not configs:
@@ -108,23 +134,34 @@ def main(argv: Sequence[str] | None = None, evaluate: sw.Evaluate | None = None)
         settings = sw.Settings(
             model=args.model, corpus=str(args.corpus), windows=args.windows,
             window_len=args.window_len, chunk=args.chunk, cache_options=args.cache_options,
-            seed=args.seed,
+            seed=seeds[0],
             needle_lengths=tuple(args.needle_lengths) if args.needle else (),
             needle_depths=tuple(args.needle_depths) if args.needle else (),
             needle_trials=args.needle_trials if args.needle else 0,
         )
         for config in configs:
             sw.cache_config(config, settings)   # bad specs fail before the model loads
-        if evaluate is None:
-            from models.evaluate import sweep_evaluator
+        if build is None and evaluate is not None:
+            build = lambda _: evaluate
+        if build is None:
+            from models.evaluate import sweep_builder
 
-            evaluate = sweep_evaluator(settings, needle_batch=args.needle_batch)
-        rows, run_dir = sw.run_sweep(configs, settings, args.out, evaluate,
-                                     force=args.force, progress=not args.no_progress)
+            build = sweep_builder(needle_batch=args.needle_batch)
+        if len(seeds) == 1:
+            rows, run_dir = sw.run_sweep(configs, settings, args.out,
+                                         sw.lazy_evaluator(settings, {}, build),
+                                         force=args.force, progress=not args.no_progress)
+        else:
+            per_seed, seeds_dir = sw.run_seeds(configs, settings, seeds, args.out, build,
+                                               force=args.force,
+                                               progress=not args.no_progress)
     except (ValueError, OSError) as err:
         print(f"sweep: error: {err}", file=sys.stderr)
         return 2
-    print(sw.write_reports(rows, settings, run_dir))
+    if len(seeds) == 1:
+        print(sw.write_reports(rows, settings, run_dir))
+    else:
+        print(sw.write_seed_reports(per_seed, settings, seeds_dir))
     return 0
 
 

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -170,14 +170,15 @@ def needle_retrieval(
 
 
 def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
-                    progress: bool = False) -> Evaluate:
+                    progress: bool = False, loaded: tuple | None = None) -> Evaluate:
     """The evaluator of :func:`kvjax.eval.sweep.run_sweep` for ``settings``: loads the
     model and corpus once and returns the function that measures one configuration
     (perplexity over the windows; needle retrieval, ``needle_batch`` prompts per
-    generate call, when asked). A configuration with ``calib`` clauses gets the key
-    statistics of :data:`CALIBRATION_WINDOWS` windows that follow the evaluated ones
-    (computed once)."""
-    config, params, tokenizer, text, wins = load_model_and_windows(
+    generate call, when asked). ``loaded``: what :func:`load_model_and_windows` returned
+    for these settings, to evaluate without loading again. A configuration with
+    ``calib`` clauses gets the key statistics of :data:`CALIBRATION_WINDOWS` windows
+    that follow the evaluated ones (computed once)."""
+    config, params, tokenizer, text, wins = loaded or load_model_and_windows(
         settings.model, settings.corpus, settings.windows, settings.window_len)
     calibrations: dict[str, KeyCalibration] = {}
 
@@ -215,6 +216,24 @@ def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
     return evaluate
 
 
+def sweep_builder(*, needle_batch: int | None = None,
+                  progress: bool = False) -> Callable[[Settings], Evaluate]:
+    """``build(settings) -> Evaluate`` (:func:`sweep_evaluator`) that loads each model,
+    corpus and windows once and keeps them: the evaluators of settings that differ only
+    in the seed or the cache clauses share one loaded model
+    (:func:`kvjax.eval.sweep.run_seeds`, :func:`kvjax.eval.sweep.lazy_evaluator`)."""
+    loaded: dict[tuple, tuple] = {}
+
+    def build(settings: Settings) -> Evaluate:
+        key = (settings.model, settings.corpus, settings.windows, settings.window_len)
+        if key not in loaded:
+            loaded[key] = load_model_and_windows(*key)
+        return sweep_evaluator(settings, needle_batch=needle_batch, progress=progress,
+                               loaded=loaded[key])
+
+    return build
+
+
 __all__ = [
     "CALIBRATION_WINDOWS",
     "NEEDLE_NEW_TOKENS",
@@ -225,5 +244,6 @@ __all__ = [
     "load_model_and_windows",
     "needle_cases",
     "needle_retrieval",
+    "sweep_builder",
     "sweep_evaluator",
 ]

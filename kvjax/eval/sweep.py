@@ -11,6 +11,10 @@ in (``evaluate(config, cache_config, with_needle) -> dict``; the model is never
 imported here) and writes one JSON per configuration to ``OUT/RUN/configs/``, where
 ``RUN`` (:meth:`Settings.run_name`) names the settings, so a second run with the same
 settings skips what is done. ``bf16`` always runs: it is the baseline of every delta.
+:func:`run_seeds` runs the configurations over several seeds, each seed its own run
+folder: a configuration whose results depend on the seed (:func:`seed_dependent`) once
+per seed, the others once; :func:`write_seed_reports` reports mean and spread over the
+seeds in ``OUT/RUN-seedsLABEL`` (:meth:`Settings.seeds_name`).
 The rest builds the reports: deltas to bf16, CSV, markdown tables, Pareto plots, and
 the helpers the papers' protocol scripts share (seed tables, a lazily loaded
 evaluator, their argument parser and published tables).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -28,9 +33,13 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import jax
+import numpy as np
+
+from kvjax.codec import Codec, CodecError
 from kvjax.eval.provenance import KEY as PROVENANCE
 from kvjax.eval.provenance import provenance, timestamp
 from kvjax.spec import CacheConfig, CacheSpecError, parse_cache
@@ -85,8 +94,7 @@ class Settings:
         for name in ("needle_lengths", "needle_depths"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
-    def run_name(self) -> str:
-        """A directory name that differs whenever a ppl-relevant setting differs."""
+    def _name_parts(self) -> list[str]:
         corpus = Path(self.corpus).stem if os.sep in self.corpus else self.corpus
         parts = [_slug(Path(self.model).stem), _slug(corpus),
                  f"{self.windows}x{self.window_len}"]
@@ -94,8 +102,21 @@ class Settings:
             parts.append(f"c{self.chunk}")
         if self.cache_options:
             parts.append(config_slug(self.cache_options))
-        parts.append(f"seed{self.seed}")
-        return "-".join(parts)
+        return parts
+
+    def run_name(self) -> str:
+        """A directory name that differs whenever a ppl-relevant setting differs."""
+        return "-".join([*self._name_parts(), f"seed{self.seed}"])
+
+    def seeds_name(self, seeds: Sequence[int]) -> str:
+        """The directory name of a report over ``seeds``: :meth:`run_name` with
+        ``seeds0-4`` (consecutive seeds) or ``seeds0_2_7`` in place of the seed."""
+        seeds = sorted(set(seeds))
+        if len(seeds) > 1 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+            label = f"{seeds[0]}-{seeds[-1]}"
+        else:
+            label = "_".join(str(s) for s in seeds)
+        return "-".join([*self._name_parts(), f"seeds{label}"])
 
     def title(self) -> str:
         """A plot title: model, corpus, windows and the shared cache clauses."""
@@ -141,6 +162,53 @@ def family(config: str | CacheConfig) -> str:
     return "/".join(one(s) for s in specs)
 
 
+#: head dims :func:`is_seeded` draws a codec's parameters at, the first one it accepts
+PROBE_HEAD_DIMS = (64, 128, 256, 96, 80, 48, 32, 16, 8)
+
+
+@functools.cache
+def _codec_seeded(codec: Codec, head_dim: int | None) -> bool:
+    for dim in (head_dim,) if head_dim else PROBE_HEAD_DIMS:
+        try:
+            codec.check_head_dim(dim)
+        except CodecError:
+            continue
+        a, b = (jax.tree.flatten(codec.init(jax.random.PRNGKey(s), dim)) for s in (0, 1))
+        return a[1] != b[1] or not all(np.array_equal(x, y) for x, y in zip(a[0], b[0],
+                                                                             strict=True))
+    # no head dim to look at: counted seeded, which only costs measuring it per seed
+    return True
+
+
+def is_seeded(config: str | CacheConfig, *, head_dim: int | None = None) -> bool:
+    """Whether a cache's codec parameters depend on the seed.
+
+    Codecs do not declare it, so it is measured: every codec of the cache (K, V and
+    those of the layer rules) draws its parameters (:meth:`~kvjax.codec.Codec.init`)
+    from two keys, ``PRNGKey(0)`` and ``PRNGKey(1)``, at ``head_dim`` (default: the first
+    of :data:`PROBE_HEAD_DIMS` it accepts), and the cache is seeded when any two
+    parameter pytrees differ in structure or in a value. A codec is a function of its
+    parameters (it carries no arrays), so equal parameters mean equal codes. A codec that
+    accepts none of the head dims counts as seeded. The conformance suite checks the same
+    property against each example's ``seeded``.
+    """
+    cc = parse_cache(config)
+    codecs = dict.fromkeys([cc.k, cc.v, *(rule.codec for rule in cc.layers)])
+    return any(_codec_seeded(codec, head_dim) for codec in codecs)
+
+
+def seed_dependent(config: str, settings: Settings) -> bool:
+    """Whether the results of ``config`` under ``settings`` depend on the seed.
+
+    Perplexity sees the seed only through the codec parameters (``cache_perplexity``
+    draws the cache's parameters from ``PRNGKey(seed)``; the windows are the corpus's
+    first tokens), so it depends on the seed when the cache :func:`is_seeded`. The
+    needle's prompts are drawn from the seed, so with the needle every configuration
+    depends on it.
+    """
+    return settings.needle_trials > 0 or is_seeded(cache_config(config, settings))
+
+
 def write_json(path: Path, data: dict, *, source: dict | None = None) -> dict:
     """Write ``data`` with its provenance (``source``, default :func:`provenance` now)
     under :data:`kvjax.eval.provenance.KEY`, atomically: a killed script never leaves a
@@ -170,6 +238,45 @@ def _is_done(path: Path, settings: Settings, spec: str, want_needle: bool) -> bo
     return not want_needle or stored.get("needle") == settings.needle_key()
 
 
+def _result_path(run_dir: Path, config: str) -> Path:
+    return run_dir / "configs" / f"{config_slug(config)}.json"
+
+
+def _measure(todo: Sequence[tuple[Settings, str]], done: int, out: Path,
+             cache_configs: dict[str, CacheConfig],
+             evaluator: Callable[[Settings], Evaluate], *, progress: bool,
+             show_seed: bool = False) -> None:
+    """Measure each ``(settings, config)`` of ``todo`` with ``evaluator(settings)`` and
+    write its row; ``done`` counts the measurements already there, for the bar."""
+    source = provenance() if todo else None
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=done + len(todo), initial=done, desc="sweep", unit="config")
+    for settings, config in todo:
+        if bar is not None:
+            bar.set_postfix_str(f"seed {settings.seed}: {config}" if show_seed else config)
+        t0 = time.perf_counter()
+        cc = cache_configs[config]
+        want_needle = settings.needle_trials > 0
+        measured = evaluator(settings)(config, cc, want_needle)
+        row = {
+            "config": config, "family": family(config), "cache_spec": cc.spec,
+            "k_codec": cc.k.spec, "v_codec": cc.v.spec,
+            **dataclasses.asdict(settings),
+            "needle": settings.needle_key(),
+            **measured,
+            "wall_seconds": time.perf_counter() - t0,
+        }
+        path = _result_path(Path(out) / settings.run_name(), config)
+        write_json(path, row, source={**source, "time": timestamp()})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+
 def run_sweep(
     configs: Sequence[str],
     settings: Settings,
@@ -192,40 +299,71 @@ def run_sweep(
     run_dir = Path(out) / settings.run_name()
     (run_dir / "configs").mkdir(parents=True, exist_ok=True)
     want_needle = settings.needle_trials > 0
-
-    def path(config: str) -> Path:
-        return run_dir / "configs" / f"{config_slug(config)}.json"
-
-    todo = [c for c in configs
-            if force or not _is_done(path(c), settings, cache_configs[c].spec, want_needle)]
-    source = provenance() if todo else None
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc="sweep",
-                   unit="config")
-    for config in todo:
-        if bar is not None:
-            bar.set_postfix_str(config)
-        t0 = time.perf_counter()
-        cc = cache_configs[config]
-        measured = evaluate(config, cc, want_needle)
-        row = {
-            "config": config, "family": family(config), "cache_spec": cc.spec,
-            "k_codec": cc.k.spec, "v_codec": cc.v.spec,
-            **dataclasses.asdict(settings),
-            "needle": settings.needle_key(),
-            **measured,
-            "wall_seconds": time.perf_counter() - t0,
-        }
-        write_json(path(config), row, source={**source, "time": timestamp()})
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    rows = [json.loads(path(c).read_text()) for c in configs]
+    todo = [c for c in configs if force or not _is_done(
+        _result_path(run_dir, c), settings, cache_configs[c].spec, want_needle)]
+    _measure([(settings, c) for c in todo], len(configs) - len(todo), out, cache_configs,
+             lambda _: evaluate, progress=progress)
+    rows = [json.loads(_result_path(run_dir, c).read_text()) for c in configs]
     return rows, run_dir
+
+
+def run_seeds(
+    configs: Sequence[str],
+    settings: Settings,
+    seeds: Sequence[int],
+    out: Path,
+    build: Callable[[Settings], Evaluate],
+    *,
+    force: bool = False,
+    progress: bool = True,
+) -> tuple[dict[int, list[dict]], Path]:
+    """:func:`run_sweep` over ``seeds``: returns every seed's rows and the folder of the
+    report over the seeds (``out/`` :meth:`Settings.seeds_name`, created).
+
+    ``settings.seed`` is ignored; seed ``s`` runs with ``settings`` at ``seed=s`` and
+    writes to that run's folder, as :func:`run_sweep` does, so a seed's results are
+    found again there by either function. A configuration whose results depend on the
+    seed (:func:`seed_dependent`) is measured for every seed; any other once, under the
+    first seed whose folder holds it (the lowest seed when none does) and its row stands
+    for every seed. Rows carry ``seeded`` (True for the former). ``build(settings)``
+    returns the evaluator of a seed's settings; it is called only for a seed with
+    something to measure (:func:`lazy_evaluator`). Measurements go seed by seed under
+    one progress bar; configurations are validated before anything runs.
+    """
+    seeds = sorted(set(seeds))
+    if not seeds:
+        raise ValueError("run_seeds needs at least one seed")
+    configs = list(dict.fromkeys([BASELINE, *configs]))
+    cache_configs = {c: cache_config(c, settings) for c in configs}
+    runs = {s: dataclasses.replace(settings, seed=s) for s in seeds}
+    for run in runs.values():
+        (Path(out) / run.run_name() / "configs").mkdir(parents=True, exist_ok=True)
+    want_needle = settings.needle_trials > 0
+
+    def done(seed: int, config: str) -> bool:
+        run = runs[seed]
+        return not force and _is_done(_result_path(Path(out) / run.run_name(), config), run,
+                                      cache_configs[config].spec, want_needle)
+
+    seeded = {c: seed_dependent(c, settings) for c in configs}
+    measured_at = {c: next((s for s in seeds if done(s, c)), seeds[0])
+                   for c in configs if not seeded[c]}
+    plan = [(s, c) for s in seeds for c in configs if seeded[c] or measured_at[c] == s]
+    todo = [(s, c) for s, c in plan if not done(s, c)]
+    evaluators: dict = {}
+    by_seed = {s: lazy_evaluator(run, evaluators, build) for s, run in runs.items()}
+    _measure([(runs[s], c) for s, c in todo], len(plan) - len(todo), out, cache_configs,
+             lambda run: by_seed[run.seed], progress=progress, show_seed=True)
+
+    def row(seed: int, config: str) -> dict:
+        at = seed if seeded[config] else measured_at[config]
+        path = _result_path(Path(out) / runs[at].run_name(), config)
+        return {**json.loads(path.read_text()), "seeded": seeded[config]}
+
+    per_seed = {s: [row(s, c) for c in configs] for s in seeds}
+    seeds_dir = Path(out) / settings.seeds_name(seeds)
+    seeds_dir.mkdir(parents=True, exist_ok=True)
+    return per_seed, seeds_dir
 
 
 # -- reports ------------------------------------------------------------------------
@@ -286,11 +424,15 @@ def pareto_front(rows: Sequence[dict]) -> list[dict]:
 
 
 def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
-                max_ppl: float | None = None, max_bits: float | None = None) -> None:
+                max_ppl: float | None = None, max_bits: float | None = None,
+                spread: Mapping[str, tuple[float, float]] | None = None,
+                spread_label: str = "") -> None:
     """ppl vs bits per element (log y), one marker per codec family, the front drawn.
 
     ``max_ppl`` / ``max_bits`` zoom in: rows beyond them are left out (bf16 stays as
-    the dashed baseline)."""
+    the dashed baseline). ``spread`` maps a configuration to the ``(low, high)`` ppl of
+    an error bar around its point (none where low == high), named ``spread_label`` in
+    the legend."""
     base_row = next(r for r in rows if r["config"] == BASELINE)
     # styles follow the unfiltered families, so a family looks the same in every view
     style = {fam: i for i, fam in enumerate(dict.fromkeys(r["family"] for r in rows))}
@@ -304,6 +446,7 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
 
     markers = "osD^v<>pPX*h"
     fig, ax = plt.subplots(figsize=(8, 5.5))
+    has_bars = False
     for fam in dict.fromkeys(r["family"] for r in rows):
         pts = sorted((r for r in rows if r["family"] == fam),
                      key=lambda r: r["bits_per_element"])
@@ -311,10 +454,22 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
         ax.plot([r["bits_per_element"] for r in pts], [r["ppl"] for r in pts],
                 marker=markers[i % len(markers)], color=f"C{i % 10}", linestyle=":",
                 label=fam)
+        bars = [r for r in pts if spread and spread[r["config"]][1] > spread[r["config"]][0]]
+        if bars:
+            lows, highs = zip(*(spread[r["config"]] for r in bars), strict=True)
+            ax.errorbar([r["bits_per_element"] for r in bars], [r["ppl"] for r in bars],
+                        yerr=[[r["ppl"] - lo for r, lo in zip(bars, lows, strict=True)],
+                              [hi - r["ppl"] for r, hi in zip(bars, highs, strict=True)]],
+                        fmt="none", ecolor=f"C{i % 10}", elinewidth=1, capsize=3)
+            has_bars = True
         for r in pts:
             ax.annotate(r["config"].split(":", 1)[-1] if ":" in r["config"] else r["config"],
                         (r["bits_per_element"], r["ppl"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=7)
+    if has_bars:
+        # the bars take their family's colour; the legend names them once, in grey
+        ax.errorbar([], [], yerr=[], fmt="none", ecolor="0.4", elinewidth=1, capsize=3,
+                    label=spread_label or "spread")
     front = pareto_front(rows)
     ax.step([r["bits_per_element"] for r in front], [r["ppl"] for r in front],
             where="post", color="0.6", linewidth=3, alpha=0.4, label="Pareto front")
@@ -336,15 +491,18 @@ ZOOM_PPL = 1.5
 
 
 def plot_pareto_views(rows: Sequence[dict], path: Path, title: str, *,
-                      max_bits: float = 8.0) -> tuple[Path, Path]:
+                      max_bits: float = 8.0,
+                      spread: Mapping[str, tuple[float, float]] | None = None,
+                      spread_label: str = "") -> tuple[Path, Path]:
     """The whole front at ``path`` and a zoom beside it (``*_zoom.png``): the codecs
     within :data:`ZOOM_PPL` of bf16's perplexity and at most ``max_bits``, where the
-    front is decided. Returns both paths."""
-    plot_pareto(rows, path, title)
+    front is decided; ``spread`` as :func:`plot_pareto`'s. Returns both paths."""
+    bars = {"spread": spread, "spread_label": spread_label}
+    plot_pareto(rows, path, title, **bars)
     base = next(r["ppl"] for r in rows if r["config"] == BASELINE)
     zoom = path.with_name(f"{path.stem}_zoom{path.suffix}")
     plot_pareto(rows, zoom, f"ppl < {ZOOM_PPL:g}x bf16, bits <= {max_bits:g}; {title}",
-                max_ppl=ZOOM_PPL * base, max_bits=max_bits)
+                max_ppl=ZOOM_PPL * base, max_bits=max_bits, **bars)
     return path, zoom
 
 
@@ -380,7 +538,9 @@ def lazy_evaluator(settings: Settings, cache: dict,
     configuration actually needs measuring, so an aggregation of finished results loads
     nothing; evaluators are kept in ``cache`` and shared by runs whose settings differ
     only in their cache clauses (the seed draws the codecs' parameters inside the
-    evaluator: a new seed is a new evaluator)."""
+    evaluator: a new seed is a new evaluator, and a ``build`` that keeps its loaded
+    models, such as ``models.evaluate.sweep_builder()``, loads a model once for every
+    seed)."""
     key = dataclasses.replace(settings, cache_options="")
 
     def evaluate(name: str, cache_config: CacheConfig, with_needle: bool) -> dict:
@@ -391,35 +551,92 @@ def lazy_evaluator(settings: Settings, cache: dict,
     return evaluate
 
 
-def seed_rows(per_seed: dict[int, list[dict]]) -> list[dict]:
-    """Per configuration present in every seed: bits, per-seed ppl, mean, sd, delta of
-    the mean to bf16's (which is the same for every seed: it has no random parameters)."""
+def seed_rows(per_seed: dict[int, list[dict]], *, baseline: bool = False) -> list[dict]:
+    """Per configuration present in every seed: family, bits, ppl per seed (in seed
+    order), their mean, sample sd (0 for one seed), min and max, the delta of the mean
+    to bf16's (bf16 has no random parameters: the lowest seed's stands for all), and
+    ``seeded``, the rows' own (:func:`run_seeds` marks them; None when they do not say).
+    bf16's row is left out unless ``baseline``."""
     seeds = sorted(per_seed)
     by_seed = {s: {r["config"]: r for r in rows} for s, rows in per_seed.items()}
     base = by_seed[seeds[0]][BASELINE]["ppl"]
     out = []
-    for config in by_seed[seeds[0]]:
-        if config == BASELINE or not all(config in by_seed[s] for s in seeds):
+    for config, first in by_seed[seeds[0]].items():
+        if (config == BASELINE and not baseline) or not all(config in by_seed[s]
+                                                             for s in seeds):
             continue
         ppl = [by_seed[s][config]["ppl"] for s in seeds]
         mean = statistics.fmean(ppl)
-        out.append({"config": config, "bits_per_element":
-                    by_seed[seeds[0]][config]["bits_per_element"], "ppl": ppl, "mean": mean,
-                    "sd": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-                    "delta_pct": 100 * (mean / base - 1)})
+        out.append({"config": config, "family": first.get("family") or family(config),
+                    "bits_per_element": first["bits_per_element"], "ppl": ppl,
+                    "mean": mean, "sd": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
+                    "min": min(ppl), "max": max(ppl), "delta_pct": 100 * (mean / base - 1),
+                    "seeded": first.get("seeded")})
     return out
 
 
-def seed_table(rows: Sequence[dict], seeds: Sequence[int]) -> str:
-    """Markdown: configuration, bits, ppl per seed, mean +- sd, delta of the mean."""
+#: marks a configuration measured once for every seed in :func:`seed_table`
+UNSEEDED_MARK = "†"
+
+
+def seed_table(rows: Sequence[dict], seeds: Sequence[int], *,
+               extremes: bool = False) -> str:
+    """Markdown: configuration, bits, ppl per seed, mean +- sd (then min .. max with
+    ``extremes``), delta of the mean. Rows whose ``seeded`` is False carry
+    :data:`UNSEEDED_MARK`, explained under the table."""
     head = ("| codec | bits / element | " + " | ".join(f"seed {s}" for s in seeds)
-            + " | mean +- sd | vs bf16 |")
-    lines = [head, "|---|---|" + "---|" * len(seeds) + "---|---|"]
+            + " | mean +- sd |" + (" min .. max |" if extremes else "") + " vs bf16 |")
+    lines = [head, "|---|---|" + "---|" * (len(seeds) + 2 + extremes)]
     for r in sorted(rows, key=lambda r: (r["bits_per_element"], r["config"])):
-        lines.append(f"| `{r['config']}` | {r['bits_per_element']:.3f} | "
-                     + " | ".join(f"{p:.2f}" for p in r["ppl"])
-                     + f" | {r['mean']:.2f} +- {r['sd']:.2f} | {r['delta_pct']:+.1f}% |")
+        mark = f" {UNSEEDED_MARK}" if r.get("seeded") is False else ""
+        cells = [f"`{r['config']}`{mark}", f"{r['bits_per_element']:.3f}",
+                 *(f"{p:.2f}" for p in r["ppl"]), f"{r['mean']:.2f} +- {r['sd']:.2f}"]
+        if extremes:
+            cells.append(f"{r['min']:.2f} .. {r['max']:.2f}")
+        cells.append(f"{r['delta_pct']:+.1f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    if any(r.get("seeded") is False for r in rows):
+        lines += ["", f"{UNSEEDED_MARK} parameters independent of the seed: measured once, "
+                  "the same perplexity for every seed"]
     return "\n".join(lines)
+
+
+def write_seed_csv(rows: Sequence[dict], seeds: Sequence[int], path: Path) -> None:
+    """:func:`seed_rows` as CSV, one row per configuration: ``ppl_seedS`` per seed, then
+    mean, sd, min, max and the delta of the mean; ``seeded`` False where measured once."""
+    fields = ["config", "family", "seeded", "bits_per_element",
+              *(f"ppl_seed{s}" for s in seeds), "mean", "sd", "min", "max", "delta_pct"]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, **{f"ppl_seed{s}": p
+                                     for s, p in zip(seeds, r["ppl"], strict=True)}})
+
+
+def write_seed_reports(per_seed: dict[int, list[dict]], settings: Settings,
+                       seeds_dir: Path) -> str:
+    """The reports of :func:`run_seeds` in ``seeds_dir``: ``summary.csv``
+    (:func:`write_seed_csv`), ``summary.md`` (:func:`seed_table` with min .. max, bf16
+    included), ``pareto.png`` and ``pareto_zoom.png`` (the mean per configuration, its
+    min .. max over the seeds as an error bar; the front is that of the means). Returns
+    what to print: the table and the paths."""
+    seeds = sorted(per_seed)
+    rows = seed_rows(per_seed, baseline=True)
+    table = seed_table(rows, seeds, extremes=True)
+    write_seed_csv(rows, seeds, seeds_dir / "summary.csv")
+    (seeds_dir / "summary.md").write_text(table + "\n")
+    title = (f"{settings.title()}\nmean of seeds {', '.join(str(s) for s in seeds)} "
+             "(bars: min .. max)")
+    plot, zoom = plot_pareto_views(
+        [{**r, "ppl": r["mean"]} for r in rows], seeds_dir / "pareto.png", title,
+        spread={r["config"]: (r["min"], r["max"]) for r in rows},
+        spread_label="min .. max over the seeds")
+    runs = [seeds_dir.parent / dataclasses.replace(settings, seed=s).run_name() / "configs"
+            for s in seeds]
+    return "\n".join([table, "\nper seed: " + ", ".join(str(r) for r in runs),
+                      f"results: {seeds_dir / 'summary.csv'}, {seeds_dir / 'summary.md'}",
+                      f"plot:    {plot}, {zoom}"])
 
 
 def protocol_parser(description: str, parts: Sequence[str], name: str, *,
@@ -459,7 +676,9 @@ def publish_tables(docs: Path, text: str, summary: dict, *, name: str = "lm") ->
 __all__ = [
     "BASELINE",
     "CSV_FIELDS",
+    "PROBE_HEAD_DIMS",
     "SETTING_KEYS",
+    "UNSEEDED_MARK",
     "ZOOM_PPL",
     "Evaluate",
     "Settings",
@@ -467,6 +686,7 @@ __all__ = [
     "canonical_options",
     "config_slug",
     "family",
+    "is_seeded",
     "lazy_evaluator",
     "markdown_table",
     "pareto_front",
@@ -474,11 +694,15 @@ __all__ = [
     "plot_pareto_views",
     "protocol_parser",
     "publish_tables",
+    "run_seeds",
     "run_sweep",
+    "seed_dependent",
     "seed_rows",
     "seed_table",
     "with_deltas",
     "write_csv",
     "write_json",
     "write_reports",
+    "write_seed_csv",
+    "write_seed_reports",
 ]

@@ -10,7 +10,7 @@ import pytest
 from experiments import sweep
 from kvjax.eval.provenance import KEY
 from kvjax.eval.sweep import config_slug
-from tests.kvjax.eval.test_sweep import FakeEvaluate
+from tests.kvjax.eval.test_sweep import FakeEvaluate, SeedFake
 
 
 def run(tmp_path, *args, evaluate=None):
@@ -117,3 +117,75 @@ def test_real_model_sweep_smoke(tmp_path, capsys):
     assert rows["int:4"]["bits_per_element"] == 4.5     # head dim 64: 4 + 32/64
     assert 1 < rows["bf16"]["ppl"] < rows["int:4"]["ppl"] * 1.5
     assert rows["int:4"]["tokens"] == 31
+
+
+def test_seeds_parse_and_exclude_seed(capsys):
+    parser = sweep.build_parser()
+    assert parser.parse_args(["--seeds", "0", "1", "2"]).seeds == [0, 1, 2]
+    assert parser.parse_args(["--seed", "3"]).seeds is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--seed", "1", "--seeds", "0", "1"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_seeds_run_each_seed_and_report_over_them(tmp_path, capsys):
+    fake = SeedFake()
+    code = sweep.main(["--codec", "int:4", "--codec", "turboquant:b3", "--seeds", "2", "0",
+                       "1", "--out", str(tmp_path), "--no-progress"], build=fake)
+    assert code == 0
+    assert fake.calls == [(0, "bf16"), (0, "int:4"), (0, "turboquant:b3"),
+                          (1, "turboquant:b3"), (2, "turboquant:b3")]
+    out = capsys.readouterr().out
+    seeds_dir = tmp_path / "smollm2_135m-shakespeare-8x256-seeds0-2"
+    for name in ("summary.csv", "summary.md", "pareto.png", "pareto_zoom.png"):
+        assert str(seeds_dir / name) in out and (seeds_dir / name).is_file()
+    assert "| `int:4` † | 4.500 |" in out and "min .. max" in out
+    for seed in (0, 1, 2):
+        assert (tmp_path / f"smollm2_135m-shakespeare-8x256-seed{seed}" / "configs").is_dir()
+    # resumable: a second run measures nothing
+    again = SeedFake()
+    assert sweep.main(["--codec", "int:4", "--codec", "turboquant:b3", "--seeds", "0", "1",
+                       "2", "--out", str(tmp_path), "--no-progress"], build=again) == 0
+    assert again.calls == [] and again.built == []
+
+
+def test_one_seed_in_seeds_is_seed(tmp_path):
+    code, fake = run(tmp_path, "--codec", "int:4", "--seeds", "3")
+    assert code == 0 and fake.calls == ["bf16", "int:4"]
+    run_dir = tmp_path / "smollm2_135m-shakespeare-8x256-seed3"
+    assert (run_dir / "summary.csv").is_file() and (run_dir / "pareto.png").is_file()
+    _, again = run(tmp_path, "--codec", "int:4", "--seed", "3")
+    assert again.calls == []
+
+
+def test_negative_seeds_exit_2(tmp_path, capsys):
+    code, fake = run(tmp_path, "--seeds", "-1", "0")
+    assert code == 2 and fake.calls == []
+    assert "--seeds must be >= 0" in capsys.readouterr().err
+
+
+def test_the_default_evaluator_loads_the_model_once_for_every_seed(tmp_path, monkeypatch):
+    """models.evaluate.sweep_builder shares one loaded model between the seeds' evaluators
+    (the loading and the perplexity are faked: the seeds' codec keys still differ)."""
+    from kvjax.eval.ppl import PerplexityResult
+    from models import evaluate
+
+    loads, keys = [], []
+
+    def load(model, corpus, num_windows, window_len):
+        loads.append((model, corpus, num_windows, window_len))
+        return None, None, None, "", None
+
+    def perplexity(params, config, cache_config, windows, *, chunk, seed, progress):
+        keys.append((seed, cache_config.spec))
+        return PerplexityResult(ppl=20.0 + seed, nll=3.0, tokens=10, bits_per_element=4.5,
+                                k_bits_per_element=4.5, v_bits_per_element=4.5,
+                                seconds=0.0, fallback_blocks=0)
+
+    monkeypatch.setattr(evaluate, "load_model_and_windows", load)
+    monkeypatch.setattr(evaluate, "cache_perplexity", perplexity)
+    assert sweep.main(["--codec", "turboquant:b3", "--seeds", "0", "1", "2", "--out",
+                       str(tmp_path), "--no-progress"]) == 0
+    assert loads == [("smollm2-135m", "shakespeare", 8, 256)]
+    assert keys == [(0, "bf16"), (0, "turboquant:b3"), (1, "turboquant:b3"),
+                    (2, "turboquant:b3")]

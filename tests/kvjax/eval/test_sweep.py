@@ -2,6 +2,7 @@
 rows, the reports and the helpers the protocol scripts share (the real model runs in
 ``make demo`` and in tests/experiments/test_sweep.py)."""
 
+import csv
 import dataclasses
 import json
 
@@ -9,7 +10,7 @@ import pytest
 
 from kvjax.eval import sweep
 from kvjax.eval.provenance import KEY
-from kvjax.spec import CacheSpecError
+from kvjax.spec import CacheSpecError, registered
 
 
 class FakeEvaluate:
@@ -193,3 +194,196 @@ def test_seed_rows_and_table():
     table = sweep.seed_table([row], [0, 1, 2])
     assert table.splitlines()[2] == ("| `int:4` | 4.500 | 11.00 | 12.00 | 13.00 | "
                                      "12.00 +- 1.00 | +20.0% |")
+
+
+#: what a seed adds to the ppl of a seeded cache in SeedFake
+OFFSETS = {0: 0.0, 1: 2.0, 2: 4.0, 3: 1.0}
+
+
+class SeedFake:
+    """``build(settings)`` for run_seeds: FakeEvaluate's ppl plus the seed's offset for
+    the rotation codecs; records the evaluators built and the (seed, config) measured."""
+
+    def __init__(self):
+        self.built, self.calls = [], []
+
+    def __call__(self, settings):
+        self.built.append(settings.seed)
+        fake = FakeEvaluate()
+
+        def evaluate(config, cache_config, with_needle):
+            self.calls.append((settings.seed, config))
+            row = fake(config, cache_config, with_needle)
+            if "turboquant" in cache_config.spec:
+                row["ppl"] += OFFSETS[settings.seed]
+            return row
+
+        return evaluate
+
+
+SEEDED = ["turboquant:b3", "k=int:4 v=turboquant:b3"]
+
+
+def test_run_seeds_measures_seeded_configurations_per_seed_and_the_others_once(tmp_path):
+    fake = SeedFake()
+    per_seed, seeds_dir = sweep.run_seeds(["int:4", *SEEDED], SETTINGS, [2, 0, 1], tmp_path,
+                                          fake, progress=False)
+    assert fake.calls == [(0, "bf16"), (0, "int:4"), *((s, c) for s in (0, 1, 2)
+                                                       for c in SEEDED)]
+    assert fake.built == [0, 1, 2]
+    assert seeds_dir == tmp_path / "smollm2_135m-shakespeare-8x256-seeds0-2"
+    assert seeds_dir.is_dir()
+    assert sorted(per_seed) == [0, 1, 2]
+    for seed, rows in per_seed.items():
+        by_config = {r["config"]: r for r in rows}
+        assert list(by_config) == ["bf16", "int:4", *SEEDED]
+        assert [by_config[c]["seeded"] for c in by_config] == [False, False, True, True]
+        assert by_config["int:4"]["seed"] == 0 and by_config["turboquant:b3"]["seed"] == seed
+        assert by_config["turboquant:b3"]["ppl"] == per_seed[0][2]["ppl"] + OFFSETS[seed]
+        # each seed's results are where a run of that one seed keeps them
+        run_dir = tmp_path / dataclasses.replace(SETTINGS, seed=seed).run_name()
+        stored = {p.name for p in (run_dir / "configs").iterdir()}
+        expected = ["bf16", "int:4", *SEEDED] if seed == 0 else SEEDED
+        assert stored == {f"{sweep.config_slug(c)}.json" for c in expected}
+
+
+def test_run_seeds_resumes_across_seeds(tmp_path):
+    configs = ["int:4", "turboquant:b3"]
+    # seed 1 alone first: its unseeded results serve the run over seeds 0 and 1
+    sweep.run_sweep(configs, dataclasses.replace(SETTINGS, seed=1), tmp_path,
+                    FakeEvaluate(), progress=False)
+    fake = SeedFake()
+    per_seed, _ = sweep.run_seeds(configs, SETTINGS, [0, 1], tmp_path, fake, progress=False)
+    assert fake.calls == [(0, "turboquant:b3")] and fake.built == [0]
+    assert {r["config"]: r["seed"] for r in per_seed[0]} == {
+        "bf16": 1, "int:4": 1, "turboquant:b3": 0}
+    # nothing left: nothing measured, no evaluator built (no model loaded)
+    again = SeedFake()
+    sweep.run_seeds(configs, SETTINGS, [0, 1], tmp_path, again, progress=False)
+    assert again.calls == [] and again.built == []
+    # a seed more measures only the seeded configuration
+    more = SeedFake()
+    sweep.run_seeds(configs, SETTINGS, [0, 1, 2], tmp_path, more, progress=False)
+    assert more.calls == [(2, "turboquant:b3")]
+    # an interrupted run keeps what it measured
+    broken = SeedFake()
+
+    def build(settings):
+        evaluate = broken(settings)
+
+        def fail_at_seed_3(config, cache_config, with_needle):
+            if settings.seed == 3:
+                raise RuntimeError("interrupted")
+            return evaluate(config, cache_config, with_needle)
+
+        return fail_at_seed_3
+
+    with pytest.raises(RuntimeError):
+        sweep.run_seeds(["int:3", "turboquant:b3"], SETTINGS, [0, 3], tmp_path, build,
+                        progress=False)
+    # bf16 was measured under seed 1 alone, not one of these seeds
+    assert broken.calls == [(0, "bf16"), (0, "int:3")]
+    resumed = SeedFake()
+    sweep.run_seeds(["int:3", "turboquant:b3"], SETTINGS, [0, 3], tmp_path, resumed,
+                    progress=False)
+    assert resumed.calls == [(3, "turboquant:b3")]
+    # --force redoes every measurement, the unseeded ones under the lowest seed
+    forced = SeedFake()
+    sweep.run_seeds(configs, SETTINGS, [0, 1], tmp_path, forced, force=True, progress=False)
+    assert forced.calls == [(0, "bf16"), (0, "int:4"), (0, "turboquant:b3"),
+                            (1, "turboquant:b3")]
+
+
+def test_run_seeds_with_the_needle_measures_every_configuration_per_seed(tmp_path):
+    settings = dataclasses.replace(SETTINGS, needle_lengths=(64,), needle_depths=(0.5,),
+                                   needle_trials=1)
+    assert sweep.seed_dependent("int:4", settings)
+    fake = SeedFake()
+    per_seed, _ = sweep.run_seeds(["int:4"], settings, [0, 1], tmp_path, fake,
+                                  progress=False)
+    assert fake.calls == [(s, c) for s in (0, 1) for c in ("bf16", "int:4")]
+    assert all(r["seeded"] for rows in per_seed.values() for r in rows)
+
+
+def test_seed_reports_on_fake_numbers(tmp_path):
+    fake = SeedFake()
+    per_seed, seeds_dir = sweep.run_seeds(["int:4", "turboquant:b3"], SETTINGS, [0, 1, 2],
+                                          tmp_path, fake, progress=False)
+    rows = {r["config"]: r for r in sweep.seed_rows(per_seed, baseline=True)}
+    base, int4, tq = (per_seed[0][i]["ppl"] for i in range(3))
+    assert rows["turboquant:b3"]["ppl"] == [tq, tq + 2, tq + 4]
+    assert rows["turboquant:b3"]["mean"] == pytest.approx(tq + 2)
+    assert rows["turboquant:b3"]["sd"] == pytest.approx(2.0)   # sample sd of 0, 2, 4
+    assert (rows["turboquant:b3"]["min"], rows["turboquant:b3"]["max"]) == (tq, tq + 4)
+    assert rows["turboquant:b3"]["delta_pct"] == pytest.approx(100 * ((tq + 2) / base - 1))
+    assert rows["turboquant:b3"]["seeded"] is True
+    assert rows["int:4"]["ppl"] == [int4] * 3 and rows["int:4"]["sd"] == 0.0
+    assert rows["int:4"]["min"] == rows["int:4"]["max"] == rows["int:4"]["mean"] == int4
+    assert rows["int:4"]["seeded"] is False and rows["int:4"]["family"] == "int"
+    assert rows["bf16"]["delta_pct"] == 0.0
+    assert "bf16" not in {r["config"] for r in sweep.seed_rows(per_seed)}
+
+    text = sweep.write_seed_reports(per_seed, SETTINGS, seeds_dir)
+    table = (seeds_dir / "summary.md").read_text().strip()
+    assert text.startswith(table)
+    lines = table.splitlines()
+    assert lines[0] == ("| codec | bits / element | seed 0 | seed 1 | seed 2 | mean +- sd | "
+                        "min .. max | vs bf16 |")
+    i4 = f"{int4:.2f}"
+    assert f"| `int:4` {sweep.UNSEEDED_MARK} | 4.500 | {i4} | {i4} | {i4} | {i4} +- 0.00 | "\
+        f"{i4} .. {i4} |" in table
+    assert (f"| `turboquant:b3` | {rows['turboquant:b3']['bits_per_element']:.3f} | "
+            f"{tq:.2f} | {tq + 2:.2f} | {tq + 4:.2f} | {tq + 2:.2f} +- 2.00 | "
+            f"{tq:.2f} .. {tq + 4:.2f} |") in table
+    assert lines[-1].startswith(f"{sweep.UNSEEDED_MARK} parameters independent of the seed")
+    with open(seeds_dir / "summary.csv") as f:
+        stored = {r["config"]: r for r in csv.DictReader(f)}
+    assert list(next(iter(stored.values()))) == [
+        "config", "family", "seeded", "bits_per_element", "ppl_seed0", "ppl_seed1",
+        "ppl_seed2", "mean", "sd", "min", "max", "delta_pct"]
+    assert stored["int:4"]["seeded"] == "False" and float(stored["int:4"]["sd"]) == 0.0
+    assert float(stored["turboquant:b3"]["ppl_seed2"]) == tq + 4
+    assert float(stored["turboquant:b3"]["max"]) == tq + 4
+    for name in ("pareto.png", "pareto_zoom.png"):
+        assert (seeds_dir / name).stat().st_size > 10_000
+        assert str(seeds_dir / name) in text
+    assert str(tmp_path / dataclasses.replace(SETTINGS, seed=2).run_name() / "configs") in text
+
+
+def test_seed_table_marks_only_what_the_rows_say():
+    row = {"config": "int:4", "bits_per_element": 4.5, "ppl": [11.0, 13.0], "mean": 12.0,
+           "sd": 1.5, "min": 11.0, "max": 13.0, "delta_pct": 20.0}
+    assert sweep.seed_table([row], [0, 1]).splitlines()[-1] == (
+        "| `int:4` | 4.500 | 11.00 | 13.00 | 12.00 +- 1.50 | +20.0% |")
+    marked = sweep.seed_table([{**row, "seeded": False}], [0, 1], extremes=True)
+    assert marked.splitlines()[1] == "|---|---|---|---|---|---|---|"
+    assert marked.splitlines()[2] == (f"| `int:4` {sweep.UNSEEDED_MARK} | 4.500 | 11.00 | "
+                                      "13.00 | 12.00 +- 1.50 | 11.00 .. 13.00 | +20.0% |")
+
+
+def test_seeds_name():
+    assert SETTINGS.seeds_name([4, 0, 1, 2, 3, 2]) == "smollm2_135m-shakespeare-8x256-seeds0-4"
+    assert SETTINGS.seeds_name([7, 0, 2]).endswith("-8x256-seeds0_2_7")
+    assert SETTINGS.seeds_name([3]).endswith("-seeds3")
+    assert dataclasses.replace(SETTINGS, seed=5).seeds_name([0, 1]) == SETTINGS.seeds_name(
+        [0, 1])
+
+
+@pytest.mark.parametrize(("cls", "example"), [
+    pytest.param(cls, ex, id=ex.spec) for _, cls in sorted(registered().items())
+    for ex in cls.examples])
+def test_is_seeded_agrees_with_the_codec_examples(cls, example):
+    assert sweep.is_seeded(example.spec, head_dim=example.head_dim) == example.seeded
+
+
+def test_is_seeded_looks_at_every_codec_of_the_cache():
+    assert not sweep.is_seeded("bf16") and not sweep.is_seeded("kivi:2,g32")
+    assert sweep.is_seeded("k=int:4 v=turboquant:b3")
+    assert sweep.is_seeded("int:4 layers[0]:k=turboquant:b3")
+    assert not sweep.is_seeded("int:4 window=32 layers[0,-1]:k=bf16")
+    assert sweep.is_seeded("saw:h64,signs") and not sweep.is_seeded("saw:h64")
+    # saw:h128 rejects the first probe head dim, 64
+    assert sweep.is_seeded("saw:h128,signs") and not sweep.is_seeded("saw:h128")
+    assert not sweep.seed_dependent("int:4", SETTINGS)
+    assert sweep.seed_dependent("int:4", dataclasses.replace(
+        SETTINGS, cache_options="layers[0]:k=turboquant:b3"))
