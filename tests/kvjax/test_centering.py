@@ -233,3 +233,17 @@ def test_centering_rescues_a_per_vector_codec_on_offset_keys():
         return float(jnp.linalg.norm(got - exact) / jnp.linalg.norm(exact))
 
     assert error("int:4 center=first") < error("int:4") / 3
+
+
+def test_chunk_flash_reads_a_transformed_cache_as_the_reference_does():
+    """A prefill chunk of several tokens through the fused chunk kernel (interpret mode
+    off a GPU) over centered, smoothed keys."""
+    k, v = _biased_keys(12, batch=2, tokens=48)
+    spec = "bf16 center=first smooth=first"
+    cache = _filled(spec, k[:, :32], v[:, :32], max_len=48, dtype=jnp.bfloat16)
+    step = kc.make_step(cache, 16)
+    layer = kc.append(cache.layer(0), k[:, 32:], v[:, 32:], step)
+    q = jax.random.normal(jax.random.key(13), (2, 16, 2 * HEADS, DIM))
+    want = attend(q, layer, step, impl="reference")
+    got = attend(q, layer, step, impl="chunk_flash")
+    np.testing.assert_allclose(got, want, atol=3e-2)
