@@ -13,6 +13,9 @@ Parts (:mod:`kvjax.eval.outlier_regime`):
 - ``testbed``: the relative error of attention outputs and the top-1 key agreement on
   synthetic keys ``RoPE(W x + b)`` (Student-t ``x``), through the cache, per seed of the
   codecs' parameters.
+- ``swing``: why seeded codecs swing between seeds: per seed, the output error beside the
+  key error split into the part shared by every token (softmax ignores it) and the part
+  that varies from token to token.
 - ``model``: perplexity of the biased model (a resumable sweep per seed,
   :mod:`kvjax.eval.sweep`); seeded codecs run every seed, the others seed 0 only (their
   perplexity does not depend on it); the calibrated transform learns its vectors from
@@ -145,22 +148,27 @@ def part_testbed(args) -> tuple[str, dict]:
 
 def part_model(args) -> tuple[str, dict]:
     """Perplexity of the biased model per configuration, transform and seed."""
-    from models.evaluate import sweep_evaluator
+    from models.evaluate import sweep_builder
 
-    per_seed: dict[int, list[dict]] = {}
-    shared: dict = {}
-    for seed in args.seeds:
-        settings = sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
-                               window_len=args.window_len, seed=seed)
-        evaluate = sw.lazy_evaluator(settings, shared, sweep_evaluator)
-        rows, _ = sw.run_sweep(configs_for(seed), settings, args.out, evaluate,
-                                     progress=not args.no_progress)
-        per_seed[seed] = rows
-    base = per_seed[args.seeds[0]]
+    build = sweep_builder()
+    settings = sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
+                           window_len=args.window_len, seed=args.seeds[0])
+    every_seed = [f"{c} {t}".strip() for c in CONFIGS for t in SEEDED_TRANSFORMS]
+    per_seed, seeds_dir = sw.run_seeds(every_seed, settings, args.seeds, args.out, build,
+                                       progress=not args.no_progress)
+    sw.write_seed_reports(per_seed, settings, seeds_dir)
+    once = [f"{c} {t}".strip() for c in CONFIGS for t in TRANSFORMS
+            if t not in SEEDED_TRANSFORMS]
+    base, _ = sw.run_sweep(once, settings, args.out, sw.lazy_evaluator(settings, {}, build),
+                           progress=not args.no_progress)
+    base += per_seed[args.seeds[0]]
     fp = next(r for r in base if r["config"] == sw.BASELINE)["ppl"]
 
     def runs(spec: str) -> list[float]:
-        return [r["ppl"] for rows in per_seed.values() for r in rows if r["config"] == spec]
+        rows = [r for rows in per_seed.values() for r in rows if r["config"] == spec]
+        if rows and rows[0].get("seeded"):
+            return [r["ppl"] for r in rows]
+        return [next(r for r in base if r["config"] == spec)["ppl"]]
 
     head = ("| codec | bits | " + " | ".join(t or "no transform" for t in TRANSFORMS)
             + " |")
@@ -178,7 +186,8 @@ def part_model(args) -> tuple[str, dict]:
     text = (f"### Perplexity of `{args.model}` ({args.windows} x {args.window_len} tokens of "
             f"{args.corpus}; bf16 {fp:.3f}; mean +- sd over seeds {list(args.seeds)} for "
             "seeded codecs without and with center=first, seed 0 otherwise; in parentheses "
-            "the mean against bf16)\n\n" + "\n".join(lines))
+            f"the mean against bf16; the report over seeds: {seeds_dir})\n\n"
+            + "\n".join(lines))
     for name, transform in (("before", ""), ("after", "center=first")):
         rows = [r for r in base if r["config"] == sw.BASELINE
                 or (r["config"].split(" ", 1)[1:] or [""])[0] == transform]
@@ -188,7 +197,38 @@ def part_model(args) -> tuple[str, dict]:
     return text, {"bf16_ppl": fp, "ppl": summary}
 
 
-PARTS = {"stats": part_stats, "testbed": part_testbed, "model": part_model}
+def part_swing(args) -> tuple[str, dict]:
+    """Why seeded codecs swing between seeds: on the testbed's keys, per seed, the output
+    error beside the key error split into the part softmax ignores (common to every
+    token) and the part it sees (varying from token to token)."""
+    import numpy as np
+
+    from kvjax.eval.outlier_regime import attention_error, synthetic_keys
+
+    data = synthetic_keys(0, tokens=args.testbed_tokens, heads=2, ratio=args.testbed_ratio,
+                          chunks=2)
+    lines = ["| codec | output error | key error, common | key error, varying | "
+             "corr(output, varying) |", "|---|---|---|---|---|"]
+    rows = {}
+    for config in (c for c in CONFIGS if c.split(":")[0] in SEEDED):
+        for transform in SEEDED_TRANSFORMS:
+            spec = f"{config} {transform}".strip()
+            runs = [attention_error(spec, data["keys"], data["values"], data["queries"],
+                                    seed=seed) for seed in args.seeds]
+            cols = {name: [r[name] for r in runs] for name in runs[0]}
+            rows[spec] = cols
+            corr = np.corrcoef(cols["output_rel_error"], cols["key_error_varying"])[0, 1]
+            lines.append(f"| `{spec}` | {spread(cols['output_rel_error'])} | "
+                         f"{spread(cols['key_error_common'])} | "
+                         f"{spread(cols['key_error_varying'])} | {corr:+.2f} |")
+    text = ("### Seeds: output error and the two parts of the key error on the testbed "
+            f"(mean +- sd over seeds {list(args.seeds)}; key errors over the RMS of the "
+            "keys' token-to-token variation)\n\n" + "\n".join(lines))
+    return text, rows
+
+
+PARTS = {"stats": part_stats, "testbed": part_testbed, "swing": part_swing,
+         "model": part_model}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -179,8 +179,12 @@ def attention_error(cache_spec: str, keys: np.ndarray, values: np.ndarray,
     then the last one with its query) and attended by the float32 ``"reference"``
     implementation, one row per query. Returns the relative error of the outputs against
     exact float32 attention (Frobenius over the head dim, averaged over queries and
-    heads) and the share of (query, head) pairs whose highest-scoring key is the same
-    over the decoded keys as over the exact ones. Codec parameters come from ``seed``;
+    heads), the share of (query, head) pairs whose highest-scoring key is the same
+    over the decoded keys as over the exact ones, and the keys' reconstruction error
+    split in two, each over the RMS of the keys' own token-to-token variation: the
+    ``key_error_common`` part (the error's mean over tokens: it moves every score of a
+    query alike, which softmax ignores) and the ``key_error_varying`` part (the rest,
+    which attention sees). Codec parameters come from ``seed``;
     ``calibration`` serves ``calib`` clauses (:func:`kvjax.cache.key_calibration`).
     """
     from kvjax.attention import attend
@@ -215,7 +219,14 @@ def attention_error(cache_spec: str, keys: np.ndarray, values: np.ndarray,
     decoded = dense(layer.k, step.start + step.valid, restore_keys=True)[0]  # [K, S, D]
     approx = jnp.einsum("kqd,ksd->qks", jnp.asarray(queries), decoded)
     top1 = jnp.mean(jnp.argmax(approx, -1) == jnp.argmax(scores, -1))
-    return {"output_rel_error": float(jnp.mean(error)), "top1_agreement": float(top1)}
+    exact_keys = jnp.asarray(keys)
+    key_error = decoded - exact_keys
+    common = jnp.mean(key_error, axis=1, keepdims=True)
+    content = jnp.sqrt(jnp.mean(jnp.square(exact_keys - exact_keys.mean(1, keepdims=True))))
+    return {"output_rel_error": float(jnp.mean(error)), "top1_agreement": float(top1),
+            "key_error_common": float(jnp.sqrt(jnp.mean(jnp.square(common))) / content),
+            "key_error_varying": float(jnp.sqrt(jnp.mean(jnp.square(key_error - common)))
+                                       / content)}
 
 
 __all__ = [
