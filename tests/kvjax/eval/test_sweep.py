@@ -2,6 +2,7 @@
 rows, the reports and the helpers the protocol scripts share (the real model runs in
 ``make demo`` and in tests/experiments/test_sweep.py)."""
 
+import csv
 import dataclasses
 import json
 
@@ -136,6 +137,29 @@ def test_reports(tmp_path):
     for name in ("pareto.png", "pareto_zoom.png"):
         assert (run_dir / name).stat().st_size > 10_000
         assert str(run_dir / name) in text
+
+
+def test_med_c_overflow_reaches_the_csv_and_only_its_tables(tmp_path):
+    class WithOutliers(FakeEvaluate):
+        def __call__(self, config, cache_config, with_needle):
+            row = super().__call__(config, cache_config, with_needle)
+            if "med" in config:  # as PerplexityResult reports it
+                row.update(outlier_chunks=30, outlier_overflow=10, medc_chunks=4000,
+                           outlier_overflow_share=0.25)
+            return row
+
+    rows, run_dir = sweep.run_sweep(["int:4", "int:4,med3"], SETTINGS, tmp_path,
+                                    WithOutliers(), progress=False)
+    table = sweep.write_reports(rows, SETTINGS, run_dir).split("\n\n")[0].splitlines()
+    assert table[0].endswith("| vs bf16 | Med-C overflow |")
+    assert [line.rsplit("|", 2)[1] for line in table[2:]] == [" - ", " 25.00% ", " - "]
+    with open(run_dir / "summary.csv") as f:
+        med = next(r for r in csv.DictReader(f) if r["config"] == "int:4,med3")
+    assert (med["outlier_chunks"], med["outlier_overflow"], med["medc_chunks"],
+            med["outlier_overflow_share"]) == ("30", "10", "4000", "0.25")
+    # tables without Med-C grow no column
+    plain = [r for r in rows if "med" not in r["config"]]
+    assert "overflow" not in sweep.markdown_table(sweep.with_deltas(plain))
 
 
 def test_pareto_front():
