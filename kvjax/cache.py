@@ -55,6 +55,7 @@ import numpy as np
 
 from kvjax import centering
 from kvjax.codec import Codec, codes_nbytes, round_to_dtype
+from kvjax.primitives.quaternion import num_chunks
 from kvjax.spec import CacheConfig
 
 _ROLE_IDS = {"k": 0, "v": 1}
@@ -811,6 +812,44 @@ def fallback_blocks(cache: KVCache) -> int:
             if levels is not None and store.slots:
                 total += int(jnp.sum(levels(store.codes) > 0))
     return total
+
+
+def outlier_overflow(cache: KVCache) -> dict[str, int]:
+    """Med-C outlier chunks (:mod:`kvjax.codecs.outliers`) of the blocks the cache holds
+    now, over every store whose codec extracts them.
+
+    ``outliers``: chunks stored exactly in a block's outlier slots; ``overflow``: chunks
+    over the threshold that did not fit in the slots and went to the base codec;
+    ``chunks``: every chunk of 4 dims those codecs compressed, outlier or not (so
+    ``(outliers + overflow) / chunks`` is the share over the threshold, the outlier
+    fraction of :meth:`~kvjax.codecs.outliers.MedOutlierCodec.paper_bits_per_element`).
+    The same with a ``k_`` and a ``v_`` prefix for K and V apart. Only occupied block
+    slots count (a row's first ``n_comp // block``): whatever the other slots hold is not
+    the row's. All zero without Med-C.
+    """
+    lengths = np.asarray(cache.lengths, np.int64)
+    out = {f"{role}{key}": 0 for role in ("", "k_", "v_")
+           for key in ("outliers", "overflow", "chunks")}
+    for seg in cache.segments:
+        for role in ("k", "v"):
+            store = getattr(seg, role)
+            per_block = getattr(store.codec, "outlier_counts", None)
+            if per_block is None or not store.slots:
+                continue
+            n_layers, _, heads = store.raw.shape[:3]
+            n_comp = np.asarray(store.counts(lengths)[1], np.int64)
+            # [B, slots], against the codes' [L, B, K, slots]
+            occupied = np.arange(store.slots)[None, :] < (n_comp // store.block)[:, None]
+            occupied = occupied[None, :, None, :]
+            stored, overflow = (np.asarray(a, np.int64) for a in per_block(store.codes))
+            found = {"outliers": int(np.sum(stored * occupied)),
+                     "overflow": int(np.sum(overflow * occupied)),
+                     "chunks": int(n_comp.sum()) * n_layers * heads
+                     * num_chunks(store.raw.shape[-1])}
+            for key, value in found.items():
+                out[key] += value
+                out[f"{role}_{key}"] += value
+    return out
 
 
 def memory_bytes(cache: KVCache) -> int:

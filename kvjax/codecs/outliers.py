@@ -20,7 +20,19 @@ Fixed capacity. A block has ``ceil(P% * N * ceil(D / 4))`` outlier slots (``mpP`
 default 3%). When more chunks exceed the threshold, the largest ones (by norm) fill the
 slots and the rest go to the base codec like any other chunk (nothing is dropped: they
 are quantized, coarser, and stretch their vector's range); the block's ``overflow``
-count records how many chunks that happened to (:meth:`MedOutlierCodec.outlier_counts`).
+count records how many chunks that happened to (:meth:`MedOutlierCodec.outlier_counts`;
+over a whole cache, :func:`kvjax.cache.outlier_overflow`, which evaluation reports).
+
+Uncapped. The paper's Med-C has no cap: every chunk above ``C`` x the median is stored
+exactly. ``mp100`` is that form here: a slot for every chunk of the block (``N *
+ceil(D / 4)``), so no chunk ever overflows. The layout stays fixed, so the cache then
+holds a 64-bit slot per chunk whether it is an outlier or not, about ``16 + 1/4`` bits
+per element over the base codec (``int:4,med3,mp100``: 20.51 bits at N = 32, D = 128),
+and :meth:`MedOutlierCodec.bits_per_element` and the cache's stored bits count exactly
+that. The paper's count is variable-length: :meth:`MedOutlierCodec.paper_bits_per_element`
+at the measured outlier fraction, ``(outliers + overflow) / chunks`` of
+:func:`kvjax.cache.outlier_overflow` (the threshold does not depend on the capacity, so
+a capped cache measures that fraction too).
 
 Codes of ``x[..., T, D]``, ``NB = T // N`` blocks, ``C4 = ceil(D / 4)`` chunks::
 
@@ -74,11 +86,14 @@ class MedOutlierCodec(Codec):
                     lo_open=True, hi=MAX_MULTIPLIER, required=True, always=True),
         Option.flag("block", "mb", "outlier block", "N", lo=MIN_BLOCK, hi=MAX_BLOCK),
         Option.flag("capacity_pct", "mp", "outlier capacity %", "P", type=float, lo=0,
-                    lo_open=True, hi=100),
+                    lo_open=True, hi=100,
+                    note="P in (0, 100] (default 3; 100: a slot for every chunk, no cap)"),
     )
     examples: ClassVar[tuple[Example, ...]] = (
         Example("int:4,med3,mb8,mp5", rel_mse=0.012),
         Example("hqmq:s24,r4,med2.5", rel_mse=0.05, seeded=True),
+        # uncapped: a slot for every chunk
+        Example("int:4,med2,mb4,mp100", rel_mse=0.012),
     )
 
     base: Codec
@@ -139,7 +154,7 @@ class MedOutlierCodec(Codec):
         self.base.check_head_dim(head_dim)
 
     def capacity(self, head_dim: int) -> int:
-        """Outlier slots per block."""
+        """Outlier slots per block: every chunk of the block at ``mp100``."""
         return max(1, math.ceil(self.capacity_pct / 100 * self.block * num_chunks(head_dim)))
 
     # -- protocol ---------------------------------------------------------------------

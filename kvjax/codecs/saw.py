@@ -1,9 +1,18 @@
 """SAW-INT4: block-diagonal Hadamard rotation, then token-wise asymmetric INT-N.
 
-Spec ``saw[:hH][,bN][,signs][,kv]``: rotation block ``H`` in {16, 32, 64, 128} (default
-128; must divide the head dim), ``N`` bits (default 4), ``signs`` for seeded random sign
-flips before the rotation, ``kv`` to rotate V too (by default only K is rotated and V
-uses plain ``int:N``, the paper's default: rotating V as well did not change accuracy).
+Spec ``saw[:hH][,bN][,signs][,kv]``: rotation block ``H`` in {16, 32, 64, 128} (it must
+divide the head dim), ``N`` bits (default 4), ``signs`` for seeded random sign flips
+before the rotation, ``kv`` to rotate V too (by default only K is rotated and V uses
+plain ``int:N``, the paper's default: rotating V as well did not change accuracy).
+
+Without ``hH`` the block is the largest of 16, 32, 64 and 128 that divides the head
+dim (:meth:`SawCodec.rotation_block`): 128 at D = 128 or 256, 64 at D = 64, 32 at D =
+96, 16 at D = 48 or 80; a head dim that none divides (24, 40) is refused. A codec carries
+no head dim, so that default is a value of its own, ``block=None``, resolved wherever the
+head dim is known (``init``, ``bits_per_element``, the rotation of a vector); its
+canonical spec leaves ``h`` out (``saw:b4``). ``saw`` and ``saw:h64`` therefore compute
+the same at D = 64 but are different codecs with different specs: a result records
+whether its block was chosen or followed the model's head dim.
 
 Each vector ``x[D]`` is stored as the ``int:N`` codes of ``y = B(s * x)``, where ``B``
 is the orthonormal block-diagonal Hadamard matrix (self-inverse, symmetric) and ``s``
@@ -62,7 +71,9 @@ class SawCodec(Codec):
     #: whatever the rotation (an element bound on ``x`` would need ``sqrt(H)`` of margin)
     limits: ClassVar[Limits] = Limits(norm=FP16_MAX)
     options: ClassVar[tuple[Option, ...]] = (
-        Option.flag("block", "h", "rotation block", "H", choices=BLOCKS, always=True),
+        Option.flag("block", "h", "rotation block", "H", choices=BLOCKS,
+                    note="H in 16/32/64/128 (default: the largest that divides the head "
+                         "dim)"),
         Option.flag("bits", "b", "bit width", "N", lo=MIN_BITS, hi=MAX_BITS, always=True),
         Option.word("signs", "signs", "seeded sign flips"),
         Option.word("rotate_values", "kv", "rotated V"),
@@ -70,10 +81,12 @@ class SawCodec(Codec):
     examples: ClassVar[tuple[Example, ...]] = (
         Example("saw:h16,signs", rel_mse=0.012, seeded=True, bad_head_dims=(24,)),
         Example("saw:h64,b2,kv", rel_mse=0.25, bad_head_dims=(48,)),
-        Example("saw", rel_mse=0.015, head_dim=128, bad_head_dims=(64,)),
+        Example("saw", rel_mse=0.015, head_dim=128, bad_head_dims=(8, 24, 40)),
+        Example("saw:kv", rel_mse=0.015, head_dim=64, bad_head_dims=(24,)),
     )
 
-    block: int = 128
+    #: the rotation block; None: the largest of :data:`BLOCKS` that divides the head dim
+    block: int | None = None
     bits: int = 4
     signs: bool = False
     rotate_values: bool = False
@@ -87,11 +100,25 @@ class SawCodec(Codec):
         return self if self.rotate_values else self._int
 
     def check_head_dim(self, head_dim: int) -> None:
-        """The rotation block must divide the head dim."""
+        """The rotation block must divide the head dim (without ``hH``: one of them)."""
+        self.rotation_block(head_dim)
+
+    def rotation_block(self, head_dim: int) -> int:
+        """The block of the rotation at ``head_dim``: ``H``, or without ``hH`` the largest
+        of 16/32/64/128 that divides ``head_dim``; :class:`CodecError` when it does not
+        divide (none does)."""
         super().check_head_dim(head_dim)
+        if self.block is None:
+            fits = [b for b in BLOCKS if head_dim % b == 0]
+            if not fits:
+                raise CodecError(f"{self.spec}: no rotation block of "
+                                 f"{'/'.join(map(str, BLOCKS))} divides head_dim {head_dim}")
+            return fits[-1]
         if head_dim % self.block:
             raise CodecError(f"{self.spec}: rotation block {self.block} does not divide "
-                             f"head_dim {head_dim}; pick h16/h32/h64 for small heads")
+                             f"head_dim {head_dim}; pick an hH that does, or leave hH out "
+                             "for the largest that does")
+        return self.block
 
     def init(self, key: jax.Array, head_dim: int) -> Params:
         """The sign vector ``float32[D]`` (all ones without ``signs``)."""
@@ -102,11 +129,13 @@ class SawCodec(Codec):
 
     def rotate(self, params: Params, x: jax.Array) -> jax.Array:
         """``R x = B (s * x)`` on the last axis (float32)."""
-        return block_hadamard(x.astype(jnp.float32) * params["signs"], self.block)
+        block = self.rotation_block(int(x.shape[-1]))
+        return block_hadamard(x.astype(jnp.float32) * params["signs"], block)
 
     def unrotate(self, params: Params, y: jax.Array) -> jax.Array:
         """``R^T y = s * B y`` on the last axis (float32): the inverse of :meth:`rotate`."""
-        return block_hadamard(y.astype(jnp.float32), self.block) * params["signs"]
+        block = self.rotation_block(int(y.shape[-1]))
+        return block_hadamard(y.astype(jnp.float32), block) * params["signs"]
 
     def _encode(self, params: Params, x: jax.Array) -> Codes:
         return self._int._encode(None, self.rotate(params, x))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import check, fallback_blocks, stored_bits
+from kvjax.cache import check, fallback_blocks, outlier_overflow, stored_bits
 
 Forward = Callable[[jax.Array, Any, Any], tuple[jax.Array, Any]]
 NewCache = Callable[[int, int], Any]
@@ -40,6 +40,13 @@ class PerplexityResult:
         fallback_blocks: cache blocks that a variable-length codec stored below its
             nominal precision because they did not fit its budget
             (:func:`kvjax.cache.fallback_blocks`; 0 for fixed-rate codecs).
+        outlier_chunks, outlier_overflow, medc_chunks: Med-C chunks of the final caches
+            (:func:`kvjax.cache.outlier_overflow`): stored exactly as outliers, over the
+            threshold but beyond a block's slots (left to the base codec), and every
+            chunk the Med-C codecs compressed; 0 without Med-C.
+        outlier_overflow_share: ``outlier_overflow / (outlier_chunks +
+            outlier_overflow)``, the share of the chunks over the threshold that did not
+            fit (0 when none was over it); None where no Med-C codec compressed a chunk.
     """
 
     ppl: float
@@ -50,6 +57,10 @@ class PerplexityResult:
     v_bits_per_element: float
     seconds: float
     fallback_blocks: int = 0
+    outlier_chunks: int = 0
+    outlier_overflow: int = 0
+    medc_chunks: int = 0
+    outlier_overflow_share: float | None = None
 
 
 @jax.jit
@@ -120,6 +131,7 @@ def perplexity(
     bits = {"k": 0.0, "v": 0.0}
     elements = 0
     fallbacks = 0
+    outliers = {"outliers": 0, "overflow": 0, "chunks": 0}
     for b0 in batches:
         rows = wins[b0 : b0 + batch_size]
         cache = new_cache(rows.shape[0], window_len)
@@ -136,6 +148,9 @@ def perplexity(
                 bar.update(1)
         check(cache)
         fallbacks += fallback_blocks(cache)
+        counted = outlier_overflow(cache)
+        for key in outliers:
+            outliers[key] += counted[key]
         measured = stored_bits(cache)
         bits["k"] += measured["k_bits"]
         bits["v"] += measured["v_bits"]
@@ -146,6 +161,10 @@ def perplexity(
 
     nll_mean = nll_sum / scored_count
     half_total = elements / 2
+    over = outliers["outliers"] + outliers["overflow"]
+    share = None
+    if outliers["chunks"]:
+        share = outliers["overflow"] / over if over else 0.0
     return PerplexityResult(
         ppl=math.exp(nll_mean),
         nll=nll_mean,
@@ -155,6 +174,10 @@ def perplexity(
         v_bits_per_element=bits["v"] / half_total,
         seconds=seconds,
         fallback_blocks=fallbacks,
+        outlier_chunks=outliers["outliers"],
+        outlier_overflow=outliers["overflow"],
+        medc_chunks=outliers["chunks"],
+        outlier_overflow_share=share,
     )
 
 

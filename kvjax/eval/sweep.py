@@ -371,8 +371,10 @@ def run_seeds(
 
 CSV_FIELDS = ("config", "family", "cache_spec", "k_codec", "v_codec", "bits_per_element",
               "k_bits_per_element", "v_bits_per_element", "ppl", "delta_pct", "nll",
-              "tokens", "needle_accuracy", "fallback_blocks", "seconds", "model", "corpus",
-              "windows", "window_len", "chunk", "cache_options", "seed", "git")
+              "tokens", "needle_accuracy", "fallback_blocks", "outlier_chunks",
+              "outlier_overflow", "medc_chunks", "outlier_overflow_share", "seconds",
+              "model", "corpus", "windows", "window_len", "chunk", "cache_options", "seed",
+              "git")
 
 
 def with_deltas(rows: Sequence[dict]) -> list[dict]:
@@ -394,12 +396,18 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
-    """Configurations sorted by bits: bits, ppl, delta to bf16 (and needle accuracy)."""
+    """Configurations sorted by bits: bits, ppl, delta to bf16 (and needle accuracy);
+    where a row has Med-C outliers, the share of its over-threshold chunks that did not
+    fit a block's slots (``outlier_overflow_share``; ``-`` in the other rows)."""
     needle = any(r.get("needle_accuracy") is not None for r in rows)
+    overflow = any(r.get("outlier_overflow_share") is not None for r in rows)
     head = "| codec | bits / element (K, V) | ppl | vs bf16 |"
     rule = "|---|---|---|---|"
     if needle:
         head += " needle |"
+        rule += "---|"
+    if overflow:
+        head += " Med-C overflow |"
         rule += "---|"
     lines = [head, rule]
     for r in sorted(rows, key=lambda r: (-r["bits_per_element"], r["config"])):
@@ -409,6 +417,9 @@ def markdown_table(rows: Sequence[dict]) -> str:
         if needle:
             acc = r.get("needle_accuracy")
             line += f" {acc:.2f} |" if acc is not None else " - |"
+        if overflow:
+            share = r.get("outlier_overflow_share")
+            line += f" {100 * share:.2f}% |" if share is not None else " - |"
         lines.append(line)
     return "\n".join(lines)
 

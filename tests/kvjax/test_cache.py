@@ -457,3 +457,66 @@ def test_tokens_the_codec_saturates_are_flagged_when_encoded():
     with pytest.raises(ValueError, match=r"^out-of-range K/V: values beyond what small-int:8 "
                                          r"can store were saturated in rows \[1\]$"):
         kc.check(cache)
+
+
+# -- Med-C outlier counts -------------------------------------------------------------------
+
+#: K: blocks of 4 tokens, 16 chunks of 4 dims at D = 16, 2 slots (10%); V: blocks of 2
+#: tokens, 8 chunks, 1 slot (3%); layer 0 keeps K raw
+MEDC = "k=int:8,med3,mb4,mp10 v=int:4,med3,mb2 layers[0]:k=bf16"
+#: (row, token, kv head, chunk) made 100x larger than the rest (all ones, chunk norm 2):
+#: every block's median is 2, so exactly these are over the threshold of 6
+PLANTED = [(0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 2),   # K block 0, V block 0 of row 0
+           (0, 5, 1, 3),                               # K block 1, V block 2 of row 0
+           (1, 2, 0, 0), (1, 3, 0, 1), (1, 3, 0, 2),   # K block 0, V block 1 of row 1
+           (1, 5, 1, 0),                               # row 1: K raw, V block 2
+           (1, 8, 0, 0)]                               # past row 1's valid tokens
+
+
+def _medc_cache(valid=(12, 6)):
+    x = np.ones((2, 12, 2, 16), np.float32)
+    for b, t, h, c in PLANTED:
+        x[b, t, h, 4 * c:4 * c + 4] = 100.0
+    cache = _new(parse_cache(MEDC), max_len=16, layers=2)
+    return _append_all(cache, jnp.asarray(x), jnp.asarray(x), jnp.asarray(valid, jnp.int32))
+
+
+def test_outlier_overflow_counts_stored_overflowing_and_compressed_chunks():
+    counts = kc.outlier_overflow(_medc_cache())
+    # K (layer 1 only), row 0 blocks 0-2: 3 over 2 slots, then 1; row 1 block 0: 3 over
+    # 2 slots (tokens 4, 5 raw). V (both layers), 1 slot per block: row 0 blocks 0 (3
+    # over) and 2 (1 over); row 1 blocks 1 (3 over) and 2 (1 over)
+    want = {"k_outliers": 2 + 1 + 2, "k_overflow": 1 + 1,
+            "k_chunks": (12 + 4) * 2 * 4,
+            "v_outliers": 2 * (1 + 1 + 1 + 1), "v_overflow": 2 * (2 + 2),
+            "v_chunks": 2 * (12 + 6) * 2 * 4}
+    for key in ("outliers", "overflow", "chunks"):
+        want[key] = want[f"k_{key}"] + want[f"v_{key}"]
+    assert counts == want
+
+
+def test_outlier_overflow_counts_only_occupied_slots():
+    assert set(kc.outlier_overflow(_new(parse_cache(MEDC), max_len=16)).values()) == {0}
+    assert set(kc.outlier_overflow(_new(parse_cache("int:4"), max_len=16)).values()) == {0}
+    # codes left in slots past the lengths (here: lengths set back) are not counted
+    cache = dataclasses.replace(_medc_cache(), lengths=jnp.asarray([4, 0], jnp.int32))
+    counts = kc.outlier_overflow(cache)
+    assert (counts["k_outliers"], counts["k_overflow"], counts["k_chunks"]) == (2, 1, 4 * 2 * 4)
+    assert (counts["v_outliers"], counts["v_overflow"], counts["v_chunks"]) == (
+        2 * 1, 2 * 2, 2 * 4 * 2 * 4)
+
+
+
+def test_outlier_overflow_with_sinks_and_a_window():
+    """Blocks start after the sink and the last 3 tokens stay raw: K holds row 0's
+    tokens 1-8 (planted: token 1 of head 0, token 5 of head 1), row 1 no block; V holds
+    row 0's tokens 1-8 and row 1's 1-2 (token 2 of head 0), one over per block."""
+    x = np.ones((2, 12, 2, 16), np.float32)
+    for b, t, h, c in PLANTED:
+        x[b, t, h, 4 * c:4 * c + 4] = 100.0
+    cache = _new(parse_cache(f"{MEDC} sinks=1 window=3"), max_len=16, layers=2)
+    cache = _append_all(cache, jnp.asarray(x), jnp.asarray(x), jnp.asarray([12, 6]))
+    counts = kc.outlier_overflow(cache)
+    assert (counts["k_outliers"], counts["k_overflow"], counts["k_chunks"]) == (2, 0, 8 * 2 * 4)
+    assert (counts["v_outliers"], counts["v_overflow"], counts["v_chunks"]) == (
+        2 * 3, 0, 2 * (8 + 2) * 2 * 4)

@@ -26,6 +26,9 @@ from pallas_kernels.partial import normalize
 from tests.pallas_kernels.suite import KernelSuite, Shape
 
 MED = "hqmq:s96,r4,med3"
+#: the paper's uncapped Med-C: a slot for every chunk (512 per block of 32 tokens at
+#: D = 64)
+MED_ALL = f"{MED},mp100"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,8 @@ CASES = (
     # outliers, 61
     Case(2, 1, 4, 40, 126, (40, 13)),
     Case(1, 2, 4, 64, 61, (50,), spec=MED, block_s=None, splits=2),
+    # uncapped Med-C: every spike stored, in as many slots as the block has chunks
+    Case(2, 1, 2, 64, 64, (64, 40), spec=MED_ALL, block_s=None, splits=2),
     # Med-C outliers: D = 128 (31 slots of 32 blocks), a row ending inside a block
     Case(2, 2, 4, 96, 128, (96, 45), spec=MED, block_s=None, splits=2),
     # D = 64 (16 slots, two tokens' flags a word), stacked layers, one split
@@ -214,6 +219,18 @@ def test_outlier_cases_hold_outliers_that_matter():
     full = normalize(*reference.hqmq_decode(**kw))
     base = normalize(*reference.hqmq_decode(**without))
     assert float(jnp.max(jnp.abs(full - base))) > 30 * TestHqmqDecode.TOLERANCE["out"]
+
+
+def test_the_uncapped_case_holds_more_outliers_than_capped_slots():
+    """Blocks of the uncapped case store more chunks than the default 3% has slots for,
+    so the kernel reads slots past that count; there is a slot for every chunk."""
+    case = next(c for c in CASES if c.spec == MED_ALL)
+    kw = TestHqmqDecode().inputs(case)
+    capped = parse_codec(MED).capacity(case.head_dim)
+    for role in ("k", "v"):
+        per_block = jnp.sum(jax.lax.population_count(kw[f"{role}_outlier_flags"]), axis=-1)
+        assert int(per_block.max()) > capped
+        assert kw[f"{role}_outliers"].shape[-1] == 4 * 32 * case.head_dim // 4
 
 
 def test_malformed_outlier_arrays_raise():

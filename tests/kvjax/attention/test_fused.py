@@ -46,7 +46,7 @@ def test_kernel_formats_of_codecs(spec, want):
         assert formats == (want,)
 
 
-@pytest.mark.parametrize("spec", ["saw:h32,signs", "saw:h64,kv"])
+@pytest.mark.parametrize("spec", ["saw:h32,signs", "saw:h64,kv", "saw", "saw:signs,kv"])
 def test_saw_offers_rotated_int_codes(spec):
     codec = parse_codec(spec)
     [fmt] = codec.kernel_formats()
@@ -97,6 +97,19 @@ def test_layer_decode_matches_reference_attention(spec_k, spec_v, window, sinks,
     np.testing.assert_allclose(got, want, atol=ATOL)
     spec_path = _decode(q[:, 0], view, lengths_now, False)
     np.testing.assert_allclose(spec_path, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_default_saw_block_reaches_the_kernel(head_dim):
+    """Plain ``saw`` (block = the head dim here) through the kernel: the query's rotation
+    is built at the head dim of the query, as the codes were."""
+    view, step, qkey = build_layer("saw:signs,kv", "saw:signs,kv", lengths=[40, 21],
+                                   window=4, sinks=0, heads=1, head_dim=head_dim)
+    q = jax.random.normal(qkey, (2, 1, 4, head_dim))
+    want = attend(q, view, step)[:, 0]
+    got = _decode(q[:, 0], view, step.start + step.valid, True,
+                  (("block_s", 16), ("splits", 2), ("interpret", INTERPRET)))
+    np.testing.assert_allclose(got, want, atol=ATOL)
 
 
 def test_merged_decode_hands_the_coded_region_to_the_kernel():

@@ -231,6 +231,38 @@ def test_overflow_keeps_the_largest_and_counts_the_rest():
         np.testing.assert_allclose(got, want, atol=np.ptp(x[0]) / 255)
 
 
+@pytest.mark.parametrize("base", ["int:4", "hqmq:s24,r4"])
+def test_uncapped_capacity_stores_every_chunk_over_the_threshold(base):
+    """``mp100``, the paper's uncapped Med-C: a slot for every chunk, so the 40 planted
+    chunks (more than the default 3%'s 16 slots) are all stored, exactly up to fp16."""
+    rng = np.random.default_rng(3)
+    spots = sorted({(int(t), int(c)) for t, c in zip(rng.integers(0, 32, 60),
+                                                     rng.integers(0, 16, 60), strict=True)})[:40]
+    x = planted(chunks=spots, scale=30.0)
+    capped = parse_codec(f"{base},med3")
+    _, codes, _ = roundtrip(capped, x)
+    stored, overflow = capped.outlier_counts(codes)
+    assert int(stored[0]) == capped.capacity(64) == 16 and int(overflow[0]) == 40 - 16
+
+    codec = parse_codec(f"{base},med3,mp100")
+    assert codec.spec == f"{base},med3,mp100" and codec.capacity(64) == 32 * 16
+    _, codes, x_hat = roundtrip(codec, x)
+    stored, overflow = codec.outlier_counts(codes)
+    assert int(stored[0]) == 40 and int(overflow[0]) == 0
+    flags = np.asarray(unpack_bits(codes["flags"][0], 1, 32 * 16))
+    assert np.nonzero(flags)[0].tolist() == [t * 16 + c for t, c in spots]
+    for t, c in spots:
+        np.testing.assert_array_equal(
+            x_hat[t, 4 * c:4 * c + 4], x[t, 4 * c:4 * c + 4].astype(jnp.float16))
+    # a slot per chunk is stored, and counted: 64 bits per 4 elements, flags and count
+    assert measured_bits_per_element(codes, x.size) == codec.bits_per_element(64)
+    extra = codec.bits_per_element(64) - codec.base.bits_per_element(64)
+    assert extra == pytest.approx(16 + 1 / 4 + 32 / (32 * 64))
+    # the paper's count at the measured fraction is far below what the slots cost
+    assert codec.paper_bits_per_element(64, 40 / (32 * 16)) < codec.base.bits_per_element(
+        64) + 1.5
+
+
 def test_outliers_per_block_and_all_zero_blocks():
     codec = parse_codec("int:4,med3,mb8")
     x = np.array(gaussian((2, 16, 32), 10))

@@ -1,5 +1,6 @@
 """Tests of the SAW-INT4 codec (block-diagonal Hadamard rotation + token-wise INT-N)."""
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -31,17 +32,56 @@ def roundtrip(codec, x, key=KEY):
     return params, codes, np.asarray(x_hat)
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("saw", SawCodec()),
-    ("saw:h64", SawCodec(block=64)),
-    ("saw:h16,b8,signs", SawCodec(block=16, bits=8, signs=True)),
-    ("saw:kv,h128", SawCodec(rotate_values=True)),
+@pytest.mark.parametrize("spec,expected,canonical", [
+    ("saw", SawCodec(), "saw:b4"),
+    ("saw:h64", SawCodec(block=64), "saw:h64,b4"),
+    ("saw:h16,b8,signs", SawCodec(block=16, bits=8, signs=True), "saw:h16,b8,signs"),
+    ("saw:kv,h128", SawCodec(block=128, rotate_values=True), "saw:h128,b4,kv"),
+    ("saw:b3,kv", SawCodec(bits=3, rotate_values=True), "saw:b3,kv"),
 ])
-def test_spec_grammar(spec, expected):
+def test_spec_grammar(spec, expected, canonical):
     codec = parse_codec(spec)
     assert codec == expected
+    assert codec.spec == canonical
     assert parse_codec(codec.spec) == codec
-    assert codec.spec.startswith("saw:h")
+
+
+@pytest.mark.parametrize("head_dim,block", [(64, 64), (128, 128), (256, 128), (96, 32),
+                                            (48, 16), (80, 16), (16, 16)])
+def test_default_block_is_the_largest_that_divides_the_head_dim(head_dim, block):
+    codec = parse_codec("saw")
+    assert codec.block is None and codec.rotation_block(head_dim) == block
+    explicit = SawCodec(block=block)
+    assert explicit.rotation_block(head_dim) == block and explicit != codec
+    params = codec.init(KEY, head_dim)
+    x = gaussian((9, head_dim))
+    np.testing.assert_array_equal(np.asarray(codec.rotate(params, x)),
+                                  np.asarray(explicit.rotate(params, x)))
+    assert codec.bits_per_element(head_dim) == IntCodec(bits=4).bits_per_element(head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_default_saw_round_trips_and_scores_like_its_block(head_dim):
+    """Plain ``saw`` at the two common head dims: the codes, reconstruction, scores and
+    the kernel format's rotation are those of the block it resolves to."""
+    codec = SawCodec(signs=True, rotate_values=True)
+    explicit = dataclasses.replace(codec, block=head_dim)
+    x = with_outlier_channels(24, head_dim)
+    params, codes, x_hat = roundtrip(codec, x)
+    _, codes_h, x_hat_h = roundtrip(explicit, x)
+    assert jax.tree.all(jax.tree.map(np.array_equal, codes, codes_h))
+    np.testing.assert_array_equal(x_hat, x_hat_h)
+    assert measured_bits_per_element(codes, x.size) == codec.bits_per_element(head_dim)
+    q = jnp.asarray(gaussian((3, head_dim), seed=1))
+    np.testing.assert_array_equal(np.asarray(codec.scores(params, q, codes)),
+                                  np.asarray(explicit.scores(params, q, codes)))
+    [fmt] = codec.kernel_formats()
+    [fmt_h] = explicit.kernel_formats()
+    np.testing.assert_array_equal(np.asarray(fmt.rotation(params, head_dim)),
+                                  np.asarray(fmt_h.rotation(params, head_dim)))
+    # the rotation is worth having at either head dim
+    _, _, x_int = roundtrip(IntCodec(bits=4), x)
+    assert np.mean((x_hat - x) ** 2) < 0.5 * np.mean((x_int - x) ** 2)
 
 
 @pytest.mark.parametrize("spec,needle", [
@@ -157,4 +197,13 @@ def test_head_dim_not_divisible_by_block(d):
     with pytest.raises(CodecError, match="does not divide"):
         codec.bits_per_element(d)
     with pytest.raises(CodecError, match="does not divide"):
-        SawCodec().init(KEY, 64)
+        SawCodec(block=128).init(KEY, 64)
+
+
+@pytest.mark.parametrize("d", [8, 24, 40, 100])
+def test_default_block_refuses_a_head_dim_no_block_divides(d):
+    codec = parse_codec("saw")
+    for check in (codec.check_head_dim, codec.bits_per_element,
+                  lambda d: codec.init(KEY, d)):
+        with pytest.raises(CodecError, match=f"no rotation block .* divides head_dim {d}"):
+            check(d)

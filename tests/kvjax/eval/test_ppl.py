@@ -121,3 +121,24 @@ def test_bad_input_raises(bad, kw):
 
     with pytest.raises(ValueError):
         perplexity(never, never, bad, **kw)
+
+
+def test_med_c_outlier_counts_are_reported(params, wins):
+    plain = perplexity(*model_fns(params, CacheConfig(k="int:4", v="int:4")), wins)
+    assert (plain.outlier_chunks, plain.outlier_overflow, plain.medc_chunks) == (0, 0, 0)
+    assert plain.outlier_overflow_share is None
+    # blocks of 4 tokens: 20 of each window's 23 compressed; K and V of 2 layers, 2 kv
+    # heads, 4 chunks of 4 dims; one slot per block (3% of 16 chunks) at med1.5
+    capped = perplexity(*model_fns(params, parse_cache("int:4,med1.5,mb4")), wins,
+                        batch_size=2)
+    assert capped.medc_chunks == NUM_WINDOWS * 20 * 2 * 2 * 2 * 4
+    assert capped.outlier_chunks <= capped.medc_chunks // 16
+    assert capped.outlier_overflow > 0 and capped.outlier_chunks > 0
+    assert capped.outlier_overflow_share == pytest.approx(
+        capped.outlier_overflow / (capped.outlier_chunks + capped.outlier_overflow))
+    uncapped = perplexity(*model_fns(params, parse_cache("int:4,med1.5,mb4,mp100")), wins)
+    assert uncapped.outlier_overflow == 0 and uncapped.outlier_overflow_share == 0.0
+    assert uncapped.outlier_chunks > capped.outlier_chunks
+    # 15 more fp16 chunk slots per block of 4 tokens x 16 dims, on 20 of 23 tokens
+    assert uncapped.bits_per_element - capped.bits_per_element == pytest.approx(
+        15 * 64 / (4 * 16) * 20 / 23)

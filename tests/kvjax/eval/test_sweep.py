@@ -139,6 +139,29 @@ def test_reports(tmp_path):
         assert str(run_dir / name) in text
 
 
+def test_med_c_overflow_reaches_the_csv_and_only_its_tables(tmp_path):
+    class WithOutliers(FakeEvaluate):
+        def __call__(self, config, cache_config, with_needle):
+            row = super().__call__(config, cache_config, with_needle)
+            if "med" in config:  # as PerplexityResult reports it
+                row.update(outlier_chunks=30, outlier_overflow=10, medc_chunks=4000,
+                           outlier_overflow_share=0.25)
+            return row
+
+    rows, run_dir = sweep.run_sweep(["int:4", "int:4,med3"], SETTINGS, tmp_path,
+                                    WithOutliers(), progress=False)
+    table = sweep.write_reports(rows, SETTINGS, run_dir).split("\n\n")[0].splitlines()
+    assert table[0].endswith("| vs bf16 | Med-C overflow |")
+    assert [line.rsplit("|", 2)[1] for line in table[2:]] == [" - ", " 25.00% ", " - "]
+    with open(run_dir / "summary.csv") as f:
+        med = next(r for r in csv.DictReader(f) if r["config"] == "int:4,med3")
+    assert (med["outlier_chunks"], med["outlier_overflow"], med["medc_chunks"],
+            med["outlier_overflow_share"]) == ("30", "10", "4000", "0.25")
+    # tables without Med-C grow no column
+    plain = [r for r in rows if "med" not in r["config"]]
+    assert "overflow" not in sweep.markdown_table(sweep.with_deltas(plain))
+
+
 def test_pareto_front():
     rows = [{"config": c, "bits_per_element": b, "ppl": p}
             for c, b, p in [("a", 2, 100), ("b", 3, 120), ("c", 4, 50), ("d", 4, 60),
