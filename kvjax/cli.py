@@ -6,6 +6,7 @@ Commands:
     generate   generate text with a model whose KV cache is the given cache spec
     ppl        perplexity on a real corpus with the given cache, against a bf16 cache
     needle     needle-in-a-haystack retrieval accuracy per cache, length and depth
+    calibrate  key statistics of a model on a corpus, for cache specs' calib clauses
 
 Every command that builds a cache takes it as one cache spec (:func:`kvjax.spec.parse_cache`)
 in ``--cache SPEC`` (also spelled ``--codec``); results record its canonical form. A bad
@@ -69,6 +70,11 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"expected a positive integer up to {MAX_COUNT}, got {value}")
     return value
+
+
+def _count(text: str) -> int:
+    """A non-negative integer (``0`` or a :func:`_positive` one)."""
+    return 0 if text.strip() == "0" else _positive(text)
 
 
 def _finite(low: float, high: float, expected: str, *, low_open: bool = False):
@@ -230,7 +236,41 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--progress", action="store_true", help="a progress bar over prompts")
     n.add_argument("--json", action="store_true",
                    help=f"one JSON list of every answer; {JSON_HELP}")
+
+    c = sub.add_parser("calibrate", help="key statistics for center=calib / smooth=calib")
+    c.add_argument("--out", required=True, metavar="FILE.npz", help="where to write them")
+    c.add_argument("--model", default=None, metavar="NAME_OR_PATH",
+                   help="registered name, .gguf file or HF checkpoint dir "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--corpus", default="shakespeare", metavar="NAME|PATH",
+                   help="shakespeare, austen, wikitext-2/103, or a UTF-8 text file")
+    c.add_argument("--windows", type=_positive, default=4, help="number of windows")
+    c.add_argument("--window-len", type=_positive, default=512, help="tokens per window")
+    c.add_argument("--offset", type=_count, default=0,
+                   help="windows to skip first (keep calibration text apart from "
+                        "evaluated text)")
+    c.add_argument("--json", action="store_true", help=f"one JSON object; {JSON_HELP}")
+    for sp in (g, q, n):
+        sp.add_argument("--calibration", default=None, metavar="FILE.npz",
+                        help="key statistics for calib clauses (python -m kvjax calibrate)"
+                             + ("; default: the windows after the evaluated ones"
+                                if sp is q else ""))
     return parser
+
+
+def _calibration(args, cache_configs: Sequence[CacheConfig]):
+    """The key calibration of ``--calibration``, checked against the caches' needs: None
+    when no cache has a calib clause; a ``ValueError`` when one needs it and no file was
+    given (the ppl command calibrates on held-out windows instead: None then too)."""
+    from kvjax.centering import KeyCalibration
+
+    if args.calibration is not None:
+        return KeyCalibration.load(args.calibration)
+    needing = [c.spec for c in cache_configs if c.calibrated]
+    if needing and args.command != "ppl":
+        raise ValueError(f"cache '{needing[0]}' takes its key transform from a calibration: "
+                         "pass --calibration FILE.npz (python -m kvjax calibrate)")
+    return None
 
 
 def _cmd_codecs() -> int:
@@ -302,6 +342,7 @@ def _cmd_generate(args) -> int:
         params, config, [list(prompt_ids)], cache_config=cache_config,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         seed=args.seed, prefill_chunk=args.prefill_chunk,
+        calibration=_calibration(args, [cache_config]),
     )
     tokens = result.tokens[0]
     text = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -319,21 +360,30 @@ def _cmd_generate(args) -> int:
 
 def _cmd_ppl(args) -> int:
     import models
-    from models.evaluate import cache_perplexity, check_window_len, load_model_and_windows
+    from models.evaluate import (
+        cache_perplexity,
+        check_window_len,
+        heldout_calibration,
+        load_model_and_windows,
+    )
 
     # bad specs, model names and lengths fail before the corpus and the model are loaded
     cache_config = args.cache
+    calibration = _calibration(args, [cache_config])
     baseline = _bf16_baseline(cache_config)
     model_name = args.model or models.DEFAULT_MODEL
     context = models.context_length(model_name)
     check_window_len(context, args.window_len)
     check_context(cache_config, context, "the model's context")
-    config, params, _, _, wins = load_model_and_windows(model_name, args.corpus,
-                                                        args.windows, args.window_len)
+    config, params, tokenizer, text, wins = load_model_and_windows(
+        model_name, args.corpus, args.windows, args.window_len)
+    if cache_config.calibrated and calibration is None:
+        calibration = heldout_calibration(params, config, tokenizer, text, args.windows,
+                                          args.window_len)
 
     def run(cc: CacheConfig):
         return cache_perplexity(params, config, cc, wins, chunk=args.chunk, seed=args.seed,
-                                progress=args.progress)
+                                progress=args.progress, calibration=calibration)
 
     result = run(cache_config)
     base = run(baseline)
@@ -377,6 +427,7 @@ def _cmd_needle(args) -> int:
     check_needle_lengths(context, args.lengths)
     for cache_config in configs:
         check_context(cache_config, context, "the model's context")
+    calibration = _calibration(args, configs)
     text = load_corpus(args.corpus)
     config, params, tokenizer = models.load(model_name, jnp.float32)
     cases = needle_cases(config, tokenizer, text, lengths=args.lengths, depths=args.depths,
@@ -385,12 +436,42 @@ def _cmd_needle(args) -> int:
     for cache_config in configs:
         for row in needle_retrieval(params, config, tokenizer, cache_config, cases,
                                     seed=args.seed, batch_size=args.batch_size,
-                                    progress=args.progress):
+                                    progress=args.progress, calibration=calibration):
             rows.append({"cache": cache_config.spec, **row})
     if args.json:
         print(strict_json(rows))
     else:
         print(accuracy_table(rows, key="cache"))
+    return 0
+
+
+def _cmd_calibrate(args) -> int:
+    import numpy as np
+
+    import models
+    from models.evaluate import calibrate_keys, check_window_len, load_model_and_windows
+
+    model_name = args.model or models.DEFAULT_MODEL
+    check_window_len(models.context_length(model_name), args.window_len)
+    config, params, _, _, wins = load_model_and_windows(
+        model_name, args.corpus, args.offset + args.windows, args.window_len)
+    calibration = calibrate_keys(params, config, wins[args.offset:])
+    calibration.save(args.out)
+    # how far the keys sit from zero, per layer: what centering takes away
+    offset = np.linalg.norm(calibration.center, axis=-1) / np.maximum(
+        np.linalg.norm(calibration.rms, axis=-1), 1e-30)
+    row = {"out": str(args.out), "model": model_name, "corpus": str(args.corpus),
+           "tokens": calibration.tokens, "layers": calibration.shape[0],
+           "kv_heads": calibration.shape[1], "head_dim": calibration.shape[2],
+           "center_over_spread_max": float(offset.max()),
+           "center_over_spread_mean": float(offset.mean())}
+    if args.json:
+        print(strict_json(row))
+    else:
+        print(f"wrote {args.out}: {row['tokens']} tokens, {row['layers']} layers x "
+              f"{row['kv_heads']} kv heads x {row['head_dim']}; mean key / spread "
+              f"{row['center_over_spread_mean']:.2f} on average, "
+              f"{row['center_over_spread_max']:.2f} at most")
     return 0
 
 
@@ -423,6 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_ppl(args)
         if args.command == "needle":
             return _cmd_needle(args)
+        if args.command == "calibrate":
+            return _cmd_calibrate(args)
     # CodecError, CacheSpecError and ModelFileError are ValueErrors
     except (ValueError, OSError, CorpusDownloadError) as err:
         print(f"kvjax: error: {_one_line(err)}", file=sys.stderr)

@@ -113,6 +113,16 @@ def calibrate_keys(params: llama.Params, config: ModelConfig, windows) -> KeyCal
     return key_calibration(cache)
 
 
+def heldout_calibration(params: llama.Params, config: ModelConfig, tokenizer, text: str,
+                        evaluated_windows: int, window_len: int) -> KeyCalibration:
+    """:func:`calibrate_keys` on the :data:`CALIBRATION_WINDOWS` windows of ``text`` that
+    follow ``evaluated_windows`` windows of ``window_len`` tokens (the ones evaluated,
+    cut from the start as :func:`load_model_and_windows` cuts them)."""
+    start = evaluated_windows * window_len
+    ids = tokenize_prefix(tokenizer, text, start + CALIBRATION_WINDOWS * window_len)
+    return calibrate_keys(params, config, windows(ids, CALIBRATION_WINDOWS, window_len, start))
+
+
 def needle_cases(
     config: ModelConfig,
     tokenizer,
@@ -186,11 +196,8 @@ def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
         if not cache_config.calibrated:
             return None
         if "keys" not in calibrations:
-            start = settings.windows * settings.window_len
-            ids = tokenize_prefix(tokenizer, text,
-                                  start + CALIBRATION_WINDOWS * settings.window_len)
-            calibrations["keys"] = calibrate_keys(
-                params, config, windows(ids, CALIBRATION_WINDOWS, settings.window_len, start))
+            calibrations["keys"] = heldout_calibration(
+                params, config, tokenizer, text, settings.windows, settings.window_len)
         return calibrations["keys"]
 
     cases = None
@@ -241,6 +248,7 @@ __all__ = [
     "calibrate_keys",
     "check_needle_lengths",
     "check_window_len",
+    "heldout_calibration",
     "load_model_and_windows",
     "needle_cases",
     "needle_retrieval",

@@ -1,0 +1,40 @@
+"""``python -m kvjax calibrate`` and the ``--calibration`` option of the model commands."""
+
+import json
+
+import numpy as np
+
+from kvjax.centering import KeyCalibration
+from kvjax.cli import main
+
+
+def test_calibrate_writes_what_ppl_reads(tmp_path, capsys):
+    out = tmp_path / "keys.npz"
+    assert main(["calibrate", "--out", str(out), "--windows", "1", "--window-len", "64",
+                 "--offset", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    calib = KeyCalibration.load(out)
+    assert calib.tokens == row["tokens"] == 64 and calib.shape == (30, 3, 64)
+    assert row["center_over_spread_max"] > 1  # SmolLM2's keys do sit off zero
+    assert np.all(calib.scale(centered=True) > 0)
+
+    args = ["ppl", "--cache", "int:4 center=calib smooth=calib", "--windows", "1",
+            "--window-len", "64", "--json"]
+    assert main([*args, "--calibration", str(out)]) == 0
+    with_file = json.loads(capsys.readouterr().out)
+    assert with_file["cache"] == "int:4 center=calib smooth=calib"
+    assert with_file["bf16_cache"] == "bf16"  # the baseline drops the transform
+    # without a file, ppl calibrates on the windows after the evaluated one
+    assert main(args) == 0
+    held_out = json.loads(capsys.readouterr().out)
+    assert held_out["ppl"] != with_file["ppl"]
+    assert held_out["bf16_ppl"] == with_file["bf16_ppl"]
+
+
+def test_generate_needs_a_calibration_file_for_calib_clauses(capsys):
+    assert main(["generate", "--prompt", "Hi", "--cache", "int:4 smooth=calib"]) == 2
+    err = capsys.readouterr().err
+    assert "--calibration" in err and err.count("\n") == 1
+    assert main(["calibrate", "--out", "/nonexistent/dir/x.npz", "--windows", "1",
+                 "--window-len", "16"]) == 2
+    assert main(["calibrate", "--out", "x.npz", "--offset", "-1"]) == 2
