@@ -142,7 +142,8 @@ def probe(
         for store in (layer.k, layer.v)
         if store.slots
     ]
-    k_hat = jnp.swapaxes(dense(layer.k, cache.lengths)[:, :, :tokens], 1, 2)
+    # the keys as appended: a centered or smoothed cache stores them transformed
+    k_hat = jnp.swapaxes(dense(layer.k, cache.lengths, restore_keys=True)[:, :, :tokens], 1, 2)
     v_hat = jnp.swapaxes(dense(layer.v, cache.lengths)[:, :, :tokens], 1, 2)
 
     q = jax.random.normal(jax.random.fold_in(key, 1), (1, 1, heads * queries, head_dim))

@@ -247,3 +247,11 @@ def test_chunk_flash_reads_a_transformed_cache_as_the_reference_does():
     want = attend(q, layer, step, impl="reference")
     got = attend(q, layer, step, impl="chunk_flash")
     np.testing.assert_allclose(got, want, atol=3e-2)
+
+
+def test_the_probe_measures_the_keys_as_appended():
+    from kvjax.probe import probe
+
+    k, v = _biased_keys(14, batch=1, tokens=64)
+    row = probe("f32 center=first smooth=first", k=np.asarray(k[0]), v=np.asarray(v[0]))
+    assert row["rel_mse"] < 1e-10 and row["attn_rel_err"] < 1e-5
