@@ -59,17 +59,6 @@ QWEN_FIGURES = "largest chunk 54x the median in one layer; 5-25% of chunks above
                "the early layers"
 
 
-def configs_for(seed: int, transforms: Sequence[str] = TRANSFORMS) -> list[str]:
-    """The configurations measured with ``seed``."""
-    out = []
-    for config in CONFIGS:
-        seeded = config.split(":")[0] in SEEDED
-        for transform in transforms:
-            if seed == 0 or (seeded and transform in SEEDED_TRANSFORMS):
-                out.append(f"{config} {transform}".strip())
-    return out
-
-
 def spread(values: Sequence[float]) -> str:
     """``mean +- sd`` (just the value for one)."""
     if len(values) == 1:
@@ -122,7 +111,7 @@ def part_testbed(args) -> tuple[str, dict]:
     stats = chunk_statistics(data["keys"])
     transforms = TRANSFORMS[:3]  # a calibration needs a second draw of the same W
     results: dict[str, list[dict]] = {}
-    jobs = [(c, t, s) for c in CONFIGS for t in transforms for s in args.seeds
+    jobs = [(c, t, s) for c in args.configs for t in transforms for s in args.seeds
             if s == args.seeds[0] or c.split(":")[0] in SEEDED]
     for config, transform, seed in tqdm(jobs, desc="testbed", disable=args.no_progress):
         spec = f"{config} {transform}".strip()
@@ -130,7 +119,7 @@ def part_testbed(args) -> tuple[str, dict]:
             attention_error(spec, data["keys"], data["values"], data["queries"], seed=seed))
     head = "| codec | " + " | ".join(t or "no transform" for t in transforms) + " |"
     lines = [head, "|---|" + "---|" * len(transforms)]
-    for config in CONFIGS:
+    for config in args.configs:
         cells = []
         for transform in transforms:
             runs = results[f"{config} {transform}".strip()]
@@ -150,14 +139,14 @@ def part_model(args) -> tuple[str, dict]:
     """Perplexity of the biased model per configuration, transform and seed."""
     from models.evaluate import sweep_builder
 
-    build = sweep_builder()
+    build = args.build or sweep_builder()
     settings = sw.Settings(model=args.model, corpus=args.corpus, windows=args.windows,
                            window_len=args.window_len, seed=args.seeds[0])
-    every_seed = [f"{c} {t}".strip() for c in CONFIGS for t in SEEDED_TRANSFORMS]
+    every_seed = [f"{c} {t}".strip() for c in args.configs for t in SEEDED_TRANSFORMS]
     per_seed, seeds_dir = sw.run_seeds(every_seed, settings, args.seeds, args.out, build,
                                        progress=not args.no_progress)
     sw.write_seed_reports(per_seed, settings, seeds_dir)
-    once = [f"{c} {t}".strip() for c in CONFIGS for t in TRANSFORMS
+    once = [f"{c} {t}".strip() for c in args.configs for t in TRANSFORMS
             if t not in SEEDED_TRANSFORMS]
     base, _ = sw.run_sweep(once, settings, args.out, sw.lazy_evaluator(settings, {}, build),
                            progress=not args.no_progress)
@@ -174,7 +163,7 @@ def part_model(args) -> tuple[str, dict]:
             + " |")
     lines = [head, "|---|---|" + "---|" * len(TRANSFORMS)]
     summary = {}
-    for config in CONFIGS:
+    for config in args.configs:
         bits = next(r for r in base if r["config"] == config)["bits_per_element"]
         cells = []
         for transform in TRANSFORMS:
@@ -210,7 +199,7 @@ def part_swing(args) -> tuple[str, dict]:
     lines = ["| codec | output error | key error, common | key error, varying | "
              "corr(output, varying) |", "|---|---|---|---|---|"]
     rows = {}
-    for config in (c for c in CONFIGS if c.split(":")[0] in SEEDED):
+    for config in (c for c in args.configs if c.split(":")[0] in SEEDED):
         for transform in SEEDED_TRANSFORMS:
             spec = f"{config} {transform}".strip()
             runs = [attention_error(spec, data["keys"], data["values"], data["queries"],
@@ -231,9 +220,14 @@ PARTS = {"stats": part_stats, "testbed": part_testbed, "swing": part_swing,
          "model": part_model}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, build=None) -> int:
+    """Run the parts asked for (all by default); ``build(settings) -> evaluate`` replaces
+    the model's evaluator of the ``model`` part (tests)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", action="append", choices=sorted(PARTS))
+    p.add_argument("--codec", action="append", dest="configs", metavar="SPEC",
+                   help="measure these codecs only (repeat; default: every family at "
+                        "~4 and ~3 bits)")
     p.add_argument("--model", default="smollm2-135m-biased")
     p.add_argument("--corpus", default="shakespeare")
     p.add_argument("--windows", type=int, default=4)
@@ -245,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--docs", type=Path, default=Path("results") / "outliers" / "docs")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    args.configs = tuple(args.configs or CONFIGS)
+    args.build = build
     args.docs.mkdir(parents=True, exist_ok=True)
     texts, summary = [], {}
     for name in args.part or list(PARTS):
