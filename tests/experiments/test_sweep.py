@@ -176,7 +176,8 @@ def test_the_default_evaluator_loads_the_model_once_for_every_seed(tmp_path, mon
         loads.append((model, corpus, num_windows, window_len))
         return None, None, None, "", None
 
-    def perplexity(params, config, cache_config, windows, *, chunk, seed, progress):
+    def perplexity(params, config, cache_config, windows, *, chunk, seed, progress,
+                   calibration=None):
         keys.append((seed, cache_config.spec))
         return PerplexityResult(ppl=20.0 + seed, nll=3.0, tokens=10, bits_per_element=4.5,
                                 k_bits_per_element=4.5, v_bits_per_element=4.5,
