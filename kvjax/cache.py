@@ -514,12 +514,15 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
     codes = store.codes
     if max_new and store.slots:
         leaving = staged[:, :, :max_new]
-        encoded = _encode_heads(store.codec, store.params, leaving)
         j = jnp.arange(max_new // block, dtype=jnp.int32)[None, :]
         n_new_blocks = (new_n_comp - old_n_comp) // block
         slot = jnp.where(j < n_new_blocks[:, None], old_n_comp[:, None] // block + j, store.slots)
-        codes = jax.tree.map(lambda buf, val: _rows_set(buf, slot, val, store.layer),
-                             store.codes, encoded)
+        if store.codec.row_pool:
+            codes = _append_pooled(store, leaving, old_n_comp // block, n_new_blocks, slot)
+        else:
+            encoded = _encode_heads(store.codec, store.params, leaving)
+            codes = jax.tree.map(lambda buf, val: _rows_set(buf, slot, val, store.layer),
+                                 store.codes, encoded)
         limits = store.codec.limits
         # every staged value is finite and within the raw dtype: a codec whose only limit
         # is an element bound at least that wide cannot be exceeded (bf16 codes of a bf16
@@ -540,6 +543,33 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
     raw = jnp.where((r < new_raw_count[:, None])[:, None, :, None], raw, 0).astype(store.raw.dtype)
     return dataclasses.replace(store, codes=codes, raw=raw, sink=sink, nonfinite=nonfinite,
                                saturated=saturated)
+
+
+def _append_pooled(store: Store, leaving: jax.Array, first_block: jax.Array,
+                   n_new_blocks: jax.Array, slot: jax.Array) -> Any:
+    """The codes after writing ``leaving``'s blocks (``[B, K, T, D]``, of which each
+    row's first ``n_new_blocks`` are new, going to block ``slot``) for a codec whose
+    ``row_pool`` leaf is one pool per row: the codec places the blocks' pool entries
+    after those the row's ``first_block`` stored blocks hold (``Codec.encode_after``)."""
+    codec, key = store.codec, store.codec.row_pool
+    fill = codec.pool_fill(store.layer_codes(), first_block[:, None])  # [B, K]
+    encoded, pos, chunks = jax.vmap(codec.encode_after, in_axes=(0, 1, None, 1),
+                                    out_axes=1)(store.params, leaving, first_block, fill)
+    per_block = {name: leaf for name, leaf in store.codes.items() if name != key}
+    codes = jax.tree.map(lambda buf, val: _rows_set(buf, slot, val, store.layer),
+                         per_block, encoded)
+    # chunks of the blocks past the new ones (unfinished) write nothing
+    per_chunk = pos.shape[-1] // slot.shape[-1]
+    block_of = jnp.arange(pos.shape[-1], dtype=jnp.int32) // per_chunk
+    pos = jnp.where(block_of[None, None, :] < n_new_blocks[:, None, None], pos,
+                    jnp.iinfo(jnp.int32).max)
+    pool = store.codes[key]
+    flat = pool.reshape(*pool.shape[:-3], -1, pool.shape[-1])
+    rows = jnp.arange(pos.shape[0])[:, None, None]
+    heads = jnp.arange(pos.shape[1])[None, :, None]
+    index = (rows, heads, pos) if store.layer is None else (store.layer, rows, heads, pos)
+    flat = flat.at[index].set(chunks.astype(flat.dtype), mode="drop")
+    return {**codes, key: flat.reshape(pool.shape)}
 
 
 def _transform_keys(store: Store, x: jax.Array, step: Step) -> tuple[Store, jax.Array]:
@@ -620,8 +650,11 @@ def decode_window(store: Store, lengths: jax.Array, first: jax.Array, size: int,
         block, slots = store.block, store.slots
         span = min(slots, -(-size // block) + 1)
         lo = jnp.clip((first - store.sinks) // block, 0, slots - span)
+        held = store.layer_codes()
         codes = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, span, axis=2),
-                             store.layer_codes())
+                             held)
+        if store.codec.row_pool:  # the blocks read their outliers from the whole pool
+            codes = {**codes, store.codec.row_pool: held[store.codec.row_pool]}
         decoded = decode_heads(store.codec, store.params, codes, dtype)
         idx = jnp.clip(pos - store.sinks - lo * block, 0, span * block - 1)
         parts.append(jnp.take(decoded, idx, axis=2))

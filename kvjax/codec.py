@@ -347,6 +347,9 @@ class Codec:
     #: rotation included), so attention may decode keys and multiply; False for codecs
     #: whose scores are an estimator of their own (QJL), which only ``scores`` computes
     scores_reconstruct: ClassVar[bool] = True
+    #: the key of a codes leaf held as one pool per row rather than per block (a cache
+    #: writes it through the codec's ``encode_after`` and never slices it by block)
+    row_pool: ClassVar[str | None] = None
 
     #: the options of the spec string, in the order the canonical spec writes them
     options: ClassVar[tuple[Option, ...]] = ()
@@ -767,9 +770,11 @@ class OutlierBlocks:
     ``block`` tokens a flag bit per chunk of 4 (token-major) and a fixed number of fp16
     chunk slots, filled in the flags' order; the base codes of a flagged chunk decode to
     zero (the base encoded it zeroed), so a reader adds the stored chunks to the base's
-    vectors."""
+    vectors. ``pooled``: the slots are one pool per row and block ``b``'s chunks lie
+    from slot ``start[b]`` on (codes ``"start"``, see :mod:`kvjax.codecs.outliers`)."""
 
     block: int
+    pooled: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -800,13 +805,15 @@ class HqmqFormat(KernelFormat):
         return (stream.reshape(*stream.shape[:-3], -1, stream.shape[-1]),
                 scale.reshape(*scale.shape[:-2], -1))
 
-    def outlier_arrays(self, codes: Codes) -> tuple[jax.Array, jax.Array] | None:
+    def outlier_arrays(self, codes: Codes) -> tuple[jax.Array, ...] | None:
         """``(flags uint32 [..., NB, W], outliers float16 [..., NB, 4 slots])`` (None
-        without outliers): per block of ``outliers.block`` tokens."""
+        without outliers): per block of ``outliers.block`` tokens; pooled, then ``start
+        uint32 [..., NB, 1]``, each block's first slot in the row's pool."""
         if self.outliers is None:
             return None
         chunks = codes["outliers"]
-        return codes["flags"], chunks.reshape(*chunks.shape[:-2], -1)
+        arrays = (codes["flags"], chunks.reshape(*chunks.shape[:-2], -1))
+        return (*arrays, codes["start"]) if self.outliers.pooled else arrays
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -159,15 +159,17 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
 #: and the block (which must lie in one entry) reads its entry's columns, a vector
 #: ``[C]`` (no mask: entries are whole); with ``rows`` (an int array shaped like the int
 #: array ``columns``) it gathers entry ``rows`` after the block's first (clipped to the
-#: ref). ``head``: the ref has a head axis after the layer (``[L, H, S, ...]``, a program
-#: serving ``H`` kv heads); an int reads that head's tokens as above, an int vector
-#: ``[R]`` gathers a ``[R, block_s]`` tile of a ``[L, H, S]`` ref, row ``r`` from head
-#: ``head[r]`` (per-token metadata laid out like the query rows it scales)
+#: ref), with ``entries`` (the same) entry ``entries`` of the ref, wherever the block
+#: lies (a pool that the row's blocks share). ``head``: the ref has a head axis after
+#: the layer (``[L, H, S, ...]``, a program serving ``H`` kv heads); an int reads that
+#: head's tokens as above, an int vector ``[R]`` gathers a ``[R, block_s]`` tile of a
+#: ``[L, H, S]`` ref, row ``r`` from head ``head[r]`` (per-token metadata laid out like
+#: the query rows it scales)
 Load = Callable[..., jax.Array]
 
 
 def _loader(layer, tile, ok) -> Load:
-    def load(ref, columns=None, per: int = 1, rows=None, head=None):
+    def load(ref, columns=None, per: int = 1, rows=None, head=None, entries=None):
         if getattr(head, "ndim", 0) == 1:
             shape = (head.shape[0], tile.size)
             index = (layer, jnp.broadcast_to(head[:, None], shape),
@@ -180,6 +182,8 @@ def _loader(layer, tile, ok) -> Load:
         lead = (layer,) if head is None else (layer, jnp.int32(head))
         if per > 1:
             entry = tile.start // per
+            if entries is not None:
+                return ref[(*lead, jnp.clip(entries, 0, ref.shape[len(lead)] - 1), columns)]
             if rows is not None:
                 return ref[(*lead, jnp.minimum(entry + rows, ref.shape[len(lead)] - 1),
                             columns)]

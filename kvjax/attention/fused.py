@@ -316,12 +316,13 @@ def hqmq_tables(fmt: HqmqFormat, params) -> jax.Array:
 
 def hqmq_outliers(k_fmt: HqmqFormat, k_codes, v_fmt: HqmqFormat, v_codes) -> dict:
     """The Med-C arrays of the HQMQ kernel's entry (``k_outlier_flags``, ``k_outliers``,
-    ``v_...``) for the roles whose format has outliers."""
+    pooled ``k_outlier_start``, ``v_...``) for the roles whose format has outliers."""
     out = {}
     for role, fmt, codes in (("k", k_fmt, k_codes), ("v", v_fmt, v_codes)):
         arrays = fmt.outlier_arrays(codes)
         if arrays is not None:
-            out[f"{role}_outlier_flags"], out[f"{role}_outliers"] = arrays
+            names = ("outlier_flags", "outliers", "outlier_start")[:len(arrays)]
+            out.update({f"{role}_{name}": a for name, a in zip(names, arrays, strict=True)})
     return out
 
 

@@ -1,5 +1,5 @@
 """Median-multiplier outlier extraction (the HQMQ paper's Med-C) around any token-wise
-codec: ``SPEC,medC[,mbN][,mpP]``, e.g. ``hqmq:s96,r4,med3`` or ``int:4,med3``.
+codec: ``SPEC,medC[,mbN][,mpP][,mpool]``, e.g. ``hqmq:s96,r4,med3`` or ``int:4,med3``.
 
 Vectors are cut into chunks of 4 elements (zero-padded at the end). Within a block of
 ``N`` tokens (default 32) of one row and kv head, a chunk whose norm exceeds ``C`` times
@@ -34,14 +34,28 @@ at the measured outlier fraction, ``(outliers + overflow) / chunks`` of
 :func:`kvjax.cache.outlier_overflow` (the threshold does not depend on the capacity, so
 a capped cache measures that fraction too).
 
+Pooled capacity (``mpool``): the capacity is chosen per block from the data. The
+``K`` slots of every block form one pool per row, and a block may take, beyond its own
+``K``, the slots that the blocks before it left unused: block ``b``'s chunks fill the
+pool from ``start[b]`` (the slots blocks ``0 .. b-1`` took) up to at most ``(b + 1) K``.
+A block never takes slots from later blocks, so a decoded token always finds the
+share it would have had in the fixed layout, and the pool holds exactly the fixed
+layout's slots plus one word per block (``start``). A block with many outliers after
+quiet ones keeps them all; the first block of a row can still overflow. A cache that
+appends blocks one by one places each after its row's last
+(:meth:`MedOutlierCodec.encode_after`), as one encode of the whole row would.
+
 Codes of ``x[..., T, D]``, ``NB = T // N`` blocks, ``C4 = ceil(D / 4)`` chunks::
 
     base      the base codec's codes, leaves reshaped [..., NB, N, ...]
     flags     uint32[..., NB, ceil(N * C4 / 32)]   1 bit per chunk, token-major
     outliers  float16[..., NB, K, 4]               K slots, in chunk order of the flags
     overflow  uint32[..., NB, 1]
+    start     uint32[..., NB, 1]               pooled only: the block's first slot of
+                                               ``outliers`` seen as ``NB K`` slots
 
-Bits per element: the base codec's plus ``(32 * flag words + 64 K + 32) / (N * D)``.
+Bits per element: the base codec's plus ``(32 * flag words + 64 K + 32) / (N * D)``,
+and ``32 / (N * D)`` more pooled.
 """
 
 from __future__ import annotations
@@ -88,18 +102,22 @@ class MedOutlierCodec(Codec):
         Option.flag("capacity_pct", "mp", "outlier capacity %", "P", type=float, lo=0,
                     lo_open=True, hi=100,
                     note="P in (0, 100] (default 3; 100: a slot for every chunk, no cap)"),
+        Option.word("pooled", "mpool", "outlier slots pooled per row"),
     )
     examples: ClassVar[tuple[Example, ...]] = (
         Example("int:4,med3,mb8,mp5", rel_mse=0.012),
         Example("hqmq:s24,r4,med2.5", rel_mse=0.05, seeded=True),
         # uncapped: a slot for every chunk
         Example("int:4,med2,mb4,mp100", rel_mse=0.012),
+        # the row's slots pooled: a block may use what earlier blocks left
+        Example("int:4,med2.5,mb8,mp5,mpool", rel_mse=0.012),
     )
 
     base: Codec
     multiplier: float = DEFAULT_MULTIPLIER
     block: int = DEFAULT_BLOCK
     capacity_pct: float = DEFAULT_CAPACITY_PCT
+    pooled: bool = False
 
     def validate(self) -> None:
         """The base is a lossy token-wise codec whose scores are ``q . decode``."""
@@ -153,8 +171,16 @@ class MedOutlierCodec(Codec):
         """The base codec's rule."""
         self.base.check_head_dim(head_dim)
 
+    @property
+    def row_pool(self) -> str | None:
+        """``"outliers"`` when pooled: that leaf of the codes is one pool per row (its
+        ``NB`` entries are not the blocks' own; a cache keeps it whole, see
+        :meth:`encode_after`)."""
+        return "outliers" if self.pooled else None
+
     def capacity(self, head_dim: int) -> int:
-        """Outlier slots per block: every chunk of the block at ``mp100``."""
+        """Outlier slots per block (pooled: that many per block slot of the row's
+        pool): every chunk of the block at ``mp100``."""
         return max(1, math.ceil(self.capacity_pct / 100 * self.block * num_chunks(head_dim)))
 
     # -- protocol ---------------------------------------------------------------------
@@ -162,7 +188,33 @@ class MedOutlierCodec(Codec):
         """The base codec's parameters."""
         return self.base.init(key, head_dim)
 
-    def _encode(self, params: Params, x: jax.Array) -> Codes:
+    def _placement(self, count: jax.Array, first_block: jax.Array, fill: jax.Array,
+                   head_dim: int) -> tuple[jax.Array, jax.Array]:
+        """Per block of ``count [..., NB]`` chunks over the threshold: (its first slot,
+        its capacity), int32 ``[..., NB]``. Fixed: block ``b``'s own ``K`` slots,
+        ``b K``. Pooled: the row's blocks before it (``first_block`` of them stored
+        already, holding ``fill`` slots) leave block ``a`` the slots up to ``(a + 1)
+        K``, the unused ones of earlier blocks included."""
+        k = self.capacity(head_dim)
+        nb = count.shape[-1]
+        j = jnp.arange(nb, dtype=jnp.int32)
+        if not self.pooled:
+            return jnp.broadcast_to(j * k, count.shape), jnp.full(count.shape, k, jnp.int32)
+        bound = (first_block[..., None] + j + 1) * k  # slots blocks 0..a may use together
+        taken = jnp.cumsum(count, axis=-1) - count  # over-threshold chunks before block b
+        # start_{b+1} = min(start_b + count_b, bound_b): a running minimum of
+        # (the bound before block j) - (chunks before j), offset by the chunks before b
+        before = jnp.concatenate([fill[..., None], (bound - k)[..., 1:] - taken[..., 1:]],
+                                 axis=-1)
+        start = taken + jax.lax.cummin(before, axis=before.ndim - 1)
+        return start, bound - start
+
+    def _blocks(self, params: Params, x: jax.Array, first_block: jax.Array,
+                fill: jax.Array) -> tuple[Codes, jax.Array, jax.Array]:
+        """The codes of ``x``'s blocks but the outlier slots, and where each chunk goes:
+        ``(codes, slot int32 [..., NB * n * C4], chunks float16 [..., NB * n * C4, 4])``,
+        the slot past every pool for chunks not stored as outliers (:meth:`_placement`
+        says which slots a block's outliers take, in the flags' order)."""
         head_dim, tokens = x.shape[-1], x.shape[-2]
         lead, nb, n = x.shape[:-2], tokens // self.block, self.block
         c4 = num_chunks(head_dim)
@@ -170,35 +222,61 @@ class MedOutlierCodec(Codec):
         norm = jnp.linalg.norm(chunks, axis=-1)  # [..., NB, n * c4]
         threshold = self.multiplier * jnp.median(norm, axis=-1, keepdims=True)
         over = norm > threshold
-        cap = self.capacity(head_dim)
-        k = min(cap, n * c4)
-        # the k largest chunks above the threshold, then in chunk order (the flags' order)
-        top_norm, top_idx = jax.lax.top_k(jnp.where(over, norm, -1.0), k)
-        kept = top_norm > threshold
-        order = jnp.sort(jnp.where(kept, top_idx, n * c4), axis=-1)
-        kept_sorted = order < n * c4
-        safe = jnp.minimum(order, n * c4 - 1)
-        payload = jnp.take_along_axis(chunks, safe[..., None], axis=-2)
-        payload = jnp.where(kept_sorted[..., None], payload, 0.0)
-        if cap > k:
-            payload = jnp.pad(payload, [(0, 0)] * (payload.ndim - 2) + [(0, cap - k), (0, 0)])
-        stored = jnp.zeros(norm.shape, bool)
-        stored = jax.vmap(lambda s, i, m: s.at[i].set(m, mode="drop"))(
-            stored.reshape(-1, n * c4), order.reshape(-1, k), kept_sorted.reshape(-1, k)
-        ).reshape(norm.shape)
-        overflow = jnp.sum(over, axis=-1, keepdims=True) - jnp.sum(stored, axis=-1,
-                                                                   keepdims=True)
+        count = jnp.sum(over, axis=-1, dtype=jnp.int32)
+        start, capacity = self._placement(count, first_block, fill, head_dim)
+        # the largest chunks over the threshold fill the block's capacity
+        rank = jnp.argsort(jnp.argsort(jnp.where(over, -norm, jnp.inf), axis=-1), axis=-1)
+        stored = over & (rank < capacity[..., None])
+        slot = start[..., None] + jnp.cumsum(stored, axis=-1, dtype=jnp.int32) - 1
+        slot = jnp.where(stored, slot, jnp.iinfo(jnp.int32).max)
+        overflow = count - jnp.sum(stored, axis=-1, dtype=jnp.int32)
 
         inliers = jnp.where(stored[..., None], 0.0, chunks)
         inliers = inliers.reshape(*lead, tokens, 4 * c4)[..., :head_dim]
         base = self.base._encode(params, inliers)
         base = jax.tree.map(lambda a: a.reshape(*lead, nb, n, *a.shape[len(lead) + 1:]), base)
-        return {
+        codes = {
             "base": base,
             "flags": pack_bits(stored.astype(jnp.uint32), 1),
-            "outliers": payload.astype(jnp.float16),
-            "overflow": overflow.astype(jnp.uint32),
+            "overflow": overflow[..., None].astype(jnp.uint32),
         }
+        if self.pooled:
+            codes["start"] = start[..., None].astype(jnp.uint32)
+        return (codes, slot.reshape(*lead, nb * n * c4),
+                chunks.reshape(*lead, nb * n * c4, 4).astype(jnp.float16))
+
+    def _encode(self, params: Params, x: jax.Array) -> Codes:
+        lead, nb = x.shape[:-2], x.shape[-2] // self.block
+        zero = jnp.zeros(lead, jnp.int32)
+        codes, slot, chunks = self._blocks(params, x, zero, zero)
+        k = self.capacity(x.shape[-1])
+        pool = write_slots(jnp.zeros((*lead, nb * k, 4), jnp.float16), slot, chunks)
+        return {**codes, "outliers": pool.reshape(*lead, nb, k, 4)}
+
+    def encode_after(self, params: Params, x: jax.Array, first_block: jax.Array,
+                     fill: jax.Array) -> tuple[Codes, jax.Array, jax.Array]:
+        """Pooled codes of ``x[..., T, D]``'s blocks continuing a row that holds
+        ``first_block`` blocks whose outliers take ``fill`` slots of its pool (int32
+        ``[...]``): ``(codes without "outliers", slot, chunks)`` as
+        :func:`write_slots` puts into the row's pool (``"outliers"`` of its codes,
+        ``[..., NB, K, 4]`` seen as ``NB K`` slots). Input checks as :meth:`encode`."""
+        if not self.pooled:
+            raise CodecError(f"{self.spec}: encode_after is for pooled outliers (mpool)")
+        x = self.saturate(self._check_input(x))
+        out = self._blocks(params, x, jnp.asarray(first_block, jnp.int32),
+                           jnp.asarray(fill, jnp.int32))
+        return jax.lax.optimization_barrier(out)
+
+    def pool_fill(self, codes: Codes, blocks: jax.Array) -> jax.Array:
+        """Slots of the pool taken by the first ``blocks`` blocks of pooled ``codes``
+        (``[..., NB, ...]`` leaves, ``blocks`` int32 broadcast against ``[...]``)."""
+        last = jnp.maximum(blocks - 1, 0)[..., None, None]
+        start = jnp.take_along_axis(codes["start"], jnp.broadcast_to(
+            last, (*codes["start"].shape[:-2], 1, 1)), axis=-2)[..., 0, 0]
+        flags = jnp.take_along_axis(codes["flags"], jnp.broadcast_to(
+            last, (*codes["flags"].shape[:-2], 1, 1)), axis=-2)[..., 0, :]
+        used = jnp.sum(jax.lax.population_count(flags), axis=-1)
+        return jnp.where(blocks > 0, start + used, 0).astype(jnp.int32)
 
     def decode(self, params: Params, codes: Codes, dtype: Any = jnp.float32) -> jax.Array:
         """The base codec's vectors with the flagged chunks replaced by their fp16 values."""
@@ -207,14 +285,14 @@ class MedOutlierCodec(Codec):
         lead, nb, n = lead_nb[:-1], lead_nb[-1], self.block
         flat = jax.tree.map(lambda a: a.reshape(*lead, nb * n, *a.shape[len(lead) + 2:]), base)
         x = self.base.decode(params, flat, jnp.float32)
-        x = replace_outliers(x, codes["flags"], codes["outliers"], n)
+        x = replace_outliers(x, codes["flags"], codes["outliers"], n, codes.get("start"))
         return x.astype(dtype)
 
     def kernel_formats(self) -> tuple[KernelFormat, ...]:
         """The base's HQMQ format with these outliers (:class:`~kvjax.codec.OutlierBlocks`:
         its codes decode a flagged chunk to zero, the kernel adds the stored chunk); no
         other base's formats (their codes of a zeroed chunk are not zero)."""
-        return tuple(dataclasses.replace(f, outliers=OutlierBlocks(self.block))
+        return tuple(dataclasses.replace(f, outliers=OutlierBlocks(self.block, self.pooled))
                      for f in self.base.kernel_formats() if isinstance(f, HqmqFormat))
 
     def outlier_counts(self, codes: Codes) -> tuple[jax.Array, jax.Array]:
@@ -224,12 +302,13 @@ class MedOutlierCodec(Codec):
         return stored, codes["overflow"][..., 0]
 
     def bits_per_element(self, head_dim: int) -> float:
-        """Base codec bits plus flags, outlier slots and the overflow count per block."""
+        """Base codec bits plus flags, outlier slots and the overflow count per block
+        (pooled: and the block's first slot)."""
         self.check_head_dim(head_dim)
         base = self.base.bits_per_element(head_dim)
         elements = self.block * head_dim
         extra = 32 * num_words(self.block * num_chunks(head_dim), 1) + 64 * self.capacity(
-            head_dim) + 32
+            head_dim) + 32 * (2 if self.pooled else 1)
         return exact_bits(round(base * elements) + extra, elements)
 
     def paper_bits_per_element(self, head_dim: int, fraction: float) -> float:
@@ -238,5 +317,18 @@ class MedOutlierCodec(Codec):
         bits where it has them (HQMQ), its stored bits otherwise."""
         base = getattr(self.base, "fractional_bits_per_element", self.base.bits_per_element)
         return (1 - fraction) * base(head_dim) + 16 * fraction + 0.25
+
+
+def write_slots(pool: jax.Array, slot: jax.Array, chunks: jax.Array) -> jax.Array:
+    """``pool [..., P, 4]`` with ``chunks[..., i, :]`` written at slot ``slot[..., i]``;
+    a slot outside ``0 .. P - 1`` writes nothing."""
+    lead = pool.shape[:-2]
+
+    def flat(a: jax.Array) -> jax.Array:
+        return a.reshape(math.prod(lead), *a.shape[len(lead):])
+
+    out = jax.vmap(lambda p, s, c: p.at[s].set(c.astype(p.dtype), mode="drop"))(
+        flat(pool), flat(slot), flat(chunks))
+    return out.reshape(pool.shape)
 
 

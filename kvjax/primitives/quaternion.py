@@ -142,17 +142,28 @@ class HqmqLayout:
 
 
 def replace_outliers(x: jax.Array, flags: jax.Array, outliers: jax.Array,
-                     block: int) -> jax.Array:
+                     block: int, start: jax.Array | None = None) -> jax.Array:
     """Vectors ``x [..., NB * block, D]`` (float32) with each flagged chunk of 4 replaced
     by its stored value (Med-C outliers, :mod:`kvjax.codecs.outliers`): ``flags``
     uint32 ``[..., NB, W]`` (a bit per chunk, token-major, :func:`~kvjax.primitives.
-    packing.pack_bits`), ``outliers [..., NB, K, 4]`` in the flags' order."""
+    packing.pack_bits`), ``outliers [..., NB, K, 4]`` in the flags' order. ``start``
+    (``[..., NB, 1]``, pooled outliers): ``outliers [..., P, K, 4]`` is one pool of ``P
+    K`` slots (``P`` need not be ``NB``) and block ``b``'s chunks lie from slot
+    ``start[b]`` on."""
     head_dim = x.shape[-1]
     c4 = num_chunks(head_dim)
     lead, nb = flags.shape[:-2], flags.shape[-2]
     stored = unpack_bits(flags, 1, block * c4).astype(bool)
-    slot = jnp.clip(jnp.cumsum(stored, axis=-1) - 1, 0, outliers.shape[-2] - 1)
-    payload = jnp.take_along_axis(outliers.astype(jnp.float32), slot[..., None], axis=-2)
+    rank = jnp.cumsum(stored, axis=-1) - 1
+    if start is None:
+        slot = jnp.clip(rank, 0, outliers.shape[-2] - 1)
+        payload = jnp.take_along_axis(outliers.astype(jnp.float32), slot[..., None], axis=-2)
+    else:
+        pool = outliers.reshape(*lead, outliers.shape[-3] * outliers.shape[-2], 4)
+        pool = pool.astype(jnp.float32)
+        slot = jnp.clip(start.astype(jnp.int32) + rank, 0, pool.shape[-2] - 1)
+        payload = jnp.take_along_axis(pool, slot.reshape(*lead, -1, 1), axis=-2)
+        payload = payload.reshape(*lead, nb, block * c4, 4)
     chunks = to_chunks(x).reshape(*lead, nb, block * c4, 4)
     chunks = jnp.where(stored[..., None], payload, chunks)
     return chunks.reshape(*lead, nb * block, 4 * c4)[..., :head_dim]

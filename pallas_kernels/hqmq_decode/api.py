@@ -59,7 +59,7 @@ def unsupported(layout: HqmqLayout | None, head_dim: int,
 
 def check_outliers(name: str, outliers, stream, layout: HqmqLayout) -> int | None:
     """The checks of one role's Med-C arrays; returns the outlier block (tokens)."""
-    flags, chunks = outliers
+    flags, chunks, *start = outliers
     lead = stream.shape[:-2]
     slots = stream.shape[-2]
     if flags.ndim != stream.ndim or flags.shape[:-2] != lead or flags.dtype != jnp.uint32:
@@ -75,10 +75,15 @@ def check_outliers(name: str, outliers, stream, layout: HqmqLayout) -> int | Non
     if (block * layout.chunks) % 32 or flags.shape[-1] != block * layout.chunks // 32:
         raise ValueError(f"{name}_outlier_flags must hold {block * layout.chunks // 32} "
                          f"words per block (a bit per chunk), got {flags.shape[-1]}")
-    if (chunks.shape[:-1] != flags.shape[:-1] or chunks.shape[-1] % COMPONENTS
-            or not chunks.shape[-1]):
+    # pooled: the chunks are one pool per row, of any number of entries
+    entries = chunks.shape[-2:-1] if start else flags.shape[-2:-1]
+    if (chunks.shape[:-1] != flags.shape[:-2] + entries or chunks.shape[-1] % COMPONENTS
+            or not chunks.shape[-1] or not chunks.shape[-2]):
         raise ValueError(f"{name}_outliers must be [..., NB, 4 P] beside flags of shape "
                          f"{flags.shape}, got {chunks.shape}")
+    if start and (start[0].shape != (*flags.shape[:-1], 1) or start[0].dtype != jnp.uint32):
+        raise ValueError(f"{name}_outlier_start must be uint32 [..., NB, 1] beside flags of "
+                         f"shape {flags.shape}, got {start[0].dtype} {start[0].shape}")
     return block
 
 
@@ -113,13 +118,19 @@ def check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_tabl
     return blocks[0] if blocks else None
 
 
-def pairs(k_flags, k_outliers, v_flags, v_outliers):
-    """Each role's Med-C ``(flags, chunks)`` or None; a ValueError for half a pair."""
+def pairs(k_flags, k_outliers, v_flags, v_outliers, k_start=None, v_start=None):
+    """Each role's Med-C ``(flags, chunks)`` (pooled: ``(flags, chunks, start)``) or None;
+    a ValueError for half a pair or a start without them."""
     out = []
-    for name, flags, chunks in (("k", k_flags, k_outliers), ("v", v_flags, v_outliers)):
+    for name, flags, chunks, start in (("k", k_flags, k_outliers, k_start),
+                                       ("v", v_flags, v_outliers, v_start)):
         if (flags is None) != (chunks is None):
             raise ValueError(f"{name}_outlier_flags and {name}_outliers go together")
-        out.append(None if flags is None else (flags, chunks))
+        if start is not None and flags is None:
+            raise ValueError(f"{name}_outlier_start needs {name}_outlier_flags and "
+                             f"{name}_outliers")
+        arrays = (flags, chunks) if start is None else (flags, chunks, start)
+        out.append(None if flags is None else arrays)
     return out
 
 
@@ -142,6 +153,8 @@ def hqmq_decode(
     k_outliers: jax.Array | None = None,       # [B, K, NB, 4 P] fp16 outlier chunks
     v_outlier_flags: jax.Array | None = None,  # like k_outlier_flags
     v_outliers: jax.Array | None = None,       # like k_outliers
+    k_outlier_start: jax.Array | None = None,  # uint32 [B, K, NB, 1]: pooled outliers
+    v_outlier_start: jax.Array | None = None,  # like k_outlier_start
     *,
     layout: HqmqLayout,      # where the stream holds each chunk's fields
     sm_scale: float,         # logits are sm_scale * q . k
@@ -159,11 +172,14 @@ def hqmq_decode(
     column) and ``k_c`` its radius code. With Med-C outliers (per role, optional: per
     outlier block of ``S / NB`` tokens a flag bit per chunk, token-major, and ``P`` fp16
     chunks in the flags' order), a flagged chunk is its stored value (its codes decode
-    to zero: the codec encoded it zeroed); the blocks are then the outlier blocks.
+    to zero: the codec encoded it zeroed); the blocks are then the outlier blocks. With
+    ``*_outlier_start`` the role's chunks ``[B, K, E, 4 P]`` are one pool of ``E P``
+    slots per row and an outlier block's chunks lie from slot ``start`` on.
     Raises ``NotImplementedError`` when the kernel
     cannot serve these arrays (:func:`unsupported`), ``ValueError`` when they are
     malformed."""
-    k_med, v_med = pairs(k_outlier_flags, k_outliers, v_outlier_flags, v_outliers)
+    k_med, v_med = pairs(k_outlier_flags, k_outliers, v_outlier_flags, v_outliers,
+                         k_outlier_start, v_outlier_start)
     block = check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table,
                          v_table, layout, k_med, v_med)
     if block is not None and block_s not in (None, block):

@@ -124,7 +124,8 @@ def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return hi, (x - hi.astype(jnp.float32)).astype(OPERAND)
 
 
-def _outlier_tiles(load, flags_ref, chunks_ref, *, block: int, chunks: int) -> list:
+def _outlier_tiles(load, flags_ref, chunks_ref, start_ref=None, *, block: int,
+                   chunks: int) -> list:
     """The Med-C outliers of the block being read (one outlier block of ``block``
     tokens) as four dense ``[block, C]`` float16 tiles, one per component: the stored
     chunk where a chunk is flagged, zero elsewhere (the codec encoded a flagged chunk
@@ -133,7 +134,9 @@ def _outlier_tiles(load, flags_ref, chunks_ref, *, block: int, chunks: int) -> l
     Chunk ``i = t C + c`` is flagged by its bit as
     :func:`~kvjax.primitives.packing.pack_bits` stores them; its slot among the
     ``P`` stored chunks is the number of flags before it in that order (chunks past the
-    capacity are not flagged by the codec; a slot past it is read as zero)."""
+    capacity are not flagged by the codec; a slot past it is read as zero). With
+    ``start_ref`` (pooled outliers) the entries of ``chunks_ref`` are one pool of the
+    row and the slot counts on from the block's ``start``."""
     slots = chunks_ref.shape[-1] // COMPONENTS
     t = jax.lax.broadcasted_iota(jnp.int32, (block, chunks), 0)
     i = t * chunks + jax.lax.broadcasted_iota(jnp.int32, (block, chunks), 1)
@@ -144,9 +147,15 @@ def _outlier_tiles(load, flags_ref, chunks_ref, *, block: int, chunks: int) -> l
             & jnp.asarray(1, words.dtype)).astype(jnp.int32)
     row_total = jnp.sum(flag, axis=1)
     slot = (jnp.cumsum(row_total) - row_total)[:, None] + jnp.cumsum(flag, axis=1) - flag
+    zero = jnp.zeros((), OPERAND)
+    if start_ref is not None:
+        slot = slot + load(start_ref, here, per=block, rows=here).astype(jnp.int32)
+        entry, slot = slot // slots, slot % slots
+        return [jnp.where(flag == 1, load(chunks_ref, slot * COMPONENTS + m, per=block,
+                                          entries=entry).astype(OPERAND), zero)
+                for m in range(COMPONENTS)]
     keep = (flag == 1) & (slot < slots)
     base = jnp.minimum(slot, slots - 1) * COMPONENTS
-    zero = jnp.zeros((), OPERAND)
     return [jnp.where(keep, load(chunks_ref, base + m, per=block, rows=here).astype(OPERAND),
                       zero) for m in range(COMPONENTS)]
 
@@ -155,8 +164,8 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
             *refs, layout, block_s, split_len, sm_scale, lookup, k_outliers, v_outliers):
     o_ref, m_ref, l_ref = refs[-3:]
     extra = list(refs[:-3])
-    k_med = [extra.pop(0), extra.pop(0)] if k_outliers else None
-    v_med = [extra.pop(0), extra.pop(0)] if v_outliers else None
+    k_med = [extra.pop(0) for _ in range(k_outliers)] or None
+    v_med = [extra.pop(0) for _ in range(v_outliers)] or None
     chunks = layout.chunks
     rows = q_ref.shape[0]
     levels = np.float32(1.0 / (2**layout.radius_bits - 1))
@@ -213,7 +222,8 @@ def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_ta
     and scales stacked ``[L, B, K, S, ...]`` (``layer`` None reads a stack of one), the
     codeword tables ``[K, 4, 24 S]`` (of which ``"product"`` reads the secondaries, the
     columns of unit 0); ``k_outliers``, ``v_outliers``: None, or Med-C ``(flags [L, B,
-    K, NB, W], chunks [L, B, K, NB, 4 P])`` per outlier block of ``block_s`` tokens.
+    K, NB, W], chunks [L, B, K, NB, 4 P])`` per outlier block of ``block_s`` tokens,
+    with ``start [L, B, K, NB, 1]`` after them where the chunks are one pool per row.
     Returns ``o [B, K, splits, R, D]``, ``m, l [B, K, splits, R]`` (float32) in dim
     order; no check (:func:`.api.hqmq_decode` does them)."""
     batch, heads, rows, head_dim = q.shape
@@ -227,8 +237,8 @@ def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_ta
     perm = query_columns(layout.chunks)
     kernel = functools.partial(_kernel, layout=layout, block_s=block_s,
                                split_len=split_len(slots, splits, block_s), sm_scale=sm_scale,
-                               lookup=lookup, k_outliers=k_outliers is not None,
-                               v_outliers=v_outliers is not None)
+                               lookup=lookup, k_outliers=len(k_outliers or ()),
+                               v_outliers=len(v_outliers or ()))
     if lookup == "product":  # codeword 24 s is q_s times the unit 1
         k_table, v_table = k_table[..., ::NUM_HURWITZ], v_table[..., ::NUM_HURWITZ]
     args, in_specs = leading_inputs(n_comp, layer, q[..., perm])

@@ -43,11 +43,12 @@ def dequantize(stream: jax.Array, scale: jax.Array, table: jax.Array,
 
 def with_outliers(x: jax.Array, outliers, block: int) -> jax.Array:
     """Tokens ``x [..., S, D]`` with the Med-C chunks ``(flags [..., NB, W], chunks [...,
-    NB, 4 P])`` in place of the flagged ones (the codec's own rule,
-    :func:`kvjax.primitives.quaternion.replace_outliers`)."""
-    flags, chunks = outliers
+    NB, 4 P][, start [..., NB, 1]])`` in place of the flagged ones (the codec's own rule,
+    :func:`kvjax.primitives.quaternion.replace_outliers`; with ``start`` the chunks are
+    one pool per row)."""
+    flags, chunks, *start = outliers
     chunks = chunks.reshape(*chunks.shape[:-1], -1, COMPONENTS)
-    return replace_outliers(x, flags, chunks, block)
+    return replace_outliers(x, flags, chunks, block, *start)
 
 
 @functools.partial(
@@ -69,6 +70,8 @@ def hqmq_decode(
     k_outliers: jax.Array | None = None,
     v_outlier_flags: jax.Array | None = None,
     v_outliers: jax.Array | None = None,
+    k_outlier_start: jax.Array | None = None,
+    v_outlier_start: jax.Array | None = None,
     *,
     layout: HqmqLayout,
     sm_scale: float,
@@ -83,7 +86,8 @@ def hqmq_decode(
     exact partial. The blocking, interpret and lookup arguments only shape how the kernel
     computes and are ignored here."""
     del block_s, splits, num_warps, num_stages, interpret, lookup
-    k_med, v_med = pairs(k_outlier_flags, k_outliers, v_outlier_flags, v_outliers)
+    k_med, v_med = pairs(k_outlier_flags, k_outliers, v_outlier_flags, v_outliers,
+                         k_outlier_start, v_outlier_start)
     block = check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table,
                          v_table, layout, k_med, v_med)
     k_stream, k_scale, v_stream, v_scale = layer_arrays(

@@ -65,6 +65,9 @@ CONFIGS = [
     dict(k="kivi:4,g4", v="kivi:4,g4,token", residual_window=6, sink_tokens=3),
     # nested codes in blocks of 4 tokens (median and outlier slots per block)
     dict(k="hqmq:s7,r3,med2,mb4", v="int:4,med3,mb2", residual_window=2, sink_tokens=1),
+    # outlier slots pooled per row: a block's entries continue where the row's last ended
+    dict(k="hqmq:s7,r3,med2,mb4,mpool", v="int:4,med1.5,mb2,mp10,mpool", residual_window=2,
+         sink_tokens=1),
     # per-head rotation signs and a [D, D] sketch among the codec parameters (the frame
     # TurboQuant shares), byte streams of mixed-width fields, fp16 radii beside the angles
     dict(k="octopus:b2,qjl", v="polarquant:b2,l3", residual_window=2, sink_tokens=0),

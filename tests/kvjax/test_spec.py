@@ -115,7 +115,7 @@ def test_bad_specs_are_one_line_errors_that_say_what_is_valid(text, message):
 
 
 #: the outlier wrapper's usage, which every error about its options ends with
-OUTLIER_USAGE = "; usage: SPEC,medC[,mbN][,mpP] with C in (0, 10000]"
+OUTLIER_USAGE = "; usage: SPEC,medC[,mbN][,mpP][,mpool] with C in (0, 10000]"
 
 
 @pytest.mark.parametrize(
@@ -133,9 +133,9 @@ OUTLIER_USAGE = "; usage: SPEC,medC[,mbN][,mpP] with C in (0, 10000]"
         ("int:4,med3,mb8.5", "got '8.5'"),
         ("int:4,med3,mp5%", "outlier capacity % P must be a number in (0, 100], got '5%'"),
         # a misspelled outlier option: unknown to the wrapper, not a second bit width
-        ("int:4,medx", "unknown option 'medx'; known: med, mb, mp"),
-        ("int:4,mbx", "unknown option 'mbx'; known: med, mb, mp"),
-        ("kivi:2,token,medium", "unknown option 'medium'; known: med, mb, mp"),
+        ("int:4,medx", "unknown option 'medx'; known: med, mb, mp, mpool"),
+        ("int:4,mbx", "unknown option 'mbx'; known: med, mb, mp, mpool"),
+        ("kivi:2,token,medium", "unknown option 'medium'; known: med, mb, mp, mpool"),
         # options of the wrapper without its multiplier, or twice, or on a codec it
         # cannot wrap
         ("int:4,mb8", "expected medC"),

@@ -29,6 +29,9 @@ MED = "hqmq:s96,r4,med3"
 #: the paper's uncapped Med-C: a slot for every chunk (512 per block of 32 tokens at
 #: D = 64)
 MED_ALL = f"{MED},mp100"
+#: the row's slots pooled, 10% of them (about the spikes' share): blocks with fewer
+#: spikes leave slots to later ones, whose chunks then lie in earlier blocks' entries
+MED_POOL = f"{MED},mp10,mpool"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,8 @@ SPIKES = 0.04
 def coded(spec, batch, heads, group, slots, head_dim, seed=0):
     """``(q, (k_stream, k_scale, k_outliers), (v_...), k_table, v_table)`` of Gaussian
     vectors (with spikes where the spec has outliers) encoded by the codec, one parameter
-    draw per kv head and role; ``*_outliers`` the Med-C ``(flags, chunks)`` or None."""
+    draw per kv head and role; ``*_outliers`` the Med-C ``(flags, chunks[, start])`` or
+    None."""
     codec = parse_codec(spec)
     [fmt] = [f for f in codec.kernel_formats() if isinstance(f, HqmqFormat)]
     keys = jax.random.split(jax.random.key(seed), 7)
@@ -101,6 +105,9 @@ CASES = (
     Case(2, 2, 4, 96, 128, (96, 45), spec=MED, block_s=None, splits=2),
     # D = 64 (16 slots, two tokens' flags a word), stacked layers, one split
     Case(2, 1, 3, 64, 64, (64, 33), spec=MED, block_s=32, splits=1, layers=2),
+    # pooled slots: D = 128 and, stacked, D = 64
+    Case(2, 2, 4, 128, 128, (128, 70), spec=MED_POOL, block_s=None, splits=2),
+    Case(2, 1, 3, 128, 64, (128, 40), spec=MED_POOL, block_s=32, splits=2, layers=2),
 )
 
 
@@ -133,8 +140,8 @@ class TestHqmqDecode(KernelSuite):
             layer = jnp.int32(1)
         med = {}
         for role, (_, _, outliers) in (("k", k), ("v", v)):
-            if outliers is not None:
-                med[f"{role}_outlier_flags"], med[f"{role}_outliers"] = outliers
+            names = ("outlier_flags", "outliers", "outlier_start")
+            med.update({f"{role}_{n}": a for n, a in zip(names, outliers or (), strict=False)})
         return {"q": q, "k_stream": k[0], "k_scale": k[1], "v_stream": v[0], "v_scale": v[1],
                 "lengths": jnp.asarray(case.lengths, jnp.int32), "k_table": k_table,
                 "v_table": v_table, "layer": layer, **med,
@@ -210,7 +217,7 @@ def test_unknown_lookup_raises():
 def test_outlier_cases_hold_outliers_that_matter():
     """The Med-C cases store outliers in both roles (some blocks full), and leaving them
     out changes the output far beyond the tolerance: the suite's comparison sees them."""
-    kw = TestHqmqDecode().inputs(CASES[-2])
+    kw = TestHqmqDecode().inputs(next(c for c in CASES if c.spec == MED and c.head_dim == 128))
     for role in ("k", "v"):
         per_block = jnp.sum(jax.lax.population_count(kw[f"{role}_outlier_flags"]), axis=-1)
         slots = kw[f"{role}_outliers"].shape[-1] // 4
@@ -233,8 +240,25 @@ def test_the_uncapped_case_holds_more_outliers_than_capped_slots():
         assert kw[f"{role}_outliers"].shape[-1] == 4 * 32 * case.head_dim // 4
 
 
+def test_pooled_cases_read_outliers_from_other_blocks_entries():
+    """In the pooled cases some block stores more chunks than a block's share and some
+    block's chunks start before its own entry of the pool, so the kernel reads across
+    entries; the stored counts continue exactly from block to block."""
+    for case in (c for c in CASES if c.spec == MED_POOL):
+        kw = TestHqmqDecode().inputs(case)
+        share = parse_codec(MED_POOL).capacity(case.head_dim)
+        for role in ("k", "v"):
+            per_block = jnp.sum(jax.lax.population_count(kw[f"{role}_outlier_flags"]),
+                                axis=-1)
+            start = kw[f"{role}_outlier_start"][..., 0].astype(jnp.int32)
+            own = jnp.arange(start.shape[-1]) * share
+            assert int(per_block.max()) > share
+            assert bool(jnp.any(start < own))
+            np.testing.assert_array_equal(start[..., 1:], (start + per_block)[..., :-1])
+
+
 def test_malformed_outlier_arrays_raise():
-    kw = TestHqmqDecode().inputs(CASES[-2])
+    kw = TestHqmqDecode().inputs(next(c for c in CASES if c.spec == MED and c.head_dim == 128))
     flags, chunks = kw["k_outlier_flags"], kw["k_outliers"]
     for change, error, match in (
             ({"k_outliers": None}, ValueError, "go together"),
@@ -243,6 +267,9 @@ def test_malformed_outlier_arrays_raise():
             ({"k_outliers": chunks[..., :-1]}, ValueError, "4 P"),
             ({"k_outlier_flags": flags[:, :, :1], "k_outliers": chunks[:, :, :1]},
              NotImplementedError, "outlier blocks of 96 tokens"),
-            ({"block_s": 16}, ValueError, "one outlier block of 32 tokens")):
+            ({"block_s": 16}, ValueError, "one outlier block of 32 tokens"),
+            ({"k_outlier_start": flags[..., :2]}, ValueError, "k_outlier_start must be"),
+            ({"k_outlier_flags": None, "k_outliers": None,
+              "k_outlier_start": flags[..., :1]}, ValueError, "needs k_outlier_flags")):
         with pytest.raises(error, match=match):
             api.hqmq_decode(**{**kw, **change})

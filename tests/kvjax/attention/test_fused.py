@@ -166,6 +166,7 @@ def test_why_the_kernel_does_not_apply(spec_k, spec_v, head_dim, kw, reason):
     ("saw:h32", "int:4", "int_decode"),
     ("turboquant:b3,qjl", "kivi:3,g32,token", "codebook_decode"),
     ("hyperquant:d4,4bps,int8", "hyperquant:d4,4bps,int8", "int_decode"),
+    ("hqmq:s96,r4,med2,mb16,mp5,mpool", "hqmq:s96,r4,med2,mb16,mp5,mpool", "hqmq_decode"),
 ])
 def test_model_decode_step_through_the_kernel(k, v, kernel):
     """A decode step of a tiny llama (two layers scanned over stacked codes): kernel vs
@@ -248,15 +249,18 @@ def test_kernel_call_binds_the_kernel_to_a_cache(spec, name):
     np.testing.assert_allclose(got, want, atol=ATOL)
 
 
-def test_kernel_call_repeats_whole_blocks_of_outlier_codes():
-    """A cache of Med-C codes (blocks of 32 tokens) bound to the HQMQ kernel: the
-    outliers reach it, and the kernel equals attention over the codecs' decode."""
-    config = parse_cache("hqmq:s96,r4,med3")
+@pytest.mark.parametrize("spec", ["hqmq:s96,r4,med3", "hqmq:s96,r4,med3,mp10,mpool"])
+def test_kernel_call_repeats_whole_blocks_of_outlier_codes(spec):
+    """A cache of Med-C codes (blocks of 32 tokens; fixed or pooled slots) bound to the
+    HQMQ kernel: the outliers reach it, and the kernel equals attention over the codecs'
+    decode."""
+    config = parse_cache(spec)
     batch, heads, group, slots, head_dim = 1, 2, 4, 96, 64
     call = fused.kernel_call(config.k, config.v, batch=batch, heads=heads, slots=slots,
                              head_dim=head_dim, key=jax.random.key(3), distinct=64)
     assert call.name == "hqmq_decode" and "k_outliers" in call.arrays
     assert call.arrays["k_outlier_flags"].shape[2] == slots // 32
+    assert ("k_outlier_start" in call.arrays) == config.k.pooled
     q = jax.random.normal(jax.random.key(4), (batch, heads, group, head_dim))
     got = normalize(*call(q, interpret=INTERPRET))
     k_params, k_codes, v_params, v_codes = call.codecs
@@ -284,6 +288,7 @@ def test_no_kernel_reads_names_every_reason():
     ("hqmq_decode", "hqmq:s24,r3", "not whole bytes and nibbles"),
     ("hqmq_decode", "hqmq:s96,r4,med3", None),
     ("hqmq_decode", "k=hqmq:s96,r4,med3 v=hqmq", None),
+    ("hqmq_decode", "k=hqmq:s96,r4,med3,mpool v=hqmq:s96,r4,med3", None),
     ("hqmq_decode", "k=hqmq:s96,r4,med3,mb16 v=hqmq:s96,r4,med3", "outlier blocks differ"),
     ("hqmq_decode", "hqmq:s96,r4,med3,mb8", "outlier blocks of 8 tokens"),
     ("hqmq_decode", "int:4,med3", "offers no"),

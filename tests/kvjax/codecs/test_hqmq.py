@@ -263,6 +263,66 @@ def test_uncapped_capacity_stores_every_chunk_over_the_threshold(base):
         64) + 1.5
 
 
+@pytest.mark.parametrize("base", ["int:4", "hqmq:s24,r4"])
+def test_pooled_slots_carry_forward_what_earlier_blocks_left(base):
+    """``mpool``: the row's slots are one pool and a block may use, beyond its own 16,
+    the slots the blocks before it left; never later blocks' (so the first block still
+    overflows), and the pool holds the same slots as the fixed layout."""
+    spots = {0: 20, 1: 2, 2: 0, 3: 40}  # planted chunks per block of 32 tokens
+    rng = np.random.default_rng(5)
+    chunks = []
+    for block, count in spots.items():
+        cells = rng.choice(32 * 16, count, replace=False)
+        chunks += [(32 * block + int(i) // 16, int(i) % 16) for i in cells]
+    x = planted(tokens=128, chunks=chunks, scale=30.0)
+    fixed = parse_codec(f"{base},med3")
+    codec = parse_codec(f"{base},med3,mpool")
+    assert codec.spec == f"{base},med3,mpool" and codec.row_pool == "outliers"
+    assert parse_codec(f"{base},mpool,med3").spec == codec.spec
+    stored, overflow = (np.asarray(a) for a in fixed.outlier_counts(roundtrip(fixed, x)[1]))
+    assert stored.tolist() == [16, 2, 0, 16] and overflow.tolist() == [4, 0, 0, 24]
+
+    _, codes, x_hat = roundtrip(codec, x)
+    stored, overflow = (np.asarray(a) for a in codec.outlier_counts(codes))
+    # block 3 may take 4 * 16 - 18 slots: its own and the 30 that blocks 1, 2 left
+    assert stored.tolist() == [16, 2, 0, 40] and overflow.tolist() == [4, 0, 0, 0]
+    assert np.asarray(codes["start"])[:, 0].tolist() == [0, 16, 18, 18]
+    assert codes["outliers"].shape == (4, 16, 4)
+    block3 = [(t, c) for t, c in chunks if t >= 96]
+    for t, c in block3:
+        np.testing.assert_array_equal(
+            x_hat[t, 4 * c:4 * c + 4], x[t, 4 * c:4 * c + 4].astype(jnp.float16))
+    # one more word per block, the block's first slot, and nothing else
+    assert measured_bits_per_element(codes, x.size) == codec.bits_per_element(64)
+    assert codec.bits_per_element(64) - fixed.bits_per_element(64) == 32 / (32 * 64)
+
+
+def test_pooled_blocks_encoded_after_others_continue_their_pool():
+    """What a cache does: encoding a row's later blocks after its earlier ones (told how
+    many blocks and slots those hold) places them as one encode of the whole row."""
+    codec = parse_codec("int:4,med2,mb8,mp5,mpool")
+    x = jnp.asarray(np.array(gaussian((2, 48, 32), 11)) * np.where(
+        np.random.default_rng(2).random((2, 48, 32)) < 0.08, 8.0, 1.0))
+    params = codec.init(jax.random.key(0), 32)
+    whole = codec.encode(params, x)
+    first, slot, chunks = codec.encode_after(params, x[:, :16], jnp.zeros(2, jnp.int32),
+                                             jnp.zeros(2, jnp.int32))
+    fill = codec.pool_fill(first, jnp.full(2, 2, jnp.int32))
+    np.testing.assert_array_equal(fill, whole["start"][:, 2, 0])
+    later, slot, chunks = codec.encode_after(params, x[:, 16:], jnp.full(2, 2, jnp.int32),
+                                             fill)
+    for name in ("flags", "start", "overflow"):
+        np.testing.assert_array_equal(later[name], whole[name][:, 2:])
+    pool = np.asarray(whole["outliers"]).reshape(2, -1, 4)
+    for row in range(2):
+        kept = np.asarray(slot[row]) < pool.shape[1]
+        np.testing.assert_array_equal(pool[row, np.asarray(slot[row])[kept]],
+                                      np.asarray(chunks[row])[kept])
+    assert np.asarray(codec.pool_fill(first, jnp.zeros(2, jnp.int32))).tolist() == [0, 0]
+    with pytest.raises(CodecError, match="pooled"):
+        parse_codec("int:4,med2").encode_after(params, x, 0, 0)
+
+
 def test_outliers_per_block_and_all_zero_blocks():
     codec = parse_codec("int:4,med3,mb8")
     x = np.array(gaussian((2, 16, 32), 10))
