@@ -4,7 +4,8 @@ Commands:
     codecs     list the registered codecs and their spec grammar
     probe      measure caches on seeded Gaussian (or saved) K/V; a table, or JSON
     generate   generate text with a model whose KV cache is the given cache spec
-    ppl        perplexity on a real corpus with the given cache, against a bf16 cache
+    ppl        perplexity on a real corpus with the given cache, and its next-token KL
+               divergence and top-1 agreement against a bf16 cache
     needle     needle-in-a-haystack retrieval accuracy per cache, length and depth
     calibrate  key statistics of a model on a corpus, for cache specs' calib clauses
 
@@ -24,6 +25,7 @@ This is the one module of kvjax that imports ``models`` (lazily, for ``generate`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -150,16 +152,10 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _bf16_baseline(config: CacheConfig) -> CacheConfig:
-    """The bf16 cache that a cache under test is compared with: its window and sinks."""
-    return CacheConfig(k="bf16", residual_window=config.residual_window,
-                       sink_tokens=config.sink_tokens)
-
-
 def needle_caches(tested: Sequence[CacheConfig]) -> list[CacheConfig]:
     """The caches a needle run measures: a bf16 cache with the window and sinks of each
     cache under test (plain bf16 when none is given), then those caches; once each."""
-    baselines = [_bf16_baseline(c) for c in tested] or [CacheConfig(k="bf16")]
+    baselines = [c.reference() for c in tested] or [CacheConfig(k="bf16")]
     return list(dict.fromkeys([*baselines, *tested]))
 
 
@@ -370,7 +366,7 @@ def _cmd_ppl(args) -> int:
     # bad specs, model names and lengths fail before the corpus and the model are loaded
     cache_config = args.cache
     calibration = _calibration(args, [cache_config])
-    baseline = _bf16_baseline(cache_config)
+    baseline = cache_config.reference()
     model_name = args.model or models.DEFAULT_MODEL
     context = models.context_length(model_name)
     check_window_len(context, args.window_len)
@@ -381,12 +377,11 @@ def _cmd_ppl(args) -> int:
         calibration = heldout_calibration(params, config, tokenizer, text, args.windows,
                                           args.window_len)
 
-    def run(cc: CacheConfig):
-        return cache_perplexity(params, config, cc, wins, chunk=args.chunk, seed=args.seed,
-                                progress=args.progress, calibration=calibration)
-
-    result = run(cache_config)
-    base = run(baseline)
+    # one pass: the bf16 cache runs beside the one under test, for its perplexity and
+    # the next-token distribution the tested cache is compared with
+    result = cache_perplexity(params, config, cache_config, wins, chunk=args.chunk,
+                              seed=args.seed, progress=args.progress,
+                              calibration=calibration, reference=baseline)
     row = {
         "cache": cache_config.spec, "bf16_cache": baseline.spec,
         "k_codec": cache_config.k.spec, "v_codec": cache_config.v.spec,
@@ -394,19 +389,27 @@ def _cmd_ppl(args) -> int:
         "windows": args.windows, "window_len": args.window_len, "chunk": args.chunk,
         "residual_window": cache_config.residual_window, "sinks": cache_config.sink_tokens,
         "seed": args.seed,
-        "ppl": result.ppl, "bf16_ppl": base.ppl, "bits_per_element": result.bits_per_element,
+        "ppl": result.ppl, "bf16_ppl": result.reference_ppl,
+        "bits_per_element": result.bits_per_element,
         "k_bits_per_element": result.k_bits_per_element,
         "v_bits_per_element": result.v_bits_per_element,
-        "tokens": result.tokens, "seconds": result.seconds, "bf16_seconds": base.seconds,
+        "tokens": result.tokens, "seconds": result.seconds,
+        "kl_mean": result.kl_mean, "kl_p99": result.kl_p99,
+        "top1_agreement": result.top1_agreement,
+        "kl_by_position": [dataclasses.asdict(b) for b in result.kl_by_position],
     }
     if args.json:
         print(strict_json(row))
     else:
         delta = 100.0 * (row["ppl"] / row["bf16_ppl"] - 1.0)
-        print("| cache | bits/elem | ppl | bf16 ppl | delta % |")
-        print("|---|---|---|---|---|")
+        print("| cache | bits/elem | ppl | bf16 ppl | delta % | KL mean | KL p99 | top-1 |")
+        print("|---|---|---|---|---|---|---|---|")
         print(f"| {row['cache']} | {row['bits_per_element']:.3f} | {row['ppl']:.4f} | "
-              f"{row['bf16_ppl']:.4f} | {delta:+.2f} |")
+              f"{row['bf16_ppl']:.4f} | {delta:+.2f} | {row['kl_mean']:.4f} | "
+              f"{row['kl_p99']:.4f} | {row['top1_agreement']:.3f} |")
+        print("\nby position (KL mean / top-1): " + ", ".join(
+            f"{b['start']}-{b['end'] - 1}: {b['kl_mean']:.4f} / {b['top1_agreement']:.3f}"
+            for b in row["kl_by_position"] if b["tokens"]))
     return 0
 
 

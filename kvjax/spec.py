@@ -201,6 +201,13 @@ class CacheConfig:
                 raise CacheSpecError(f"{name}={getattr(self, name)!r}: valid values are "
                                      f"{', '.join(CENTER_MODES)}")
 
+    def reference(self) -> CacheConfig:
+        """The uncompressed cache this one is compared with: bf16 K and V with the same
+        residual window and sinks (which a bf16 cache holds the same either way), no
+        layer rules, no key transform."""
+        return CacheConfig(k="bf16", residual_window=self.residual_window,
+                           sink_tokens=self.sink_tokens)
+
     @property
     def calibrated(self) -> bool:
         """Whether the keys' transform needs a calibration (a ``calib`` clause)."""

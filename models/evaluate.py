@@ -79,12 +79,15 @@ def cache_perplexity(
     cache_dtype: Any = jnp.bfloat16,
     progress: bool = False,
     calibration: KeyCalibration | None = None,
+    reference: CacheConfig | None = None,
 ) -> PerplexityResult:
     """:func:`kvjax.eval.perplexity` of the model with caches of ``cache_config``.
 
     Codec parameters are drawn from ``seed``; raw cache regions are stored in
     ``cache_dtype``. ``windows`` is ``int[num_windows, window_len]``. ``calibration``
-    serves ``calib`` clauses (:func:`calibrate_keys`).
+    serves ``calib`` clauses (:func:`calibrate_keys`). ``reference``: a cache config
+    (normally :meth:`~kvjax.spec.CacheConfig.reference`) that the windows also run
+    through, for the reference perplexity and the distribution metrics against it.
     """
     if windows.shape[-1] > config.max_position_embeddings:
         raise ValueError(f"windows of {windows.shape[-1]} tokens exceed the model's context "
@@ -93,13 +96,17 @@ def cache_perplexity(
     def forward(tokens, cache, valid):
         return llama.jit_forward(params, config, tokens, cache, valid)
 
-    def new_cache(batch, max_len):
-        return llama.new_cache(config, cache_config, batch=batch, max_len=max_len,
-                               dtype=cache_dtype, key=jax.random.PRNGKey(seed),
-                               calibration=calibration)
+    def cache_of(cc: CacheConfig):
+        def new_cache(batch, max_len):
+            return llama.new_cache(config, cc, batch=batch, max_len=max_len,
+                                   dtype=cache_dtype, key=jax.random.PRNGKey(seed),
+                                   calibration=calibration)
 
-    return perplexity(forward, new_cache, windows, chunk=chunk, batch_size=batch_size,
-                      progress=progress)
+        return new_cache
+
+    return perplexity(forward, cache_of(cache_config), windows, chunk=chunk,
+                      batch_size=batch_size, progress=progress,
+                      reference=None if reference is None else cache_of(reference))
 
 
 def calibrate_keys(params: llama.Params, config: ModelConfig, windows) -> KeyCalibration:
@@ -183,9 +190,11 @@ def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
                     progress: bool = False, loaded: tuple | None = None) -> Evaluate:
     """The evaluator of :func:`kvjax.eval.sweep.run_sweep` for ``settings``: loads the
     model and corpus once and returns the function that measures one configuration
-    (perplexity over the windows; needle retrieval, ``needle_batch`` prompts per
-    generate call, when asked). ``loaded``: what :func:`load_model_and_windows` returned
-    for these settings, to evaluate without loading again. A configuration with
+    (perplexity over the windows and, but for the bf16 cache itself, the distribution
+    metrics against it, :meth:`~kvjax.spec.CacheConfig.reference`; needle retrieval,
+    ``needle_batch`` prompts per generate call, when asked). ``loaded``: what
+    :func:`load_model_and_windows` returned for these settings, to evaluate without
+    loading again. A configuration with
     ``calib`` clauses gets the key statistics of :data:`CALIBRATION_WINDOWS` windows
     that follow the evaluated ones (computed once)."""
     config, params, tokenizer, text, wins = loaded or load_model_and_windows(
@@ -208,9 +217,11 @@ def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
 
     def evaluate(name: str, cache_config: CacheConfig, with_needle: bool) -> dict:
         calibration = calibration_for(cache_config)
+        reference = cache_config.reference()
         result = cache_perplexity(params, config, cache_config, wins, chunk=settings.chunk,
                                   seed=settings.seed, progress=progress,
-                                  calibration=calibration)
+                                  calibration=calibration,
+                                  reference=None if cache_config == reference else reference)
         row = dataclasses.asdict(result)
         if with_needle:
             answers = needle_retrieval(params, config, tokenizer, cache_config, cases,

@@ -1,4 +1,5 @@
-"""Evaluation of a model whose KV cache is compressed: perplexity over fixed windows.
+"""Evaluation of a model whose KV cache is compressed: perplexity over fixed windows,
+and with a reference cache the distribution metrics (:mod:`kvjax.eval.distribution`).
 
 The model is an argument, never an import (DESIGN.md §2): callers pass a ``forward``
 callable and a ``new_cache`` callable, typically closures over a model's params/config and
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import check, fallback_blocks, outlier_overflow, stored_bits
+from kvjax.eval.distribution import PositionBucket, summarize, token_divergence
 
 Forward = Callable[[jax.Array, Any, Any], tuple[jax.Array, Any]]
 NewCache = Callable[[int, int], Any]
@@ -47,6 +49,14 @@ class PerplexityResult:
         outlier_overflow_share: ``outlier_overflow / (outlier_chunks +
             outlier_overflow)``, the share of the chunks over the threshold that did not
             fit (0 when none was over it); None where no Med-C codec compressed a chunk.
+        reference_ppl: perplexity of the same windows through the reference cache;
+            None without one.
+        kl_mean, kl_p99, top1_agreement: next-token distribution against the reference
+            cache's (:class:`kvjax.eval.distribution.DistributionMetrics`): mean and 99th
+            percentile of ``KL(P_ref || P)`` in nats, share of tokens with the same most
+            likely next token; None without a reference.
+        kl_by_position: the same per position bucket of the window
+            (:class:`kvjax.eval.distribution.PositionBucket`); empty without a reference.
     """
 
     ppl: float
@@ -61,6 +71,11 @@ class PerplexityResult:
     outlier_overflow: int = 0
     medc_chunks: int = 0
     outlier_overflow_share: float | None = None
+    reference_ppl: float | None = None
+    kl_mean: float | None = None
+    kl_p99: float | None = None
+    top1_agreement: float | None = None
+    kl_by_position: tuple[PositionBucket, ...] = ()
 
 
 @jax.jit
@@ -79,6 +94,7 @@ def perplexity(
     chunk: int | None = None,
     batch_size: int | None = None,
     progress: bool = False,
+    reference: NewCache | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``windows`` (``int[num_windows, window_len]``) through the cache.
 
@@ -87,7 +103,10 @@ def perplexity(
     (default: all of them) gets a fresh cache of ``window_len`` slots and is fed in
     chunks of ``chunk`` tokens (default: the whole window); the logits at position ``t``
     are scored against token ``t + 1``, so a window of ``L`` tokens scores ``L - 1``.
-    NLL is summed in float64 on host.
+    NLL is summed in float64 on host. ``reference``: a second ``new_cache`` (normally a
+    bf16 cache) that every chunk also runs through, for the reference perplexity and
+    the distribution metrics of the cache against it
+    (:mod:`kvjax.eval.distribution`; twice the model's work).
 
     ``forward`` should be a jitted function that takes the model weights as *arguments*
     (e.g. a closure calling ``models.llama.jit_forward(params, config, ...)``); it then
@@ -132,9 +151,13 @@ def perplexity(
     elements = 0
     fallbacks = 0
     outliers = {"outliers": 0, "overflow": 0, "chunks": 0}
+    ref_nll_sum = 0.0
+    kl = np.zeros(wins.shape, np.float32)
+    agree = np.zeros(wins.shape, bool)
     for b0 in batches:
         rows = wins[b0 : b0 + batch_size]
         cache = new_cache(rows.shape[0], window_len)
+        ref_cache = None if reference is None else reference(rows.shape[0], window_len)
         # a target for every position: the next token, or a dummy 0 after the last one
         targets = np.concatenate([rows[:, 1:], np.zeros_like(rows[:, :1])], axis=1)
         for s in starts:
@@ -144,6 +167,13 @@ def perplexity(
             nll = _chunk_nll(logits, targets[:, s:e], scored)
             nll_sum += float(np.asarray(nll, np.float64).sum())
             scored_count += int(scored.sum())
+            if ref_cache is not None:
+                ref_logits, ref_cache = forward(jnp.asarray(rows[:, s:e]), ref_cache, None)
+                ref_nll = _chunk_nll(ref_logits, targets[:, s:e], scored)
+                ref_nll_sum += float(np.asarray(ref_nll, np.float64).sum())
+                chunk_kl, chunk_agree = token_divergence(ref_logits, logits)
+                kl[b0:b0 + rows.shape[0], s:e] = np.asarray(chunk_kl)
+                agree[b0:b0 + rows.shape[0], s:e] = np.asarray(chunk_agree)
             if bar is not None:
                 bar.update(1)
         check(cache)
@@ -165,6 +195,14 @@ def perplexity(
     share = None
     if outliers["chunks"]:
         share = outliers["overflow"] / over if over else 0.0
+    distribution = {}
+    if reference is not None:
+        scored = np.broadcast_to(np.arange(window_len) < window_len - 1, wins.shape)
+        metrics = summarize(kl, agree, scored)
+        distribution = {"reference_ppl": math.exp(ref_nll_sum / scored_count),
+                        "kl_mean": metrics.kl_mean, "kl_p99": metrics.kl_p99,
+                        "top1_agreement": metrics.top1_agreement,
+                        "kl_by_position": metrics.by_position}
     return PerplexityResult(
         ppl=math.exp(nll_mean),
         nll=nll_mean,
@@ -178,6 +216,7 @@ def perplexity(
         outlier_overflow=outliers["overflow"],
         medc_chunks=outliers["chunks"],
         outlier_overflow_share=share,
+        **distribution,
     )
 
 

@@ -372,7 +372,8 @@ def run_seeds(
 CSV_FIELDS = ("config", "family", "cache_spec", "k_codec", "v_codec", "bits_per_element",
               "k_bits_per_element", "v_bits_per_element", "ppl", "delta_pct", "nll",
               "tokens", "needle_accuracy", "fallback_blocks", "outlier_chunks",
-              "outlier_overflow", "medc_chunks", "outlier_overflow_share", "seconds",
+              "outlier_overflow", "medc_chunks", "outlier_overflow_share", "kl_mean",
+              "kl_p99", "top1_agreement", "reference_ppl", "seconds",
               "model", "corpus", "windows", "window_len", "chunk", "cache_options", "seed",
               "git")
 
@@ -397,12 +398,18 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
 
 def markdown_table(rows: Sequence[dict]) -> str:
     """Configurations sorted by bits: bits, ppl, delta to bf16 (and needle accuracy);
-    where a row has Med-C outliers, the share of its over-threshold chunks that did not
-    fit a block's slots (``outlier_overflow_share``; ``-`` in the other rows)."""
+    where rows were compared with the bf16 cache, mean and p99 KL and top-1 agreement
+    (``-`` in the others: the baseline itself); where a row has Med-C outliers, the
+    share of its over-threshold chunks that did not fit a block's slots
+    (``outlier_overflow_share``; ``-`` in the other rows)."""
     needle = any(r.get("needle_accuracy") is not None for r in rows)
     overflow = any(r.get("outlier_overflow_share") is not None for r in rows)
+    divergence = any(r.get("kl_mean") is not None for r in rows)
     head = "| codec | bits / element (K, V) | ppl | vs bf16 |"
     rule = "|---|---|---|---|"
+    if divergence:
+        head += " KL mean | KL p99 | top-1 |"
+        rule += "---|---|---|"
     if needle:
         head += " needle |"
         rule += "---|"
@@ -414,6 +421,12 @@ def markdown_table(rows: Sequence[dict]) -> str:
         line = (f"| `{r['config']}` | {r['bits_per_element']:.3f} "
                 f"({r['k_bits_per_element']:.2f}, {r['v_bits_per_element']:.2f}) | "
                 f"{r['ppl']:.3f} | {r['delta_pct']:+.2f}% |")
+        if divergence:
+            if r.get("kl_mean") is None:
+                line += " - | - | - |"
+            else:
+                line += (f" {r['kl_mean']:.4f} | {r['kl_p99']:.4f} | "
+                         f"{100 * r['top1_agreement']:.1f}% |")
         if needle:
             acc = r.get("needle_accuracy")
             line += f" {acc:.2f} |" if acc is not None else " - |"
@@ -424,32 +437,42 @@ def markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def pareto_front(rows: Sequence[dict]) -> list[dict]:
-    """Rows no other row beats on both bits (fewer) and ppl (lower), by bits."""
+def pareto_front(rows: Sequence[dict], metric: str = "ppl") -> list[dict]:
+    """Rows no other row beats on both bits (fewer) and ``metric`` (lower), by bits."""
     front, best = [], math.inf
-    for r in sorted(rows, key=lambda r: (r["bits_per_element"], r["ppl"])):
-        if r["ppl"] < best:
+    for r in sorted(rows, key=lambda r: (r["bits_per_element"], r[metric])):
+        if r[metric] < best:
             front.append(r)
-            best = r["ppl"]
+            best = r[metric]
     return front
+
+
+#: what the Pareto plots can put on the y axis (log scale): the row key and its label
+METRICS = {
+    "ppl": "perplexity",
+    "kl_mean": "mean KL(P_bf16 || P) per token, nats",
+    "kl_p99": "p99 KL(P_bf16 || P) per token, nats",
+}
 
 
 def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
                 max_ppl: float | None = None, max_bits: float | None = None,
                 spread: Mapping[str, tuple[float, float]] | None = None,
-                spread_label: str = "") -> None:
-    """ppl vs bits per element (log y), one marker per codec family, the front drawn.
+                spread_label: str = "", metric: str = "ppl") -> None:
+    """``metric`` (:data:`METRICS`, default ppl) vs bits per element (log y), one marker
+    per codec family, the front drawn.
 
     ``max_ppl`` / ``max_bits`` zoom in: rows beyond them are left out (bf16 stays as
     the dashed baseline). ``spread`` maps a configuration to the ``(low, high)`` ppl of
     an error bar around its point (none where low == high), named ``spread_label`` in
-    the legend."""
+    the legend. Rows without ``metric`` (the baseline's KL) are left out."""
     base_row = next(r for r in rows if r["config"] == BASELINE)
     # styles follow the unfiltered families, so a family looks the same in every view
     style = {fam: i for i, fam in enumerate(dict.fromkeys(r["family"] for r in rows))}
     rows = [r for r in rows if r["config"] != BASELINE or max_bits is None]
     rows = [r for r in rows if (max_ppl is None or r["ppl"] <= max_ppl)
-            and (max_bits is None or r["bits_per_element"] <= max_bits)]
+            and (max_bits is None or r["bits_per_element"] <= max_bits)
+            and r.get(metric) is not None]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -462,10 +485,11 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
         pts = sorted((r for r in rows if r["family"] == fam),
                      key=lambda r: r["bits_per_element"])
         i = style[fam]
-        ax.plot([r["bits_per_element"] for r in pts], [r["ppl"] for r in pts],
+        ax.plot([r["bits_per_element"] for r in pts], [r[metric] for r in pts],
                 marker=markers[i % len(markers)], color=f"C{i % 10}", linestyle=":",
                 label=fam)
-        bars = [r for r in pts if spread and spread[r["config"]][1] > spread[r["config"]][0]]
+        bars = [r for r in pts if metric == "ppl" and spread
+                and spread[r["config"]][1] > spread[r["config"]][0]]
         if bars:
             lows, highs = zip(*(spread[r["config"]] for r in bars), strict=True)
             ax.errorbar([r["bits_per_element"] for r in bars], [r["ppl"] for r in bars],
@@ -475,20 +499,21 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
             has_bars = True
         for r in pts:
             ax.annotate(r["config"].split(":", 1)[-1] if ":" in r["config"] else r["config"],
-                        (r["bits_per_element"], r["ppl"]), textcoords="offset points",
+                        (r["bits_per_element"], r[metric]), textcoords="offset points",
                         xytext=(4, 4), fontsize=7)
     if has_bars:
         # the bars take their family's colour; the legend names them once, in grey
         ax.errorbar([], [], yerr=[], fmt="none", ecolor="0.4", elinewidth=1, capsize=3,
                     label=spread_label or "spread")
-    front = pareto_front(rows)
-    ax.step([r["bits_per_element"] for r in front], [r["ppl"] for r in front],
+    front = pareto_front(rows, metric)
+    ax.step([r["bits_per_element"] for r in front], [r[metric] for r in front],
             where="post", color="0.6", linewidth=3, alpha=0.4, label="Pareto front")
-    base = base_row["ppl"]
-    ax.axhline(base, color="k", linestyle="--", linewidth=0.8, label=f"bf16 ({base:.2f})")
+    if metric == "ppl":
+        base = base_row["ppl"]
+        ax.axhline(base, color="k", linestyle="--", linewidth=0.8, label=f"bf16 ({base:.2f})")
     ax.set_yscale("log")
     ax.set_xlabel("bits per stored K/V element (measured from the cache arrays)")
-    ax.set_ylabel("perplexity (log scale)")
+    ax.set_ylabel(f"{METRICS[metric]} (log scale)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -517,10 +542,38 @@ def plot_pareto_views(rows: Sequence[dict], path: Path, title: str, *,
     return path, zoom
 
 
+def plot_kl_by_position(rows: Sequence[dict], path: Path, title: str) -> None:
+    """Mean KL against the bf16 cache per position bucket of the window (log y), one
+    line per configuration compared (``kl_by_position`` of the rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for i, r in enumerate(r for r in rows if r.get("kl_by_position")):
+        buckets = [b for b in r["kl_by_position"] if b["tokens"]]
+        ax.plot([(b["start"] + b["end"] - 1) / 2 for b in buckets],
+                [b["kl_mean"] for b in buckets], marker="osD^v<>pPX*h"[i % 12],
+                color=f"C{i % 10}", label=r["config"])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("position in the window (bucket middle, log scale)")
+    ax.set_ylabel(f"{METRICS['kl_mean']} (log scale)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def write_reports(rows: Sequence[dict], settings: Settings, run_dir: Path) -> str:
     """A finished sweep's reports in ``run_dir``: ``summary.csv``, ``summary.md``,
-    ``pareto.png`` and ``pareto_zoom.png``, and ``needle.md`` when the needle ran.
-    Returns what to print: the tables and the paths."""
+    ``pareto.png`` and ``pareto_zoom.png``; where rows were compared with the bf16
+    cache, ``pareto_kl.png`` (mean KL vs bits) and ``kl_by_position.png``; and
+    ``needle.md`` when the needle ran. Returns what to print: the tables and the
+    paths."""
     from kvjax.eval.needle import accuracy_table
 
     rows = with_deltas(rows)
@@ -528,6 +581,11 @@ def write_reports(rows: Sequence[dict], settings: Settings, run_dir: Path) -> st
     write_csv(rows, run_dir / "summary.csv")
     (run_dir / "summary.md").write_text(table + "\n")
     plot, zoom = plot_pareto_views(rows, run_dir / "pareto.png", settings.title())
+    plots = [plot, zoom]
+    if any(r.get("kl_mean") is not None for r in rows):
+        plots += [run_dir / "pareto_kl.png", run_dir / "kl_by_position.png"]
+        plot_pareto(rows, plots[2], settings.title(), metric="kl_mean")
+        plot_kl_by_position(rows, plots[3], settings.title())
     text = [table]
     if settings.needle_trials:
         answers = [{"codec": r["config"], **a} for r in rows for a in r["needle_rows"]]
@@ -536,7 +594,7 @@ def write_reports(rows: Sequence[dict], settings: Settings, run_dir: Path) -> st
         text += [f"\nneedle retrieval (exact match, {settings.needle_trials} trial(s)):\n",
                  needle_table]
     text += [f"\nresults: {run_dir}/configs/*.json, {run_dir / 'summary.csv'}",
-             f"plot:    {plot}, {zoom}"]
+             "plots:   " + ", ".join(map(str, plots))]
     return "\n".join(text)
 
 

@@ -177,8 +177,11 @@ def test_the_default_evaluator_loads_the_model_once_for_every_seed(tmp_path, mon
         return None, None, None, "", None
 
     def perplexity(params, config, cache_config, windows, *, chunk, seed, progress,
-                   calibration=None):
+                   calibration=None, reference=None):
         keys.append((seed, cache_config.spec))
+        # every configuration but the bf16 cache is compared with it
+        assert (reference is None) == (cache_config.spec == "bf16")
+        assert reference is None or reference.spec == "bf16"
         return PerplexityResult(ppl=20.0 + seed, nll=3.0, tokens=10, bits_per_element=4.5,
                                 k_bits_per_element=4.5, v_bits_per_element=4.5,
                                 seconds=0.0, fallback_blocks=0)

@@ -30,6 +30,11 @@ def test_ppl_real_model_on_shakespeare(capsys):
     expected = parse_codec("int:4").bits_per_element(SMOLLM2_HEAD_DIM)
     assert out["bits_per_element"] == pytest.approx(expected)
     assert out["seconds"] > 0
+    # the next-token distribution against the bf16 cache, overall and by position
+    assert 0 < out["kl_mean"] <= out["kl_p99"] and 0 < out["top1_agreement"] <= 1
+    buckets = out["kl_by_position"]
+    assert [(b["start"], b["end"]) for b in buckets] == [(0, 8), (8, 16), (16, 32), (32, 64)]
+    assert sum(b["tokens"] for b in buckets) == out["tokens"] == 2 * 63
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -162,6 +162,40 @@ def test_med_c_overflow_reaches_the_csv_and_only_its_tables(tmp_path):
     assert "overflow" not in sweep.markdown_table(sweep.with_deltas(plain))
 
 
+def test_distribution_metrics_reach_the_csv_tables_and_plots(tmp_path):
+    class WithDivergence(FakeEvaluate):
+        def __call__(self, config, cache_config, with_needle):
+            row = super().__call__(config, cache_config, with_needle)
+            if config != "bf16":  # as the evaluator reports them, against bf16
+                kl = 1.0 / row["bits_per_element"] ** 3
+                row.update(kl_mean=kl, kl_p99=10 * kl, top1_agreement=1 - kl,
+                           reference_ppl=12.0, kl_by_position=[
+                               {"start": s, "end": e, "tokens": 5, "kl_mean": kl * (1 + s),
+                                "kl_p99": 10 * kl, "top1_agreement": 1 - kl}
+                               for s, e in ((0, 32), (32, 64), (64, 128), (128, 256))])
+            return row
+
+    rows, run_dir = sweep.run_sweep(["int:4", "int:2"], SETTINGS, tmp_path,
+                                    WithDivergence(), progress=False)
+    text = sweep.write_reports(rows, SETTINGS, run_dir)
+    table = text.split("\n\n")[0].splitlines()
+    assert table[0].endswith("| vs bf16 | KL mean | KL p99 | top-1 |")
+    assert table[2].endswith("| - | - | - |")  # bf16, the reference itself
+    assert table[4].endswith("| 0.0640 | 0.6400 | 93.6% |")  # int:2, 2.5 bits
+    with open(run_dir / "summary.csv") as f:
+        int2 = next(r for r in csv.DictReader(f) if r["config"] == "int:2")
+    assert float(int2["kl_mean"]) == pytest.approx(0.064)
+    assert float(int2["top1_agreement"]) == pytest.approx(0.936)
+    for name in ("pareto_kl.png", "kl_by_position.png"):
+        assert (run_dir / name).stat().st_size > 10_000
+        assert str(run_dir / name) in text
+    # rows without the metrics grow no column and no plot
+    plain = sweep.run_sweep(["int:4"], SETTINGS, tmp_path / "plain", FakeEvaluate(),
+                            progress=False)
+    assert "KL" not in sweep.write_reports(*plain[:1], SETTINGS, plain[1])
+    assert not (plain[1] / "pareto_kl.png").exists()
+
+
 def test_pareto_front():
     rows = [{"config": c, "bits_per_element": b, "ppl": p}
             for c, b, p in [("a", 2, 100), ("b", 3, 120), ("c", 4, 50), ("d", 4, 60),
