@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from kvjax.cache import key_calibration
 from kvjax.centering import KeyCalibration
 from kvjax.eval import needle as needle_task
+from kvjax.eval import retrieval as retrieval_task
 from kvjax.eval.corpus import load_corpus, tokenize_prefix, windows
 from kvjax.eval.ppl import PerplexityResult, perplexity
 from kvjax.eval.sweep import Evaluate, Settings
@@ -186,6 +187,64 @@ def needle_retrieval(
                                   progress=progress)
 
 
+def retrieval_cases(
+    config: ModelConfig,
+    tokenizer,
+    haystack_text: str,
+    *,
+    tasks: Sequence[str] = retrieval_task.TASKS,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int = 1,
+    seed: int = 0,
+) -> list[retrieval_task.RetrievalCase]:
+    """Retrieval-suite prompts (:mod:`kvjax.eval.retrieval`) in the model's chat
+    template, haystack from ``haystack_text``. Raises ``ValueError`` when a length
+    exceeds the model's context, or the model has no tokenizer or chat template."""
+    if tokenizer is None:
+        raise ValueError("the retrieval suite needs the model's tokenizer")
+    too_long = [n for n in lengths if n > config.max_position_embeddings]
+    if too_long:
+        raise ValueError(f"retrieval lengths {too_long} exceed the model's context "
+                         f"({config.max_position_embeddings} tokens)")
+
+    def encode_prompt(text: str, prefix: str) -> list[int]:
+        return chat_prompt_ids(tokenizer, text, prefix)
+
+    hay = tokenize_prefix(tokenizer, haystack_text, trials * (max(lengths) + 64))
+    return retrieval_task.make_cases(tokenizer, encode_prompt, hay, tasks=tasks,
+                                     lengths=lengths, depths=depths, trials=trials,
+                                     seed=seed)
+
+
+def retrieval_answers(
+    params: llama.Params,
+    config: ModelConfig,
+    tokenizer,
+    cache_config: CacheConfig,
+    cases: Sequence[retrieval_task.RetrievalCase],
+    *,
+    seed: int = 0,
+    batch_size: int | None = None,
+    progress: bool = False,
+    calibration: KeyCalibration | None = None,
+) -> list[dict]:
+    """Greedy answers of the model, with caches of ``cache_config``, to retrieval
+    ``cases`` (:func:`retrieval_cases`), scored by exact match
+    (:func:`kvjax.eval.retrieval.run_retrieval`)."""
+
+    def run(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        return generate(params, config, prompts, cache_config=cache_config,
+                        max_new_tokens=new_tokens, seed=seed,
+                        calibration=calibration).tokens
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return retrieval_task.run_retrieval(cases, run, decode, batch_size=batch_size,
+                                        progress=progress)
+
+
 def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
                     progress: bool = False, loaded: tuple | None = None) -> Evaluate:
     """The evaluator of :func:`kvjax.eval.sweep.run_sweep` for ``settings``: loads the
@@ -263,6 +322,8 @@ __all__ = [
     "load_model_and_windows",
     "needle_cases",
     "needle_retrieval",
+    "retrieval_answers",
+    "retrieval_cases",
     "sweep_builder",
     "sweep_evaluator",
 ]

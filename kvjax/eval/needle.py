@@ -60,17 +60,22 @@ def random_number(rng: np.random.Generator) -> str:
     return str(int(rng.integers(10 ** (digits - 1), 10**digits)))
 
 
+def insertion_point(haystack: str, depth: float) -> int:
+    """Where :func:`plant` inserts at ``depth``: just after the first line break at or
+    after ``depth`` of the characters (the end if there is none)."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    brk = haystack.find("\n", round(depth * len(haystack)))
+    return len(haystack) if brk < 0 else brk + 1
+
+
 def plant(haystack: str, needle: str, depth: float) -> str:
     """``haystack`` with ``needle`` inserted as a line at ``depth`` (0 = start, 1 = end).
 
     The insertion point is the first line break at or after ``depth`` of the characters
     (the end of the text if there is none), so the needle never splits a word.
     """
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
-    at = round(depth * len(haystack))
-    brk = haystack.find("\n", at)
-    at = len(haystack) if brk < 0 else brk + 1
+    at = insertion_point(haystack, depth)
     head, tail = haystack[:at], haystack[at:]
     if head and not head.endswith("\n"):
         head += "\n"
@@ -232,6 +237,7 @@ __all__ = [
     "NeedleCase",
     "accuracy_table",
     "extract_number",
+    "insertion_point",
     "is_correct",
     "make_cases",
     "plant",
