@@ -12,7 +12,10 @@ A configuration is a cache spec (``int:4``; KIVI's spec gives V its per-token va
 every configuration. Results go to ``OUT/RUN/configs/*.json`` where ``RUN`` names the
 model, corpus, windows and cache options, so a second run with the same settings skips
 every configuration already done (resumable; ``--force`` redoes them). ``bf16`` always
-runs: it is the baseline of every delta.
+runs: it is the baseline of every delta. Every other configuration also runs the bf16
+cache beside it for the next-token KL divergence and top-1 agreement
+(:mod:`kvjax.eval.distribution`: table columns, ``pareto_kl.png``,
+``kl_by_position.png``); ``--no-distribution`` skips that (half the work).
 
 ``--seed S`` draws the codecs' parameters (sign flips, rotations, projections, HQMQ's
 quaternions, dither keys) from ``S`` and names the run. ``--seeds S [S ...]`` runs the
@@ -94,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "whose parameters do not depend on the seed once), and report "
                             "mean and spread over them in OUT/RUN-seedsLABEL")
     p.add_argument("--needle", action="store_true", help="also run needle retrieval")
+    p.add_argument("--no-distribution", action="store_true",
+                   help="skip the KL / top-1 comparison with the bf16 cache (half the work)")
     p.add_argument("--needle-lengths", type=int, nargs="+", default=[512, 1024])
     p.add_argument("--needle-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     p.add_argument("--needle-trials", type=int, default=2)
@@ -138,6 +143,7 @@ def main(argv: Sequence[str] | None = None, evaluate: sw.Evaluate | None = None,
             needle_lengths=tuple(args.needle_lengths) if args.needle else (),
             needle_depths=tuple(args.needle_depths) if args.needle else (),
             needle_trials=args.needle_trials if args.needle else 0,
+            distribution=not args.no_distribution,
         )
         for config in configs:
             sw.cache_config(config, settings)   # bad specs fail before the model loads

@@ -249,9 +249,10 @@ def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
                     progress: bool = False, loaded: tuple | None = None) -> Evaluate:
     """The evaluator of :func:`kvjax.eval.sweep.run_sweep` for ``settings``: loads the
     model and corpus once and returns the function that measures one configuration
-    (perplexity over the windows and, but for the bf16 cache itself, the distribution
-    metrics against it, :meth:`~kvjax.spec.CacheConfig.reference`; needle retrieval,
-    ``needle_batch`` prompts per generate call, when asked). ``loaded``: what
+    (perplexity over the windows and, with ``settings.distribution`` and but for the
+    bf16 cache itself, the distribution metrics against it,
+    :meth:`~kvjax.spec.CacheConfig.reference`; needle retrieval, ``needle_batch``
+    prompts per generate call, when asked). ``loaded``: what
     :func:`load_model_and_windows` returned for these settings, to evaluate without
     loading again. A configuration with
     ``calib`` clauses gets the key statistics of :data:`CALIBRATION_WINDOWS` windows
@@ -277,10 +278,11 @@ def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
     def evaluate(name: str, cache_config: CacheConfig, with_needle: bool) -> dict:
         calibration = calibration_for(cache_config)
         reference = cache_config.reference()
+        compare = settings.distribution and cache_config != reference
         result = cache_perplexity(params, config, cache_config, wins, chunk=settings.chunk,
                                   seed=settings.seed, progress=progress,
                                   calibration=calibration,
-                                  reference=None if cache_config == reference else reference)
+                                  reference=reference if compare else None)
         row = dataclasses.asdict(result)
         if with_needle:
             answers = needle_retrieval(params, config, tokenizer, cache_config, cases,

@@ -75,7 +75,10 @@ class Settings:
     """Everything except the configuration that a result depends on.
 
     ``cache_options`` are cache-spec clauses appended to every configuration (stored in
-    canonical form); the needle fields are empty unless needle retrieval runs.
+    canonical form); the needle fields are empty unless needle retrieval runs;
+    ``distribution``: every configuration but the baseline is also compared with the
+    bf16 cache (KL divergence and top-1 agreement), so a result stored without them is
+    not taken for one with them.
     """
 
     model: str
@@ -88,6 +91,7 @@ class Settings:
     needle_lengths: tuple[int, ...] = ()
     needle_depths: tuple[float, ...] = ()
     needle_trials: int = 0
+    distribution: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "cache_options", canonical_options(self.cache_options))
@@ -222,7 +226,8 @@ def write_json(path: Path, data: dict, *, source: dict | None = None) -> dict:
 
 
 #: JSON fields that must match for a stored result to count as done
-SETTING_KEYS = ("model", "corpus", "windows", "window_len", "chunk", "cache_options", "seed")
+SETTING_KEYS = ("model", "corpus", "windows", "window_len", "chunk", "cache_options", "seed",
+                "distribution")
 
 
 def _is_done(path: Path, settings: Settings, spec: str, want_needle: bool) -> bool:

@@ -170,7 +170,7 @@ def test_the_default_evaluator_loads_the_model_once_for_every_seed(tmp_path, mon
     from kvjax.eval.ppl import PerplexityResult
     from models import evaluate
 
-    loads, keys = [], []
+    loads, keys, references = [], [], []
 
     def load(model, corpus, num_windows, window_len):
         loads.append((model, corpus, num_windows, window_len))
@@ -179,9 +179,7 @@ def test_the_default_evaluator_loads_the_model_once_for_every_seed(tmp_path, mon
     def perplexity(params, config, cache_config, windows, *, chunk, seed, progress,
                    calibration=None, reference=None):
         keys.append((seed, cache_config.spec))
-        # every configuration but the bf16 cache is compared with it
-        assert (reference is None) == (cache_config.spec == "bf16")
-        assert reference is None or reference.spec == "bf16"
+        references.append(None if reference is None else reference.spec)
         return PerplexityResult(ppl=20.0 + seed, nll=3.0, tokens=10, bits_per_element=4.5,
                                 k_bits_per_element=4.5, v_bits_per_element=4.5,
                                 seconds=0.0, fallback_blocks=0)
@@ -193,3 +191,9 @@ def test_the_default_evaluator_loads_the_model_once_for_every_seed(tmp_path, mon
     assert loads == [("smollm2-135m", "shakespeare", 8, 256)]
     assert keys == [(0, "bf16"), (0, "turboquant:b3"), (1, "turboquant:b3"),
                     (2, "turboquant:b3")]
+    # every configuration but the bf16 cache is compared with it
+    assert references == [None, "bf16", "bf16", "bf16"]
+    # without the comparison: another setting, so measured again, and alone
+    assert sweep.main(["--codec", "turboquant:b3", "--out", str(tmp_path), "--no-progress",
+                       "--no-distribution"]) == 0
+    assert keys[4:] == [(0, "bf16"), (0, "turboquant:b3")] and references[4:] == [None, None]
