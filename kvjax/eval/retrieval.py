@@ -19,8 +19,8 @@ generated tokens are the answer:
   for.
 
 A case's *length* is the context it fills: its prompt (template and question included)
-plus the tokens generated for the answer (:data:`NEW_TOKENS`), so a length of the
-model's context fits it. The haystack or the word list is trimmed to that, up to the few
+plus :data:`ANSWER_ROOM` tokens for the answer, so a length of the model's context fits
+it. The haystack or the word list is trimmed to that, up to the few
 tokens re-tokenizing joined text changes (the prompt's real length is recorded). The
 queried needle sits at the first line break after ``depth`` of the haystack's characters
 (:func:`kvjax.eval.needle.plant`); the other needles of a case at depths drawn from the
@@ -55,9 +55,12 @@ TASKS = ("passkey", "single", "multikey", "multivalue", "vartrack", "common_word
 SINGLE_ANSWER = ("passkey", "single", "multikey")
 #: needles of the multi-needle tasks, variables of a ``vartrack`` chain, common words
 NUM_NEEDLES, CHAIN_VARIABLES, NUM_COMMON_WORDS = 4, 5, 5
-#: new tokens generated per task: room for its whole answer
+#: new tokens read per task: room for its whole answer
 NEW_TOKENS = {"passkey": 12, "single": 16, "multikey": 16, "multivalue": 48,
               "vartrack": 40, "common_words": 40}
+#: tokens every case keeps for the answer: cases of one length are generated together,
+#: for the longest answer among them
+ANSWER_ROOM = max(NEW_TOKENS.values())
 #: the keys of the key-value needles
 KEYS = ("garden", "violin", "harbor", "lantern", "meadow", "canyon", "orchid", "falcon",
         "glacier", "compass", "velvet", "thunder", "saddle", "pepper", "marble", "island",
@@ -279,7 +282,7 @@ def make_cases(
                                     "in the list above? Answer with the words only.")
                         prefix = f"The {NUM_COMMON_WORDS} most common words are:"
                         overhead = len(encode_prompt(f"\n{question}", prefix))
-                        budget = int(length) - NEW_TOKENS[task] - overhead
+                        budget = int(length) - ANSWER_ROOM - overhead
                         listing, expected = _word_list(words, budget, encode, rng)
                         text = f"{listing}\n{question}"
                     else:
@@ -287,14 +290,14 @@ def make_cases(
                         needles = "\n".join(n for n, _ in spec.needles)
                         overhead = len(encode_prompt(f"{needles}\n\n{spec.question}",
                                                      spec.prefix))
-                        budget = int(length) - NEW_TOKENS[task] - overhead
+                        budget = int(length) - ANSWER_ROOM - overhead
                         if budget < 1:
                             raise ValueError(
                                 f"length {length} leaves no room for a haystack in task "
                                 f"{task}: its needles, question, template and answer "
-                                f"take {overhead + NEW_TOKENS[task]} tokens")
+                                f"take {overhead + ANSWER_ROOM} tokens")
                         prefix, expected = spec.prefix, spec.expected
-                        room = int(length) - NEW_TOKENS[task]
+                        room = int(length) - ANSWER_ROOM
                         # planting adds line breaks the overhead did not count: trim the
                         # haystack by what the prompt overshoots
                         for _ in range(4):
@@ -541,6 +544,7 @@ def write_suite_reports(rows: Sequence[dict], settings: SuiteSettings, run_dir: 
 
 
 __all__ = [
+    "ANSWER_ROOM",
     "NEW_TOKENS",
     "SINGLE_ANSWER",
     "TASKS",

@@ -41,7 +41,7 @@ def test_every_task_length_and_depth_fits_its_length():
     assert len(got) == len(rt.TASKS) * 2 * 2
     assert [c.task for c in got[::4]] == list(rt.TASKS)
     for c in got:
-        room = c.length - c.new_tokens
+        room = c.length - rt.ANSWER_ROOM
         assert room - 10 <= len(c.prompt) <= room, (c.task, c.length, len(c.prompt))
         assert c.expected and all(isinstance(e, str) for e in c.expected)
 
