@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -156,6 +157,39 @@ def is_correct(answer: str, number: str) -> bool:
     return extract_number(answer) == number
 
 
+def run_batched(cases: Sequence, key: Callable, generate: Callable[[list], list],
+                row: Callable[[Any, list[int]], dict], *, batch_size: int | None = None,
+                progress: bool = False, desc: str = "prompts") -> list[dict]:
+    """``generate(batch) -> outputs`` over ``cases`` grouped by ``key(case)`` (in order
+    of first appearance), ``batch_size`` at a time (default: a whole group), with a
+    progress bar over the cases; ``row(case, output)`` of every case, in order."""
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    groups: dict = {}
+    for case in cases:
+        groups.setdefault(key(case), []).append(case)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(cases), desc=desc, unit="prompt")
+    rows = []
+    for group in groups.values():
+        size = batch_size or len(group)
+        for i in range(0, len(group), size):
+            batch = group[i:i + size]
+            outputs = generate(batch)
+            if len(outputs) != len(batch):
+                raise ValueError(f"generate returned {len(outputs)} outputs for "
+                                 f"{len(batch)} prompts")
+            rows += [row(case, list(out)) for case, out in zip(batch, outputs, strict=True)]
+            if bar is not None:
+                bar.update(len(batch))
+    if bar is not None:
+        bar.close()
+    return rows
+
+
 def run_needle(
     cases: Sequence[NeedleCase],
     generate: Generate,
@@ -171,38 +205,15 @@ def run_needle(
     case: ``length``, ``prompt_tokens`` (the real length), ``depth``, ``trial``,
     ``number``, ``answer`` (decoded text) and ``correct``.
     """
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    groups: dict[int, list[NeedleCase]] = {}
-    for case in cases:
-        groups.setdefault(case.length, []).append(case)
-    batches = []
-    for group in groups.values():
-        size = batch_size or len(group)
-        batches += [group[i : i + size] for i in range(0, len(group), size)]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(cases), desc="needle", unit="prompt")
-    rows = []
-    for batch in batches:
-        outputs = generate([list(c.prompt) for c in batch])
-        if len(outputs) != len(batch):
-            raise ValueError(f"generate returned {len(outputs)} outputs for {len(batch)} "
-                             "prompts")
-        for case, out in zip(batch, outputs, strict=True):
-            answer = decode(list(out))
-            rows.append({
-                "length": case.length, "prompt_tokens": len(case.prompt),
+    def row(case: NeedleCase, out: list[int]) -> dict:
+        answer = decode(out)
+        return {"length": case.length, "prompt_tokens": len(case.prompt),
                 "depth": case.depth, "trial": case.trial, "number": case.number,
-                "answer": answer, "correct": is_correct(answer, case.number),
-            })
-        if bar is not None:
-            bar.update(len(batch))
-    if bar is not None:
-        bar.close()
-    return rows
+                "answer": answer, "correct": is_correct(answer, case.number)}
+
+    return run_batched(cases, lambda c: c.length,
+                       lambda batch: generate([list(c.prompt) for c in batch]), row,
+                       batch_size=batch_size, progress=progress, desc="needle")
 
 
 def accuracy_table(rows: Sequence[dict], key: str = "codec") -> str:
@@ -242,5 +253,6 @@ __all__ = [
     "make_cases",
     "plant",
     "random_number",
+    "run_batched",
     "run_needle",
 ]

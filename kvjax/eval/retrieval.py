@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvjax.eval.needle import EncodePrompt, check_grid, insertion_point
+from kvjax.eval.needle import EncodePrompt, check_grid, insertion_point, run_batched
 from kvjax.eval.sweep import config_slug, write_json
 from kvjax.spec import parse_cache
 
@@ -347,38 +347,18 @@ def run_retrieval(
     length), ``depth``, ``trial``, ``expected``, ``answer`` (decoded), ``recall`` and
     ``correct``.
     """
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    groups: dict[int, list[RetrievalCase]] = {}
-    for case in cases:
-        groups.setdefault(case.length, []).append(case)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    def run(batch: list[RetrievalCase]) -> list:
+        return generate([list(c.prompt) for c in batch], max(c.new_tokens for c in batch))
 
-        bar = tqdm(total=len(cases), desc="retrieval", unit="prompt")
-    rows = []
-    for group in groups.values():
-        size = batch_size or len(group)
-        for i in range(0, len(group), size):
-            batch = group[i:i + size]
-            outputs = generate([list(c.prompt) for c in batch],
-                               max(c.new_tokens for c in batch))
-            if len(outputs) != len(batch):
-                raise ValueError(f"generate returned {len(outputs)} outputs for "
-                                 f"{len(batch)} prompts")
-            for case, out in zip(batch, outputs, strict=True):
-                answer = decode(list(out)[:case.new_tokens])
-                recall, correct = score(case.task, answer, case.expected)
-                rows.append({"task": case.task, "length": case.length,
-                             "prompt_tokens": len(case.prompt), "depth": case.depth,
-                             "trial": case.trial, "expected": list(case.expected),
-                             "answer": answer, "recall": recall, "correct": correct})
-            if bar is not None:
-                bar.update(len(batch))
-    if bar is not None:
-        bar.close()
-    return rows
+    def row(case: RetrievalCase, out: list[int]) -> dict:
+        answer = decode(out[:case.new_tokens])
+        recall, correct = score(case.task, answer, case.expected)
+        return {"task": case.task, "length": case.length, "prompt_tokens": len(case.prompt),
+                "depth": case.depth, "trial": case.trial, "expected": list(case.expected),
+                "answer": answer, "recall": recall, "correct": correct}
+
+    return run_batched(cases, lambda c: c.length, run, row, batch_size=batch_size,
+                       progress=progress, desc="retrieval")
 
 
 def accuracy(rows: Sequence[dict], key: str = "codec") -> dict[tuple, float]:

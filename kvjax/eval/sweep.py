@@ -442,6 +442,18 @@ def markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _finish(fig, ax, path: Path, title: str, *, legend_size: int) -> None:
+    """Title, grid and legend, then the figure saved to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def pareto_front(rows: Sequence[dict], metric: str = "ppl") -> list[dict]:
     """Rows no other row beats on both bits (fewer) and ``metric`` (lower), by bits."""
     front, best = [], math.inf
@@ -519,12 +531,7 @@ def plot_pareto(rows: Sequence[dict], path: Path, title: str, *,
     ax.set_yscale("log")
     ax.set_xlabel("bits per stored K/V element (measured from the cache arrays)")
     ax.set_ylabel(f"{METRICS[metric]} (log scale)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    _finish(fig, ax, path, title, legend_size=8)
 
 
 #: the zoomed plot keeps the codecs within this factor of bf16's perplexity
@@ -565,12 +572,7 @@ def plot_kl_by_position(rows: Sequence[dict], path: Path, title: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("position in the window (bucket middle, log scale)")
     ax.set_ylabel(f"{METRICS['kl_mean']} (log scale)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    _finish(fig, ax, path, title, legend_size=7)
 
 
 def write_reports(rows: Sequence[dict], settings: Settings, run_dir: Path) -> str:
