@@ -187,6 +187,11 @@ def needle_retrieval(
                                   progress=progress)
 
 
+#: prefill chunk of the retrieval suite's prompts: a batch of six 8k-token prompts
+#: prefilled whole needs 30 GB of attention scores in float32
+RETRIEVAL_PREFILL_CHUNK = 1024
+
+
 def retrieval_cases(
     config: ModelConfig,
     tokenizer,
@@ -228,15 +233,18 @@ def retrieval_answers(
     batch_size: int | None = None,
     progress: bool = False,
     calibration: KeyCalibration | None = None,
+    prefill_chunk: int | None = RETRIEVAL_PREFILL_CHUNK,
 ) -> list[dict]:
     """Greedy answers of the model, with caches of ``cache_config``, to retrieval
     ``cases`` (:func:`retrieval_cases`), scored by exact match
-    (:func:`kvjax.eval.retrieval.run_retrieval`)."""
+    (:func:`kvjax.eval.retrieval.run_retrieval`). Prompts are prefilled
+    ``prefill_chunk`` tokens at a time (None: whole), which keeps the attention scores
+    of a batch of 8k-token prompts to a few GB."""
 
     def run(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         return generate(params, config, prompts, cache_config=cache_config,
-                        max_new_tokens=new_tokens, seed=seed,
-                        calibration=calibration).tokens
+                        max_new_tokens=new_tokens, seed=seed, calibration=calibration,
+                        prefill_chunk=prefill_chunk).tokens
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -316,6 +324,7 @@ def sweep_builder(*, needle_batch: int | None = None,
 __all__ = [
     "CALIBRATION_WINDOWS",
     "NEEDLE_NEW_TOKENS",
+    "RETRIEVAL_PREFILL_CHUNK",
     "cache_perplexity",
     "calibrate_keys",
     "check_needle_lengths",
