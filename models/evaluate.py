@@ -131,6 +131,22 @@ def heldout_calibration(params: llama.Params, config: ModelConfig, tokenizer, te
     return calibrate_keys(params, config, windows(ids, CALIBRATION_WINDOWS, window_len, start))
 
 
+def _prompt_parts(tokenizer, haystack_text: str, lengths: Sequence[int], trials: int,
+                  what: str):
+    """``(encode_prompt, haystack ids)`` of a prompt task (needle, retrieval suite): the
+    model's chat turn with the reply begun, and enough tokenized haystack for every
+    trial. Raises ``ValueError`` for a model without a tokenizer."""
+    if tokenizer is None:
+        raise ValueError(f"the {what} needs the model's tokenizer")
+
+    def encode_prompt(text: str, prefix: str) -> list[int]:
+        return chat_prompt_ids(tokenizer, text, prefix)
+
+    # a margin of 64 tokens per trial: re-tokenizing decoded text may need a few more
+    return encode_prompt, tokenize_prefix(tokenizer, haystack_text,
+                                          trials * (max(lengths) + 64))
+
+
 def needle_cases(
     config: ModelConfig,
     tokenizer,
@@ -146,15 +162,9 @@ def needle_cases(
     Raises ``ValueError`` when a length plus the answer's tokens exceeds the model's
     context, or the model has no tokenizer or chat template.
     """
-    if tokenizer is None:
-        raise ValueError("the needle task needs the model's tokenizer")
     check_needle_lengths(config.max_position_embeddings, lengths)
-
-    def encode_prompt(text: str, prefix: str) -> list[int]:
-        return chat_prompt_ids(tokenizer, text, prefix)
-
-    # a margin of 64 tokens per trial: re-tokenizing decoded text may need a few more
-    hay = tokenize_prefix(tokenizer, haystack_text, trials * (max(lengths) + 64))
+    encode_prompt, hay = _prompt_parts(tokenizer, haystack_text, lengths, trials,
+                                       "needle task")
     return needle_task.make_cases(tokenizer, encode_prompt, hay, lengths=lengths,
                                   depths=depths, trials=trials, seed=seed)
 
@@ -206,17 +216,12 @@ def retrieval_cases(
     """Retrieval-suite prompts (:mod:`kvjax.eval.retrieval`) in the model's chat
     template, haystack from ``haystack_text``. Raises ``ValueError`` when a length
     exceeds the model's context, or the model has no tokenizer or chat template."""
-    if tokenizer is None:
-        raise ValueError("the retrieval suite needs the model's tokenizer")
     too_long = [n for n in lengths if n > config.max_position_embeddings]
     if too_long:
         raise ValueError(f"retrieval lengths {too_long} exceed the model's context "
                          f"({config.max_position_embeddings} tokens)")
-
-    def encode_prompt(text: str, prefix: str) -> list[int]:
-        return chat_prompt_ids(tokenizer, text, prefix)
-
-    hay = tokenize_prefix(tokenizer, haystack_text, trials * (max(lengths) + 64))
+    encode_prompt, hay = _prompt_parts(tokenizer, haystack_text, lengths, trials,
+                                       "retrieval suite")
     return retrieval_task.make_cases(tokenizer, encode_prompt, hay, tasks=tasks,
                                      lengths=lengths, depths=depths, trials=trials,
                                      seed=seed)

@@ -225,7 +225,11 @@ class MedOutlierCodec(Codec):
         count = jnp.sum(over, axis=-1, dtype=jnp.int32)
         start, capacity = self._placement(count, first_block, fill, head_dim)
         # the largest chunks over the threshold fill the block's capacity
-        rank = jnp.argsort(jnp.argsort(jnp.where(over, -norm, jnp.inf), axis=-1), axis=-1)
+        order = jnp.argsort(jnp.where(over, -norm, jnp.inf), axis=-1)
+        # each chunk's place in that order: one scatter instead of a second sort
+        places = jnp.broadcast_to(jnp.arange(order.shape[-1], dtype=jnp.int32), order.shape)
+        rank = jnp.put_along_axis(jnp.zeros_like(places), order, places, axis=-1,
+                                  inplace=False)
         stored = over & (rank < capacity[..., None])
         slot = start[..., None] + jnp.cumsum(stored, axis=-1, dtype=jnp.int32) - 1
         slot = jnp.where(stored, slot, jnp.iinfo(jnp.int32).max)

@@ -152,8 +152,9 @@ def perplexity(
     fallbacks = 0
     outliers = {"outliers": 0, "overflow": 0, "chunks": 0}
     ref_nll_sum = 0.0
-    kl = np.zeros(wins.shape, np.float32)
-    agree = np.zeros(wins.shape, bool)
+    if reference is not None:  # per-token divergence, filled chunk by chunk
+        kl = np.zeros(wins.shape, np.float32)
+        agree = np.zeros(wins.shape, bool)
     for b0 in batches:
         rows = wins[b0 : b0 + batch_size]
         cache = new_cache(rows.shape[0], window_len)

@@ -273,11 +273,12 @@ def make_cases(
     cases = []
     for trial in range(trials):
         start = trial * longest
+        words = corpus_words(tokenizer.decode(ids[start:start + longest])) \
+            if "common_words" in tasks else []
         for task in tasks:
             for length in lengths:
                 for depth in depths:
                     if task == "common_words":
-                        words = corpus_words(tokenizer.decode(ids[start:start + longest]))
                         question = (f"What are the {NUM_COMMON_WORDS} most common words "
                                     "in the list above? Answer with the words only.")
                         prefix = f"The {NUM_COMMON_WORDS} most common words are:"
