@@ -162,7 +162,7 @@ SATURATED_CODEC = 2
 
 
 @functools.partial(
-    _register, data=("segments", "lengths", "overflowed", "bad_valid"),
+    _register, data=("segments", "lengths", "overflowed", "bad_valid", "evicted"),
     meta=("config", "num_layers"),
 )
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +171,10 @@ class KVCache:
 
     ``overflowed[B]``: an append had more real tokens than the row had room for (the
     excess was dropped). ``bad_valid[B]``: an append's ``valid`` count was negative or
-    longer than its chunk (it was clamped).
+    longer than its chunk (it was clamped). ``evicted[B]``: tokens of the row's prompt
+    that eviction dropped (:func:`evict_into`); the next token's position is
+    ``lengths + evicted`` (:meth:`positions`), while attention's causal order counts
+    stored tokens only.
     """
 
     segments: tuple[Segment, ...]
@@ -180,6 +183,13 @@ class KVCache:
     bad_valid: jax.Array
     config: CacheConfig
     num_layers: int
+    evicted: jax.Array | None = None
+
+    def positions(self, step: Step, num_tokens: int) -> jax.Array:
+        """``[B, T]`` positions in the sequence (for the rotary embedding) of the tokens
+        of ``step``'s chunk: their stored positions plus the row's evicted tokens."""
+        positions = step.positions(num_tokens)
+        return positions if self.evicted is None else positions + self.evicted[:, None]
 
     @property
     def max_len(self) -> int:
@@ -268,6 +278,7 @@ def init_cache(
         bad_valid=jnp.zeros((batch,), bool),
         config=config,
         num_layers=num_layers,
+        evicted=jnp.zeros((batch,), jnp.int32),
     )
 
 
@@ -606,6 +617,58 @@ def restore(store: Store, keys: jax.Array) -> jax.Array:
     if store.shift is not None:
         keys = keys + store.shift.astype(keys.dtype)[:, :, None]
     return keys
+
+
+@jax.jit
+def evict_into(prompts: KVCache, mass: jax.Array | None, target: KVCache) -> KVCache:
+    """``target`` (an empty cache whose spec has an ``evict=`` clause) holding the tokens
+    of ``prompts`` that the eviction keeps, per layer and kv head.
+
+    ``prompts``: a cache that holds each row's whole prompt exactly (its codec stores
+    tokens unchanged, e.g. ``bf16``). ``mass``: ``[L, B, K, S]`` attention mass that the
+    prompts' queries gave each position (:func:`kvjax.eviction.attention_mass`, summed
+    over the prefill), or None for a policy that does not observe. The kept tokens are
+    appended in position order, encoded by ``target``'s codecs only now (evict, then
+    quantize), and ``evicted`` counts the dropped ones.
+    """
+    policy = target.config.evict
+    if policy is None:
+        raise ValueError(f"cache spec '{target.config.spec}' has no evict= clause")
+    if (prompts.num_layers, prompts.batch) != (target.num_layers, target.batch):
+        raise ValueError("the prompts' cache and the target differ in layers or rows")
+    lengths = prompts.lengths
+    capacity = policy.capacity(prompts.max_len)
+    if capacity > target.max_len:
+        raise ValueError(f"the eviction keeps up to {capacity} tokens, the target holds "
+                         f"{target.max_len}")
+    kept = policy.kept(lengths)
+
+    def gather(carry, _, view):
+        i, keys, values = carry
+        k = dense(view.k, lengths, view.k.raw.dtype, restore_keys=True)
+        v = dense(view.v, lengths, view.v.raw.dtype)
+        scores = jnp.zeros(k.shape[:3], jnp.float32) if mass is None else mass[i]
+        index = policy.select(scores, lengths, capacity)[..., None]
+        take = functools.partial(jnp.take_along_axis, indices=index, axis=2, mode="clip")
+        # [B, K, n, D] -> the token-major [B, n, K, D] that append takes
+        keys = keys.at[i].set(jnp.swapaxes(take(k), 1, 2).astype(keys.dtype))
+        values = values.at[i].set(jnp.swapaxes(take(v), 1, 2).astype(values.dtype))
+        return (i + 1, keys, values), view
+
+    first = prompts.segments[0].k.raw
+    shape = (prompts.num_layers, prompts.batch, capacity, first.shape[2], first.shape[-1])
+    init = (jnp.int32(0), jnp.zeros(shape, first.dtype), jnp.zeros(shape, first.dtype))
+    (_, keys, values), _ = scan_layers(gather, init, prompts)
+
+    step = make_step(target, capacity, kept)
+
+    def store(carry, kv, view):
+        return carry, append(view, kv["k"], kv["v"], step)
+
+    # a dict, not a tuple: scan_layers reads a sequence as per-layer inputs
+    _, target = scan_layers(store, None, target, {"k": keys, "v": values})
+    target = commit(target, step)
+    return dataclasses.replace(target, evicted=lengths - kept)
 
 
 # -- reading -----------------------------------------------------------------------------

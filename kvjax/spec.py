@@ -23,6 +23,7 @@ A whole cache (:func:`parse_cache`, :class:`CacheConfig`): clauses separated by 
     int:4 attn=int_decode,xla,reference    the attention implementations, in order
     turboquant:b4 center=first             keys stored centered (exact for attention)
     int:4 center=calib smooth=calib        centered and channel-smoothed from calibration
+    int:4 evict=snapkv:25%                 a quarter of each prompt kept, as int:4 codes
 
 A first clause without ``=`` is the codec of K, whose value codec (KIVI: the per-token
 variant) serves V unless ``v=`` is given. Layer rules apply in order (a later rule wins
@@ -45,6 +46,7 @@ import kvjax.codecs  # noqa: F401  (the built-in codecs register on import)
 from kvjax.centering import MODES as CENTER_MODES
 from kvjax.codec import Codec, CodecError, registry
 from kvjax.codecs.outliers import MedOutlierCodec
+from kvjax.eviction import Eviction, EvictionSpecError, parse_eviction
 
 
 def registered() -> Mapping[str, type[Codec]]:
@@ -87,7 +89,7 @@ def parse_codec(spec: str | Codec) -> Codec:
 #: the clauses of a cache spec, for error messages
 CACHE_CLAUSES = ("CODEC", "k=CODEC", "v=CODEC", "window=N", "sinks=N",
                  "layers[SEL]:k|v|kv=CODEC", "attn=IMPL[,IMPL...]", "center=first|calib",
-                 "smooth=first|calib")
+                 "smooth=first|calib", "evict=streaming|h2o|snapkv:BUDGET[,OPT...]")
 #: a layer selection: indices and Python slices, e.g. ``0,-1`` or ``4:12`` or ``::2``
 _LAYER_RULE = re.compile(r"layers\[([^\]]*)\]:(k|v|kv)=(.+)", re.S)
 _DEFAULT_ATTENTION = ("auto",)
@@ -167,6 +169,8 @@ class CacheConfig:
         center: ``""``, ``"first"`` or ``"calib"``: where the vector subtracted from
             every stored key comes from (:mod:`kvjax.centering`).
         smooth: the same for the per-channel key scales folded into the query.
+        evict: None, or the eviction that bounds each prompt's stored tokens
+            (:mod:`kvjax.eviction`).
     """
 
     k: Codec | str
@@ -177,6 +181,7 @@ class CacheConfig:
     attention: tuple[str, ...] = _DEFAULT_ATTENTION
     center: str = ""
     smooth: str = ""
+    evict: Eviction | None = None
 
     def __post_init__(self):
         k = parse_codec(self.k)
@@ -200,11 +205,15 @@ class CacheConfig:
             if getattr(self, name) not in ("", *CENTER_MODES):
                 raise CacheSpecError(f"{name}={getattr(self, name)!r}: valid values are "
                                      f"{', '.join(CENTER_MODES)}")
+        if isinstance(self.evict, str):
+            object.__setattr__(self, "evict", parse_eviction(self.evict))
+        if self.evict is not None and not isinstance(self.evict, Eviction):
+            raise CacheSpecError(f"evict must be an Eviction or its spec, got {self.evict!r}")
 
     def reference(self) -> CacheConfig:
         """The uncompressed cache this one is compared with: bf16 K and V with the same
         residual window and sinks (which a bf16 cache holds the same either way), no
-        layer rules, no key transform."""
+        layer rules, no key transform, no eviction."""
         return CacheConfig(k="bf16", residual_window=self.residual_window,
                            sink_tokens=self.sink_tokens)
 
@@ -229,6 +238,8 @@ class CacheConfig:
             clauses.append("attn=" + ",".join(self.attention))
         clauses += [f"{name}={getattr(self, name)}" for name in ("center", "smooth")
                     if getattr(self, name)]
+        if self.evict is not None:
+            clauses.append(f"evict={self.evict.spec}")
         return " ".join(clauses)
 
     def layer_codecs(self, num_layers: int) -> list[tuple[Codec, Codec]]:
@@ -313,11 +324,13 @@ def parse_cache(spec: str | CacheConfig, **defaults: Any) -> CacheConfig:
                     raise CacheSpecError(f"'{clause}': {key}= takes "
                                          f"{' or '.join(CENTER_MODES)}")
                 put(key, value, clause)
+            elif key == "evict":
+                put("evict", parse_eviction(value), clause)
             else:
                 raise CacheSpecError(f"unknown clause '{clause}'")
         except CacheSpecError as err:
             raise CacheSpecError(f"{err}; clauses: {' '.join(CACHE_CLAUSES)}") from None
-        except CodecError as err:
+        except (CodecError, EvictionSpecError) as err:
             raise CacheSpecError(f"in '{clause}': {err}") from None
     if rules:
         fields["layers"] = tuple(rules)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, check, memory_bytes
+from kvjax.cache import KVCache, check, evict_into, memory_bytes
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig
 from models.llama import Params, hidden_states, lm_logits, new_cache
@@ -68,11 +68,22 @@ class GenerateResult:
     decode_compile_s: float = 0.0
 
 
+def _last_logits(params, config, h, valid):
+    last = jnp.take_along_axis(h, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)[:, 0]
+    return lm_logits(params, config, last)
+
+
 def _prefill(params, config, tokens, valid, cache):
     TRACE_COUNTS["prefill"] += 1
     h, cache = hidden_states(params, config, tokens, cache, valid)
-    last = jnp.take_along_axis(h, (valid - 1)[:, None, None], axis=1)[:, 0]
-    return lm_logits(params, config, last), cache
+    return _last_logits(params, config, h, valid), cache
+
+
+def _observed_prefill(params, config, tokens, valid, cache, weights, mass):
+    TRACE_COUNTS["prefill"] += 1
+    h, cache, mass = hidden_states(params, config, tokens, cache, valid,
+                                   observe=(weights, mass))
+    return _last_logits(params, config, h, valid), cache, mass
 
 
 def _choose(logits, key, temperature, top_p, greedy: bool):
@@ -138,6 +149,7 @@ def _decode(params, config, max_new_tokens, greedy, logits, cache, eos, key, tem
 
 
 _prefill_jit = jax.jit(_prefill, static_argnums=1, donate_argnums=4)
+_observed_prefill_jit = jax.jit(_observed_prefill, static_argnums=1, donate_argnums=(4, 6))
 _decode_jit = jax.jit(_decode, static_argnums=(1, 2, 3), donate_argnums=5)
 
 
@@ -181,6 +193,99 @@ def _validate(config, prompts, max_new_tokens, temperature, top_p, max_len):
     return max_len
 
 
+@dataclasses.dataclass
+class Prefill:
+    """What :func:`prefill` returns: each row's next-token ``logits [B, V]``, the
+    ``cache`` holding the prompts, and the wall seconds of the prefill and of its
+    compilation."""
+
+    logits: jax.Array
+    cache: KVCache
+    seconds: float
+    compile_s: float
+
+
+def prefill(
+    params: Params,
+    config: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    *,
+    cache_config: CacheConfig,
+    max_len: int,
+    room: int = 0,
+    cache_dtype: Any = jnp.bfloat16,
+    chunk: int | None = None,
+    key: jax.Array | None = None,
+    calibration: Any = None,
+) -> Prefill:
+    """Feed ``prompts`` (right-padded into one batch) through a new cache of
+    ``cache_config`` of ``max_len`` slots, ``chunk`` tokens at a time (one compiled
+    prefill for all chunks; default: the whole padded width at once).
+
+    With an ``evict=`` clause the prompts go through an exact cache (``bf16``, or ``f32``
+    for a float32 ``cache_dtype``) while the prefill records the attention the policy
+    scores by, and the cache returned holds only the kept tokens
+    (:func:`kvjax.cache.evict_into`), with ``room`` slots after them for what follows.
+    ``key`` draws the codec parameters.
+    """
+    batch = len(prompts)
+    # prompts are padded to a multiple of PREFILL_BUCKET so that prompt sets of similar
+    # lengths share one compiled prefill; `valid` keeps the padding out of the cache
+    longest = max(len(p) for p in prompts)
+    width = min(-(-longest // PREFILL_BUCKET) * PREFILL_BUCKET, max_len)
+    chunk = width if chunk is None else min(int(chunk), width)
+    num_chunks = -(-width // chunk)
+    width = num_chunks * chunk
+    tokens = np.zeros((batch, width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    valid = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    tokens = jnp.asarray(tokens)
+    key = jax.random.PRNGKey(0) if key is None else key
+    policy = cache_config.evict
+    if policy is None:
+        cache = new_cache(config, cache_config, batch=batch, max_len=max_len,
+                          dtype=cache_dtype, key=key, calibration=calibration)
+    else:
+        exact = CacheConfig(k="f32" if jnp.dtype(cache_dtype) == jnp.float32 else "bf16")
+        cache = new_cache(config, exact, batch=batch, max_len=width, dtype=cache_dtype)
+    observe = policy is not None and policy.observes
+    mass = (jnp.zeros((config.num_layers, batch, config.num_kv_heads, width), jnp.float32)
+            if observe else None)
+
+    def arguments(start):
+        piece = tokens[:, start:start + chunk]
+        args = (params, config, piece, jnp.clip(valid - start, 0, chunk), cache)
+        if not observe:
+            return args
+        positions = start + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        weights = policy.query_weights(jnp.broadcast_to(positions, piece.shape), valid)
+        return (*args, weights, mass)
+
+    name, jitted = (("prefill_observed", _observed_prefill_jit) if observe
+                    else ("prefill", _prefill_jit))
+    t0 = time.perf_counter()
+    compiled = _compiled(name, jitted, config, arguments(0), (1,))
+    t1 = time.perf_counter()
+    logits = None
+    for start in range(0, width, chunk):
+        params_, _, *rest = arguments(start)
+        chunk_logits, cache, *observed = compiled(params_, *rest)
+        if observe:
+            mass = observed[0]
+        # each row's next-token logits come from the chunk holding its last token
+        here = ((valid > start) & (valid <= start + chunk))[:, None]
+        logits = chunk_logits if logits is None else jnp.where(here, chunk_logits, logits)
+    if policy is not None:
+        target = new_cache(config, cache_config, batch=batch,
+                           max_len=policy.capacity(width) + room, dtype=cache_dtype, key=key,
+                           calibration=calibration)
+        cache = evict_into(cache, mass, target)
+    jax.block_until_ready((logits, cache))
+    return Prefill(logits=logits, cache=cache, seconds=time.perf_counter() - t1,
+                   compile_s=t1 - t0)
+
+
 def generate(
     params: Params,
     config: ModelConfig,
@@ -222,22 +327,7 @@ def generate(
         raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
     eos = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
-    batch = len(prompts)
-    # prompts are padded to a multiple of PREFILL_BUCKET so that prompt sets of similar
-    # lengths share one compiled prefill; `valid` keeps the padding out of the cache
-    longest = max(len(p) for p in prompts)
-    width = min(-(-longest // PREFILL_BUCKET) * PREFILL_BUCKET, max_len)
-    chunk = width if prefill_chunk is None else min(int(prefill_chunk), width)
-    num_chunks = -(-width // chunk)
-    width = num_chunks * chunk
-    tokens = np.zeros((batch, width), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    valid = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    tokens = jnp.asarray(tokens)
     root = jax.random.PRNGKey(seed)
-    cache = new_cache(config, cache_config, batch=batch, max_len=max_len, dtype=cache_dtype,
-                      key=jax.random.fold_in(root, 0), calibration=calibration)
     greedy = temperature == 0
     temperature_arr = jnp.float32(temperature if not greedy else 1.0)
     top_p_arr = jnp.float32(top_p)
@@ -246,18 +336,10 @@ def generate(
     with warnings.catch_warnings():
         # CPU backends cannot donate buffers and say so on every call
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        t0 = time.perf_counter()
-        prefill = _compiled("prefill", _prefill_jit, config,
-                            (params, config, tokens[:, :chunk], valid, cache), (1,))
-        t1 = time.perf_counter()
-        logits = None
-        for start in range(0, width, chunk):
-            part = jnp.clip(valid - start, 0, chunk)
-            chunk_logits, cache = prefill(params, tokens[:, start:start + chunk], part, cache)
-            # each row's next-token logits come from the chunk holding its last token
-            here = ((valid > start) & (valid <= start + chunk))[:, None]
-            logits = chunk_logits if logits is None else jnp.where(here, chunk_logits, logits)
-        jax.block_until_ready(logits)
+        pre = prefill(params, config, prompts, cache_config=cache_config, max_len=max_len,
+                      room=max_new_tokens, cache_dtype=cache_dtype, chunk=prefill_chunk,
+                      key=jax.random.fold_in(root, 0), calibration=calibration)
+        logits, cache = pre.logits, pre.cache
         t2 = time.perf_counter()
         dec_args = (params, config, max_new_tokens, greedy, logits, cache, eos_arr,
                     sample_key, temperature_arr, top_p_arr)
@@ -278,10 +360,10 @@ def generate(
     decode_s = t4 - t3
     return GenerateResult(
         tokens=new_tokens,
-        prefill_s=t2 - t1,
+        prefill_s=pre.seconds,
         decode_s=decode_s,
-        compile_s=(t1 - t0) + (t3 - t2),
-        prefill_compile_s=t1 - t0,
+        compile_s=pre.compile_s + (t3 - t2),
+        prefill_compile_s=pre.compile_s,
         decode_compile_s=t3 - t2,
         decode_tok_per_s=decoded / decode_s if decode_s > 0 else float("nan"),
         cache_bytes=memory_bytes(cache),

@@ -41,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import attend
-from kvjax.cache import KVCache, Step, append, commit, init_cache, make_step
+from kvjax.cache import KVCache, Step, append, commit, dense, init_cache, make_step
 from kvjax.cache import scan_layers as _scan_layers
+from kvjax.eviction import attention_mass
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig, RopeScaling
 
@@ -274,6 +275,8 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     attention: tuple[str, ...]
     fused: bool = False
+    #: also return the chunk's queries (after the rotary embedding), for eviction
+    return_queries: bool = False
 
     def _p(self, name: str) -> jax.Array:
         # zeros only matter for shape inference; loaders always supply the values
@@ -297,7 +300,8 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, h: jax.Array, layer_kv, step: Step, cos: jax.Array, sin: jax.Array):
-        """``h [B, T, H]`` -> ``(h, layer_kv)`` after appending this chunk's K/V."""
+        """``h [B, T, H]`` -> ``(h, layer_kv)`` after appending this chunk's K/V (and the
+        queries ``[B, T, N, D]`` third, with ``return_queries``)."""
         c = self.config
         b, t, _ = h.shape
         x = rms_norm(h, self._p("attn_norm"), c.rms_norm_eps)
@@ -316,30 +320,55 @@ class DecoderLayer(nn.Module):
         x = rms_norm(h, self._p("mlp_norm"), c.rms_norm_eps)
         gate, up = self._project(x, "w_gate_up")
         mlp = nn.silu(gate) * up
-        return h + mlp @ self._p("w_down"), layer_kv
+        h = h + mlp @ self._p("w_down")
+        return (h, layer_kv, q) if self.return_queries else (h, layer_kv)
 
 
 def hidden_states(
     params: Params, config: ModelConfig, tokens: jax.Array, cache: KVCache,
-    valid: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache]:
-    """Final-normed hidden states ``[B, T, H]`` of a chunk, and the cache holding it."""
+    valid: jax.Array | None = None, observe: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
+    """Final-normed hidden states ``[B, T, H]`` of a chunk, and the cache holding it.
+
+    ``observe``: ``(weights[B, T], mass[L, B, K, S])`` adds to ``mass`` (``S`` the
+    cache's ``max_len``) the attention each stored position receives from the chunk's
+    queries in every layer, weighted per query (:func:`kvjax.eviction.attention_mass`),
+    and returns it third: an eviction's scores, summed over a prefill.
+    """
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     if cache.num_layers != config.num_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, model {config.num_layers}")
-    step = make_step(cache, tokens.shape[1], valid)
-    cos, sin = rope_tables(config, step.positions(tokens.shape[1]))
+    num_tokens = tokens.shape[1]
+    step = make_step(cache, num_tokens, valid)
+    cos, sin = rope_tables(config, cache.positions(step, num_tokens))
     h = jnp.take(params["embed"], tokens, axis=0)
-    layer = DecoderLayer(config, attention=cache.config.attention, fused=is_fused(params))
+    layer = DecoderLayer(config, attention=cache.config.attention, fused=is_fused(params),
+                         return_queries=observe is not None)
 
-    def body(h, layer_params, view):
-        return layer.apply({"params": layer_params}, h, view, step, cos, sin)
+    if observe is None:
+        def body(h, layer_params, view):
+            return layer.apply({"params": layer_params}, h, view, step, cos, sin)
 
-    h, cache = _scan_layers(body, h, cache, params["layers"])
+        h, cache = _scan_layers(body, h, cache, params["layers"])
+    else:
+        weights = observe[0]
+        lengths = step.start + step.valid
+
+        def body(carry, layer_params, view):
+            h, i, mass = carry
+            h, view, q = layer.apply({"params": layer_params}, h, view, step, cos, sin)
+            keys = dense(view.k, lengths, jnp.float32, restore_keys=True)
+            seen = attention_mass(q, keys, step.positions(num_tokens), lengths, weights,
+                                  config.head_dim ** -0.5)
+            return (h, i + 1, mass.at[i].add(seen)), view
+
+        (h, _, mass), cache = _scan_layers(body, (h, jnp.int32(0), observe[1]), cache,
+                                           params["layers"])
     cache = commit(cache, step)
-    return rms_norm(h, params["final_norm"], config.rms_norm_eps), cache
+    h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    return (h, cache) if observe is None else (h, cache, mass)
 
 
 def lm_logits(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
