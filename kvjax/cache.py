@@ -962,9 +962,16 @@ def stored_bits(cache: KVCache) -> dict[str, float]:
     (see :func:`memory_bytes`); the key transform's vectors (``center=`` / ``smooth=``)
     are counted per row that holds a token, calibrated ones too. Returns ``bits``,
     ``elements`` and ``bits_per_element``, plus ``k_bits``, ``v_bits`` and the
-    per-element bits of K and V alone (K and V each hold half of ``elements``).
+    per-element bits of K and V alone (K and V each hold half of ``elements``), and
+    ``sequence_elements`` and ``sequence_bits_per_element``: the elements of the whole
+    sequence and the bits over them,
+    whose tokens that eviction dropped (:attr:`KVCache.evicted`) cost none (equal to
+    ``bits_per_element`` without eviction): the measure that puts eviction and
+    quantization on one axis.
     """
     lengths = np.asarray(cache.lengths, np.int64)
+    evicted = 0 if cache.evicted is None else np.asarray(cache.evicted, np.int64)
+    sequence_elements = 0
     totals = {"k": [0.0, 0], "v": [0.0, 0]}
     for seg in cache.segments:
         for role in ("k", "v"):
@@ -985,10 +992,14 @@ def stored_bits(cache: KVCache) -> dict[str, float]:
                         lengths > 0)
             totals[role][0] += float(np.sum(per_row_bits)) * n_layers * heads
             totals[role][1] += int(lengths.sum()) * n_layers * heads * head_dim
+            sequence_elements += int(np.sum(lengths + evicted)) * n_layers * heads * head_dim
     bits = totals["k"][0] + totals["v"][0]
     elements = totals["k"][1] + totals["v"][1]
     out = {"bits": bits, "elements": elements,
-           "bits_per_element": bits / elements if elements else float("nan")}
+           "bits_per_element": bits / elements if elements else float("nan"),
+           "sequence_elements": sequence_elements,
+           "sequence_bits_per_element": (bits / sequence_elements if sequence_elements
+                                         else float("nan"))}
     for role in ("k", "v"):
         b, e = totals[role]
         out[f"{role}_bits"] = b

@@ -12,6 +12,8 @@ prompt's tokens per (layer, kv head) and stores them as ``int:4`` codes. The pol
     snapkv:B[,wW,pP]    SnapKV: the last W prompt tokens (default 32) are an observation
                         window whose attention, max-pooled over P neighbours (default 7),
                         votes for the other tokens; the window and the top voted are kept.
+    all                 keeps every token: the same exact prefill, then the codec alone
+                        (quantization under the protocol of the others, for comparison).
 
 ``B`` is a token count (``512``) or a share of each prompt (``25%``). A budget the prompt
 fits in keeps every token.
@@ -40,12 +42,13 @@ import jax
 import jax.numpy as jnp
 
 #: the policies of the ``evict=`` clause
-POLICIES = ("streaming", "h2o", "snapkv")
+POLICIES = ("streaming", "h2o", "snapkv", "all")
 #: the options each policy takes: letter -> (field, default)
 _OPTIONS = {
     "streaming": {"s": ("sinks", 4)},
     "h2o": {"r": ("recent", None)},
     "snapkv": {"w": ("window", 32), "p": ("pool", 7)},
+    "all": {},
 }
 #: queries scored against the keys at once in :func:`attention_mass` (bounds its memory)
 QUERY_BLOCK = 256
@@ -81,6 +84,8 @@ class Eviction:
         if self.policy not in POLICIES:
             raise EvictionSpecError(f"unknown eviction policy '{self.policy}'; valid: "
                                     f"{', '.join(POLICIES)}")
+        if self.policy == "all" and (self.budget or self.share != 1):
+            raise EvictionSpecError("evict=all keeps every token and takes no budget")
         if (self.budget > 0) == (self.share > 0):
             raise EvictionSpecError("give the budget as tokens or as a share, one of them")
         if self.budget < 0 or not 0 <= self.share <= 1:
@@ -93,6 +98,8 @@ class Eviction:
     @property
     def spec(self) -> str:
         """The canonical clause value: ``parse_eviction(e.spec) == e``."""
+        if self.policy == "all":
+            return "all"
         size = f"{self.budget}" if self.budget else f"{_percent(self.share)}%"
         opts = []
         for letter, (field, default) in _OPTIONS[self.policy].items():
@@ -119,7 +126,7 @@ class Eviction:
     @property
     def observes(self) -> bool:
         """Whether the policy needs the prompt queries' attention (:func:`attention_mass`)."""
-        return self.policy != "streaming"
+        return self.policy in ("h2o", "snapkv")
 
     def query_weights(self, positions: jax.Array, lengths: jax.Array) -> jax.Array:
         """``[B, T]`` float32 weight of each query (at ``positions[B, T]`` of prompts of
@@ -144,7 +151,7 @@ class Eviction:
         kept = self.kept(lengths)[:, None, None]
         # priorities in tiers: kept outright in [2, 3), ranked in [0, 1], never below 0
         recency = pos.astype(jnp.float32) / num_positions
-        if self.policy == "streaming":
+        if self.policy in ("streaming", "all"):  # all: the budget holds every token
             forced = pos < self.sinks
             ranked = recency
             tier = 2.5 - recency / 2  # the first sinks first, if the budget is smaller
@@ -225,6 +232,11 @@ def parse_eviction(text: str) -> Eviction:
     if name not in POLICIES:
         raise EvictionSpecError(f"unknown eviction policy '{name}' in '{text}'; valid: "
                                 f"{', '.join(POLICIES)}")
+    if name == "all":
+        if colon:
+            raise EvictionSpecError(f"'{text}': evict=all keeps every token and takes "
+                                    "no budget or option")
+        return Eviction(policy="all", share=1.0)
     if not colon or not rest:
         raise EvictionSpecError(f"'{text}': give a budget, e.g. {name}:512 or {name}:25%")
     size, *opts = rest.split(",")

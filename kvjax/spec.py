@@ -89,7 +89,7 @@ def parse_codec(spec: str | Codec) -> Codec:
 #: the clauses of a cache spec, for error messages
 CACHE_CLAUSES = ("CODEC", "k=CODEC", "v=CODEC", "window=N", "sinks=N",
                  "layers[SEL]:k|v|kv=CODEC", "attn=IMPL[,IMPL...]", "center=first|calib",
-                 "smooth=first|calib", "evict=streaming|h2o|snapkv:BUDGET[,OPT...]")
+                 "smooth=first|calib", "evict=all|streaming|h2o|snapkv:BUDGET[,OPT...]")
 #: a layer selection: indices and Python slices, e.g. ``0,-1`` or ``4:12`` or ``::2``
 _LAYER_RULE = re.compile(r"layers\[([^\]]*)\]:(k|v|kv)=(.+)", re.S)
 _DEFAULT_ATTENTION = ("auto",)

@@ -18,12 +18,12 @@ from kvjax.centering import KeyCalibration
 from kvjax.eval import needle as needle_task
 from kvjax.eval import retrieval as retrieval_task
 from kvjax.eval.corpus import load_corpus, tokenize_prefix, windows
-from kvjax.eval.ppl import PerplexityResult, perplexity
+from kvjax.eval.ppl import PerplexityResult, continuation_perplexity, perplexity
 from kvjax.eval.sweep import Evaluate, Settings
 from kvjax.spec import CacheConfig
 from models import chat_prompt_ids, llama
 from models.config import ModelConfig
-from models.generate import generate
+from models.generate import generate, prefill
 
 #: new tokens generated per needle prompt: an 8-digit number is 8 tokens in SmolLM2's
 #: and Llama-3's tokenizers, and a few more show whether the model stopped after it
@@ -108,6 +108,48 @@ def cache_perplexity(
     return perplexity(forward, cache_of(cache_config), windows, chunk=chunk,
                       batch_size=batch_size, progress=progress,
                       reference=None if reference is None else cache_of(reference))
+
+
+def cache_continuation(
+    params: llama.Params,
+    config: ModelConfig,
+    cache_config: CacheConfig,
+    windows,
+    *,
+    context: int,
+    chunk: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    cache_dtype: Any = jnp.bfloat16,
+    progress: bool = False,
+    calibration: KeyCalibration | None = None,
+    reference: CacheConfig | None = None,
+) -> PerplexityResult:
+    """:func:`kvjax.eval.ppl.continuation_perplexity` of the model: each window's first
+    ``context`` tokens are prefilled (``chunk`` at a time) into a cache of
+    ``cache_config`` (an ``evict=`` clause scores and drops tokens there), the rest is
+    scored after them. ``reference``: the cache config of the distribution metrics."""
+    if windows.shape[-1] > config.max_position_embeddings:
+        raise ValueError(f"windows of {windows.shape[-1]} tokens exceed the model's context "
+                         f"of {config.max_position_embeddings}")
+    window_len = windows.shape[-1]
+
+    def forward(tokens, cache, valid):
+        return llama.jit_forward(params, config, tokens, cache, valid)
+
+    def prefill_of(cc: CacheConfig):
+        def fill(prompts):
+            pre = prefill(params, config, prompts.tolist(), cache_config=cc,
+                          max_len=window_len, room=window_len - context,
+                          cache_dtype=cache_dtype, chunk=chunk,
+                          key=jax.random.PRNGKey(seed), calibration=calibration)
+            return pre.logits, pre.cache
+
+        return fill
+
+    return continuation_perplexity(
+        prefill_of(cache_config), forward, windows, context=context, batch_size=batch_size,
+        progress=progress, reference=None if reference is None else prefill_of(reference))
 
 
 def calibrate_keys(params: llama.Params, config: ModelConfig, windows) -> KeyCalibration:

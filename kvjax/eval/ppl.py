@@ -57,6 +57,9 @@ class PerplexityResult:
             likely next token; None without a reference.
         kl_by_position: the same per position bucket of the window
             (:class:`kvjax.eval.distribution.PositionBucket`); empty without a reference.
+        sequence_bits_per_element: the final caches' bits over the elements of every
+            token of the windows, tokens that eviction dropped included
+            (:func:`kvjax.cache.stored_bits`): ``bits_per_element`` without eviction.
     """
 
     ppl: float
@@ -76,6 +79,7 @@ class PerplexityResult:
     kl_p99: float | None = None
     top1_agreement: float | None = None
     kl_by_position: tuple[PositionBucket, ...] = ()
+    sequence_bits_per_element: float | None = None
 
 
 @jax.jit
@@ -146,12 +150,7 @@ def perplexity(
         bar = tqdm(total=len(starts) * len(batches), desc="ppl", unit="chunk")
 
     t0 = time.perf_counter()
-    nll_sum, scored_count = 0.0, 0
-    bits = {"k": 0.0, "v": 0.0}
-    elements = 0
-    fallbacks = 0
-    outliers = {"outliers": 0, "overflow": 0, "chunks": 0}
-    ref_nll_sum = 0.0
+    tally = _Tally()
     if reference is not None:  # per-token divergence, filled chunk by chunk
         kl = np.zeros(wins.shape, np.float32)
         agree = np.zeros(wins.shape, bool)
@@ -165,60 +164,168 @@ def perplexity(
             e = min(s + chunk, window_len)
             scored = np.broadcast_to(np.arange(s, e) < window_len - 1, (rows.shape[0], e - s))
             logits, cache = forward(jnp.asarray(rows[:, s:e]), cache, None)
-            nll = _chunk_nll(logits, targets[:, s:e], scored)
-            nll_sum += float(np.asarray(nll, np.float64).sum())
-            scored_count += int(scored.sum())
+            tally.nll += _nll_sum(logits, targets[:, s:e], scored)
+            tally.scored += int(scored.sum())
             if ref_cache is not None:
                 ref_logits, ref_cache = forward(jnp.asarray(rows[:, s:e]), ref_cache, None)
-                ref_nll = _chunk_nll(ref_logits, targets[:, s:e], scored)
-                ref_nll_sum += float(np.asarray(ref_nll, np.float64).sum())
+                tally.ref_nll += _nll_sum(ref_logits, targets[:, s:e], scored)
                 chunk_kl, chunk_agree = token_divergence(ref_logits, logits)
                 kl[b0:b0 + rows.shape[0], s:e] = np.asarray(chunk_kl)
                 agree[b0:b0 + rows.shape[0], s:e] = np.asarray(chunk_agree)
             if bar is not None:
                 bar.update(1)
-        check(cache)
-        fallbacks += fallback_blocks(cache)
-        counted = outlier_overflow(cache)
-        for key in outliers:
-            outliers[key] += counted[key]
-        measured = stored_bits(cache)
-        bits["k"] += measured["k_bits"]
-        bits["v"] += measured["v_bits"]
-        elements += measured["elements"]
+        tally.add_cache(cache)
     if bar is not None:
         bar.close()
-    seconds = time.perf_counter() - t0
-
-    nll_mean = nll_sum / scored_count
-    half_total = elements / 2
-    over = outliers["outliers"] + outliers["overflow"]
-    share = None
-    if outliers["chunks"]:
-        share = outliers["overflow"] / over if over else 0.0
-    distribution = {}
+    divergence = None
     if reference is not None:
-        scored = np.broadcast_to(np.arange(window_len) < window_len - 1, wins.shape)
-        metrics = summarize(kl, agree, scored)
-        distribution = {"reference_ppl": math.exp(ref_nll_sum / scored_count),
-                        "kl_mean": metrics.kl_mean, "kl_p99": metrics.kl_p99,
-                        "top1_agreement": metrics.top1_agreement,
-                        "kl_by_position": metrics.by_position}
-    return PerplexityResult(
-        ppl=math.exp(nll_mean),
-        nll=nll_mean,
-        tokens=scored_count,
-        bits_per_element=(bits["k"] + bits["v"]) / elements,
-        k_bits_per_element=bits["k"] / half_total,
-        v_bits_per_element=bits["v"] / half_total,
-        seconds=seconds,
-        fallback_blocks=fallbacks,
-        outlier_chunks=outliers["outliers"],
-        outlier_overflow=outliers["overflow"],
-        medc_chunks=outliers["chunks"],
-        outlier_overflow_share=share,
-        **distribution,
-    )
+        divergence = (kl, agree, np.broadcast_to(np.arange(window_len) < window_len - 1,
+                                                 wins.shape))
+    return tally.result(time.perf_counter() - t0, divergence)
 
 
-__all__ = ["PerplexityResult", "perplexity"]
+def _nll_sum(logits, targets, scored) -> float:
+    return float(np.asarray(_chunk_nll(logits, targets, scored), np.float64).sum())
+
+
+class _Tally:
+    """What an evaluation adds up over its batches: NLL sums (host float64) and the
+    accounting of each batch's final cache (checked here)."""
+
+    def __init__(self):
+        self.nll = self.ref_nll = 0.0
+        self.scored = 0
+        self.bits = {"k": 0.0, "v": 0.0}
+        self.elements = self.sequence_elements = 0
+        self.fallbacks = 0
+        self.outliers = {"outliers": 0, "overflow": 0, "chunks": 0}
+
+    def add_cache(self, cache) -> None:
+        check(cache)
+        self.fallbacks += fallback_blocks(cache)
+        counted = outlier_overflow(cache)
+        for key in self.outliers:
+            self.outliers[key] += counted[key]
+        measured = stored_bits(cache)
+        self.bits["k"] += measured["k_bits"]
+        self.bits["v"] += measured["v_bits"]
+        self.elements += measured["elements"]
+        self.sequence_elements += measured["sequence_elements"]
+
+    def result(self, seconds: float, divergence=None) -> PerplexityResult:
+        """The result; ``divergence``: ``(kl, agree, scored)`` ``[N, L]`` arrays against
+        the reference, whose NLL is then ``ref_nll``."""
+        nll_mean = self.nll / self.scored
+        half_total = self.elements / 2
+        over = self.outliers["outliers"] + self.outliers["overflow"]
+        share = None
+        if self.outliers["chunks"]:
+            share = self.outliers["overflow"] / over if over else 0.0
+        distribution = {}
+        if divergence is not None:
+            metrics = summarize(*divergence)
+            distribution = {"reference_ppl": math.exp(self.ref_nll / self.scored),
+                            "kl_mean": metrics.kl_mean, "kl_p99": metrics.kl_p99,
+                            "top1_agreement": metrics.top1_agreement,
+                            "kl_by_position": metrics.by_position}
+        bits = self.bits["k"] + self.bits["v"]
+        return PerplexityResult(
+            ppl=math.exp(nll_mean),
+            nll=nll_mean,
+            tokens=self.scored,
+            bits_per_element=bits / self.elements,
+            k_bits_per_element=self.bits["k"] / half_total,
+            v_bits_per_element=self.bits["v"] / half_total,
+            seconds=seconds,
+            fallback_blocks=self.fallbacks,
+            outlier_chunks=self.outliers["outliers"],
+            outlier_overflow=self.outliers["overflow"],
+            medc_chunks=self.outliers["chunks"],
+            outlier_overflow_share=share,
+            sequence_bits_per_element=bits / self.sequence_elements,
+            **distribution,
+        )
+
+
+Prefill = Callable[[np.ndarray], tuple[jax.Array, Any]]
+
+
+def continuation_perplexity(
+    prefill: Prefill,
+    forward: Forward,
+    windows,
+    *,
+    context: int,
+    batch_size: int | None = None,
+    progress: bool = False,
+    reference: Prefill | None = None,
+) -> PerplexityResult:
+    """Perplexity of each window's tokens after its first ``context``, which are
+    prefilled once as a prompt: the protocol of prompt compression, where a cache is
+    built from the whole prompt (eviction scores it first, :mod:`kvjax.eviction`) and
+    what follows attends to it.
+
+    ``prefill(prompts int32[B, context]) -> (next-token logits [B, V], cache)`` with
+    room for the rest of the window; ``forward`` as in :func:`perplexity` feeds the
+    continuation in one chunk. The ``window_len - context`` continuation tokens are
+    scored: the first by the prefill's logits, each other by the one before it.
+    ``reference``: a second ``prefill`` (normally an uncompressed cache) for the
+    distribution metrics, by position over the continuation. The result's
+    ``sequence_bits_per_element`` counts the bits of the final caches over every token
+    of the windows, evicted ones included.
+    """
+    wins = np.asarray(windows)
+    if wins.ndim != 2 or wins.shape[0] == 0 or not np.issubdtype(wins.dtype, np.integer):
+        raise ValueError(f"windows must be a non-empty integer [num_windows, window_len] "
+                         f"array, got {wins.dtype} {wins.shape}")
+    num_windows, window_len = wins.shape
+    if not isinstance(context, int | np.integer) or not 1 <= context < window_len:
+        raise ValueError(f"context must be in 1 .. window_len - 1 = {window_len - 1}, "
+                         f"got {context!r}")
+    batch_size = num_windows if batch_size is None else batch_size
+    if not isinstance(batch_size, int | np.integer) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    wins = wins.astype(np.int32)
+    follow = window_len - context
+    batches = range(0, num_windows, int(batch_size))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(batches), desc="continuation", unit="batch")
+    t0 = time.perf_counter()
+    tally = _Tally()
+    kl = np.zeros((num_windows, follow), np.float32)
+    agree = np.zeros((num_windows, follow), bool)
+
+    def run(fill, rows):
+        first, cache = fill(rows[:, :context])
+        logits = first[:, None]
+        if follow > 1:
+            rest, cache = forward(jnp.asarray(rows[:, context:-1]), cache, None)
+            logits = jnp.concatenate([logits, rest.astype(logits.dtype)], axis=1)
+        return logits, cache
+
+    for b0 in batches:
+        rows = wins[b0 : b0 + batch_size]
+        targets = rows[:, context:]
+        scored = np.ones(targets.shape, bool)
+        logits, cache = run(prefill, rows)
+        tally.nll += _nll_sum(logits, targets, scored)
+        tally.scored += int(scored.sum())
+        tally.add_cache(cache)
+        if reference is not None:
+            ref_logits, _ = run(reference, rows)
+            tally.ref_nll += _nll_sum(ref_logits, targets, scored)
+            batch_kl, batch_agree = token_divergence(ref_logits, logits)
+            kl[b0:b0 + rows.shape[0]] = np.asarray(batch_kl)
+            agree[b0:b0 + rows.shape[0]] = np.asarray(batch_agree)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    divergence = None if reference is None else (kl, agree, np.ones(kl.shape, bool))
+    return tally.result(time.perf_counter() - t0, divergence)
+
+
+__all__ = ["PerplexityResult", "continuation_perplexity", "perplexity"]
