@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -205,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--window-len", type=_positive, default=256, help="tokens per window")
     q.add_argument("--chunk", type=_positive, default=None,
                    help="prefill chunk in tokens (default: the whole window)")
+    q.add_argument("--context", type=_positive, default=None, metavar="N",
+                   help="score only the tokens after the first N of each window, which are "
+                        "prefilled once as a prompt (needed by an evict= clause)")
     q.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="registered name, .gguf file or HF checkpoint dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
@@ -357,6 +361,7 @@ def _cmd_generate(args) -> int:
 def _cmd_ppl(args) -> int:
     import models
     from models.evaluate import (
+        cache_continuation,
         cache_perplexity,
         check_window_len,
         heldout_calibration,
@@ -365,6 +370,12 @@ def _cmd_ppl(args) -> int:
 
     # bad specs, model names and lengths fail before the corpus and the model are loaded
     cache_config = args.cache
+    if cache_config.evict is not None and args.context is None:
+        raise ValueError("an evict= clause acts on a prompt: give --context N to prefill "
+                         "each window's first N tokens and score the rest")
+    if args.context is not None and args.context >= args.window_len:
+        raise ValueError(f"--context {args.context} leaves no token of a "
+                         f"{args.window_len}-token window to score")
     calibration = _calibration(args, [cache_config])
     baseline = cache_config.reference()
     model_name = args.model or models.DEFAULT_MODEL
@@ -379,20 +390,23 @@ def _cmd_ppl(args) -> int:
 
     # one pass: the bf16 cache runs beside the one under test, for its perplexity and
     # the next-token distribution the tested cache is compared with
-    result = cache_perplexity(params, config, cache_config, wins, chunk=args.chunk,
-                              seed=args.seed, progress=args.progress,
-                              calibration=calibration, reference=baseline)
+    evaluate = cache_perplexity if args.context is None else functools.partial(
+        cache_continuation, context=args.context)
+    result = evaluate(params, config, cache_config, wins, chunk=args.chunk, seed=args.seed,
+                      progress=args.progress, calibration=calibration, reference=baseline)
     row = {
         "cache": cache_config.spec, "bf16_cache": baseline.spec,
         "k_codec": cache_config.k.spec, "v_codec": cache_config.v.spec,
         "model": model_name, "corpus": str(args.corpus),
         "windows": args.windows, "window_len": args.window_len, "chunk": args.chunk,
+        "context": args.context,
         "residual_window": cache_config.residual_window, "sinks": cache_config.sink_tokens,
         "seed": args.seed,
         "ppl": result.ppl, "bf16_ppl": result.reference_ppl,
         "bits_per_element": result.bits_per_element,
         "k_bits_per_element": result.k_bits_per_element,
         "v_bits_per_element": result.v_bits_per_element,
+        "sequence_bits_per_element": result.sequence_bits_per_element,
         "tokens": result.tokens, "seconds": result.seconds,
         "kl_mean": result.kl_mean, "kl_p99": result.kl_p99,
         "top1_agreement": result.top1_agreement,
@@ -402,6 +416,10 @@ def _cmd_ppl(args) -> int:
         print(strict_json(row))
     else:
         delta = 100.0 * (row["ppl"] / row["bf16_ppl"] - 1.0)
+        if args.context is not None:
+            print(f"scored: the {args.window_len - args.context} tokens after a "
+                  f"{args.context}-token prompt per window; bits per sequence element "
+                  f"(evicted tokens counted): {row['sequence_bits_per_element']:.3f}\n")
         print("| cache | bits/elem | ppl | bf16 ppl | delta % | KL mean | KL p99 | top-1 |")
         print("|---|---|---|---|---|---|---|---|")
         print(f"| {row['cache']} | {row['bits_per_element']:.3f} | {row['ppl']:.4f} | "

@@ -169,7 +169,7 @@ class Eviction:
             ranked = ranked / jnp.maximum(peak, jnp.finfo(jnp.float32).tiny)
             tier = 2.0 + recency  # the most recent first, if the budget is smaller
         priority = jnp.where(forced, tier, ranked)
-        priority = jnp.where(pos < n, priority, -1.0)
+        priority = jnp.broadcast_to(jnp.where(pos < n, priority, -1.0), mass.shape)
         _, top = jax.lax.top_k(priority, capacity)
         rank = jnp.arange(capacity, dtype=jnp.int32)[None, None, :]
         top = jnp.where(rank < kept, top, num_positions)

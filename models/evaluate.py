@@ -93,6 +93,10 @@ def cache_perplexity(
     if windows.shape[-1] > config.max_position_embeddings:
         raise ValueError(f"windows of {windows.shape[-1]} tokens exceed the model's context "
                          f"of {config.max_position_embeddings}")
+    if cache_config.evict is not None:
+        raise ValueError(f"cache spec '{cache_config.spec}': an evict= clause acts on a "
+                         "prompt, which a perplexity over whole windows has not; use "
+                         "cache_continuation (kvjax ppl --context N)")
 
     def forward(tokens, cache, valid):
         return llama.jit_forward(params, config, tokens, cache, valid)

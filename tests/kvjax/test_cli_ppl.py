@@ -37,6 +37,19 @@ def test_ppl_real_model_on_shakespeare(capsys):
     assert sum(b["tokens"] for b in buckets) == out["tokens"] == 2 * 63
 
 
+def test_ppl_after_an_evicted_prompt_counts_the_sequence_bits(capsys):
+    args = ["ppl", "--cache", "int:8 evict=snapkv:50%,w8", "--windows", "1",
+            "--window-len", "64", "--context", "48", "--json"]
+    assert main(args) == 0
+    out = _loads(capsys.readouterr().out)
+    assert out["cache"] == "int:8 evict=snapkv:50%,w8" and out["bf16_cache"] == "bf16"
+    assert out["context"] == 48 and out["tokens"] == 16
+    # 24 of the 48 prompt tokens and the 15 fed after them are stored, of 63
+    assert out["sequence_bits_per_element"] == pytest.approx(
+        out["bits_per_element"] * 39 / 63)
+    assert out["kl_mean"] > 0 and 0 < out["top1_agreement"] <= 1
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--codec", "int:4", "--corpus", "no-such-corpus"], "no-such-corpus"),
     ([], "--codec"),
@@ -44,6 +57,8 @@ def test_ppl_real_model_on_shakespeare(capsys):
     (["--codec", "int:1"], "2..8"),
     (["--codec", "int:4", "--window-len", "9000"], "context"),
     (["--codec", "int:4", "--model", "no-such-model"], "no-such-model"),
+    (["--cache", "int:4 evict=snapkv:25%"], "give --context N"),
+    (["--codec", "int:4", "--window-len", "64", "--context", "64"], "leaves no token"),
 ])
 def test_ppl_bad_input_exits_2(capsys, args, needle):
     assert main(["ppl", *args]) == 2

@@ -28,6 +28,11 @@ from kvjax.spec import CacheConfig, CacheSpecError, LayerRule, parse_cache, pars
         ("int:4 attn=int_decode,xla,reference", "int:4 attn=int_decode,xla,reference"),
         ("int:4 attn=auto", "int:4"),
         ("hqmq:s96,r4,med3 window=8", "hqmq:s96,r4,med3 window=8"),
+        ("int:4 evict=snapkv:25%", "int:4 evict=snapkv:25%"),
+        ("int:4 evict=snapkv:512,w32,p7", "int:4 evict=snapkv:512"),
+        ("bf16 evict=h2o:12.5%,r16", "bf16 evict=h2o:12.5%,r16"),
+        ("kivi:2,g32 evict=streaming:64,s2", "kivi:2,g32 evict=streaming:64,s2"),
+        ("int:8 evict=all", "int:8 evict=all"),
     ],
 )
 def test_specs_parse_and_print_canonically(text, canonical):
@@ -105,6 +110,14 @@ def test_defaults_fill_what_the_spec_does_not_say():
         ("nope:1", "unknown codec 'nope'"),
         ("k=int:4 k=int:2", "k is given twice"),
         ("int:4 attn=", "at least one implementation"),
+        ("int:4 evict=lru:5", "unknown eviction policy 'lru'"),
+        ("int:4 evict=h2o", "give a budget"),
+        ("int:4 evict=h2o:0", "positive token count or a share"),
+        ("int:4 evict=h2o:150%", "positive token count or a share"),
+        ("int:4 evict=snapkv:9,p4", "pooling width must be odd"),
+        ("int:4 evict=h2o:9,w4", "bad option 'w4'; h2o takes rN"),
+        ("int:4 evict=all:50%", "takes no budget"),
+        ("int:4 evict=all evict=all", "evict is given twice"),
     ],
 )
 def test_bad_specs_are_one_line_errors_that_say_what_is_valid(text, message):

@@ -5,12 +5,14 @@ otherwise. Compile time dominates, so most tests share shapes (B=1 or B=3 prompt
 ``max_len=MAX_LEN``) and hit :mod:`models.generate`'s compiled-function table.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache import stored_bits
+from kvjax.cache import dense, stored_bits
 from kvjax.spec import CacheConfig, parse_cache
 from models import generate as gen
 from models.config import ModelConfig
@@ -280,3 +282,56 @@ def test_decode_updates_the_cache_in_place(spec):
     temp_large, codes_large = _decode_temp_bytes(12, spec)
     assert codes_large - codes_small > 40 * 2**20
     assert temp_large - temp_small < 0.25 * (codes_large - codes_small)
+
+
+# -- eviction: the prompt prefilled exactly, then kept in part (kvjax.eviction) ----------
+
+
+@pytest.mark.parametrize("spec", ["f32 evict=all", "f32 evict=snapkv:100%",
+                                  "f32 evict=h2o:100%"])
+def test_an_eviction_that_keeps_every_token_changes_nothing(params, spec):
+    base = _generate(params, PROMPTS, cache_config=parse_cache("f32"), max_new_tokens=8)
+    kept = _generate(params, PROMPTS, cache_config=parse_cache(spec), max_new_tokens=8,
+                     prefill_chunk=4)  # the observed attention sums over chunks
+    assert kept.tokens == base.tokens
+    assert kept.cache.evicted.tolist() == [0, 0, 0]
+
+
+def test_observed_prefill_chunks_sum_to_the_whole_prompts_attention(params):
+    config = parse_cache("f32 evict=h2o:50%")
+    whole = gen.prefill(params, CONFIG, PROMPTS, cache_config=config, max_len=MAX_LEN,
+                        cache_dtype=jnp.float32)
+    chunked = gen.prefill(params, CONFIG, PROMPTS, cache_config=config, max_len=MAX_LEN,
+                          cache_dtype=jnp.float32, chunk=4)
+    assert whole.cache.lengths.tolist() == [3, 2, 5]
+    assert whole.cache.evicted.tolist() == [2, 1, 4]
+    np.testing.assert_allclose(whole.logits, chunked.logits, rtol=1e-5, atol=1e-5)
+    for i in range(CONFIG.num_layers):
+        np.testing.assert_allclose(
+            dense(whole.cache.layer(i).k, whole.cache.lengths),
+            dense(chunked.cache.layer(i).k, chunked.cache.lengths), rtol=1e-6, atol=1e-6)
+
+
+def test_tokens_after_an_eviction_sit_at_their_true_positions():
+    # one layer: the prompt's K/V do not depend on attention, so keeping the last w - 1
+    # prompt tokens must equal a sliding window of w over the whole cache (in which the
+    # next token also sees itself), provided the next token takes position n
+    one = dataclasses.replace(CONFIG, num_layers=1)
+    window = 4
+    params = init_params(jax.random.PRNGKey(3), one)
+    prompt = [5, 17, 99, 3, 42, 8, 9, 10, 11, 12]
+    nxt = jnp.asarray([[77]])
+    evicted = gen.prefill(params, one, [prompt],
+                          cache_config=parse_cache(f"f32 evict=streaming:{window - 1},s0"),
+                          max_len=16, room=1, cache_dtype=jnp.float32).cache
+    assert evicted.evicted.tolist() == [len(prompt) - window + 1]
+    got, _ = forward(params, one, nxt, evicted)
+    windowed = dataclasses.replace(one, sliding_window=window)
+    cache = new_cache(windowed, parse_cache("f32"), batch=1, max_len=16, dtype=jnp.float32)
+    _, cache = forward(params, windowed, jnp.asarray([prompt]), cache)
+    want, _ = forward(params, windowed, nxt, cache)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # and a wrong position (the stored count) gives other logits
+    shifted = dataclasses.replace(evicted, evicted=jnp.zeros_like(evicted.evicted))
+    wrong, _ = forward(params, one, nxt, shifted)
+    assert np.abs(np.asarray(wrong) - np.asarray(want)).max() > 1e-3

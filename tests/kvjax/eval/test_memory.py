@@ -101,15 +101,15 @@ def test_cache_bytes_equals_a_real_caches_memory(spec, context):
 def test_cache_bytes_is_tokens_times_bytes_per_token_plus_bookkeeping():
     shape = dict(num_layers=4, num_kv_heads=2, head_dim=32)
     # nonfinite and saturated flags per (role, layer, row); per row: length, overflow and
-    # bad-valid flags
-    bookkeeping = 2 * 2 * 4 * 3 + 3 * 6
+    # bad-valid flags, evicted count
+    bookkeeping = 2 * 2 * 4 * 3 + 3 * 10
     per_token = bytes_per_token("int:4", **shape)["bytes"]
     total = cache_bytes("int:4", context=100, batch=3, **shape)
     assert total == 3 * 100 * per_token + bookkeeping
     # KIVI keys: an unfinished group waits raw, so the raw region has G - 1 spare slots
     per_token = bytes_per_token("kivi:2,g32", **shape)["bytes"]
     spare = 4 * 2 * 31 * 32 * 2  # layers * heads * (G - 1) bf16 tokens of 32 elements
-    assert cache_bytes("kivi:2,g32", context=128, **shape) == 128 * per_token + spare + 16 + 6
+    assert cache_bytes("kivi:2,g32", context=128, **shape) == 128 * per_token + spare + 16 + 10
 
 
 def test_max_context_is_the_largest_that_fits():
@@ -167,7 +167,7 @@ def test_table_script_prints_the_table(capsys, tmp_path):
     assert row.startswith("| smollm2-135m | int:4 | 4.5 | 6,480 | 0.198 | 0.791 | 3.56x |")
     rows = json.loads(out_json.read_text())
     assert len(rows) == 1 and rows[0]["bytes_per_token"] == 6480
-    assert rows[0]["cache_bytes"]["32768"] == 32768 * 6480 + 2 * 2 * 30 + 6
+    assert rows[0]["cache_bytes"]["32768"] == 32768 * 6480 + 2 * 2 * 30 + 10
 
 
 def test_table_script_rejects_bad_input(capsys):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvjax.eval import perplexity
+from kvjax.eval.ppl import continuation_perplexity
 from kvjax.spec import CacheConfig, parse_cache, parse_codec
 from models import llama
 from models.config import ModelConfig
@@ -142,3 +143,56 @@ def test_med_c_outlier_counts_are_reported(params, wins):
     # 15 more fp16 chunk slots per block of 4 tokens x 16 dims, on 20 of 23 tokens
     assert uncapped.bits_per_element - capped.bits_per_element == pytest.approx(
         15 * 64 / (4 * 16) * 20 / 23)
+
+
+# -- the continuation after a prefilled prompt ----------------------------------------
+
+
+def continuation_fns(params, cache_config, context, window_len):
+    from models.generate import prefill
+
+    def fill(prompts):
+        pre = prefill(params, CONFIG, prompts.tolist(), cache_config=cache_config,
+                      max_len=window_len, room=window_len - context,
+                      cache_dtype=jnp.float32)
+        return pre.logits, pre.cache
+
+    return fill, model_fns(params, cache_config)[0]
+
+
+def test_continuation_scores_the_tokens_after_the_prompt_exactly(params, wins):
+    context = 15
+    fill, forward = continuation_fns(params, F32, context, WINDOW_LEN)
+    got = continuation_perplexity(fill, forward, wins, context=context, batch_size=2,
+                                  reference=fill)
+    logits = np.asarray(llama.logits_no_cache(params, CONFIG, wins), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp[:, context - 1:-1],
+                                wins[:, context:, None].astype(np.int64), -1)
+    assert got.tokens == NUM_WINDOWS * (WINDOW_LEN - context)
+    assert got.nll == pytest.approx(-picked.mean(), rel=1e-5)
+    assert got.kl_mean == pytest.approx(0.0, abs=1e-6) and got.top1_agreement == 1.0
+    assert got.sequence_bits_per_element == got.bits_per_element == 32.0
+
+
+def test_continuation_after_an_eviction_counts_the_sequence_bits(params, wins):
+    context = 16
+    evict = parse_cache("f32 evict=streaming:4,s1")
+    fill, forward = continuation_fns(params, evict, context, WINDOW_LEN)
+    reference = continuation_fns(params, F32, context, WINDOW_LEN)[0]
+    got = continuation_perplexity(fill, forward, wins, context=context,
+                                  reference=reference)
+    assert got.kl_mean > 1e-4 and got.reference_ppl != got.ppl
+    # stored: 4 kept prompt tokens and the 6 fed after them (the last token is only a
+    # target), over a sequence of 16 + 6
+    assert got.bits_per_element == 32.0
+    assert got.sequence_bits_per_element == pytest.approx(32.0 * 10 / 22)
+
+
+@pytest.mark.parametrize(("context", "message"), [(0, "context must be"),
+                                                  (WINDOW_LEN, "context must be")])
+def test_continuation_rejects_a_context_that_leaves_nothing(params, wins, context, message):
+    fill, forward = continuation_fns(params, F32, 5, WINDOW_LEN)
+    with pytest.raises(ValueError, match=message):
+        continuation_perplexity(fill, forward, wins, context=context)
