@@ -106,14 +106,8 @@ def _model_tasks(continuation: tradeoff.ContinuationSettings,
     """Load the model and corpus once; return ``(measure, answer)``."""
     import dataclasses
 
-    from kvjax.eval.corpus import load_corpus
     from kvjax.spec import CacheConfig
-    from models.evaluate import (
-        cache_continuation,
-        load_model_and_windows,
-        retrieval_answers,
-        retrieval_cases,
-    )
+    from models.evaluate import cache_continuation, load_model_and_windows, suite_answer
 
     window_len = continuation.context + continuation.follow
     config, params, tokenizer, _, windows = load_model_and_windows(
@@ -128,17 +122,8 @@ def _model_tasks(continuation: tradeoff.ContinuationSettings,
         row.pop("kl_by_position")
         return [row]
 
-    answer = None
-    if retrieval is not None:
-        cases = retrieval_cases(config, tokenizer, load_corpus(retrieval.corpus),
-                                tasks=retrieval.tasks, lengths=retrieval.lengths,
-                                depths=retrieval.depths, trials=retrieval.trials,
-                                seed=retrieval.seed)
-
-        def answer(name, cache_config):
-            return retrieval_answers(params, config, tokenizer, cache_config, cases,
-                                     seed=retrieval.seed, progress=progress)
-
+    answer = None if retrieval is None else suite_answer(
+        params, config, tokenizer, retrieval, progress=progress)
     return measure, answer
 
 

@@ -94,24 +94,15 @@ def main(argv: Sequence[str] | None = None, build=None) -> int:
 
 
 def _model_answers(settings: rt.SuiteSettings, batch: int | None, progress: bool):
-    """Load the model and corpus, build the cases once, and return ``answer``."""
+    """Load the model and build the cases once; return ``answer``."""
     import jax.numpy as jnp
 
     import models
-    from kvjax.eval.corpus import load_corpus
-    from models.evaluate import retrieval_answers, retrieval_cases
+    from models.evaluate import suite_answer
 
     config, params, tokenizer = models.load(settings.model, jnp.float32)
-    cases = retrieval_cases(config, tokenizer, load_corpus(settings.corpus),
-                            tasks=settings.tasks, lengths=settings.lengths,
-                            depths=settings.depths, trials=settings.trials,
-                            seed=settings.seed)
-
-    def answer(name, cache_config):
-        return retrieval_answers(params, config, tokenizer, cache_config, cases,
-                                 seed=settings.seed, batch_size=batch, progress=progress)
-
-    return answer
+    return suite_answer(params, config, tokenizer, settings, batch_size=batch,
+                        progress=progress)
 
 
 if __name__ == "__main__":

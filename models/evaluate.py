@@ -304,6 +304,25 @@ def retrieval_answers(
                                         progress=progress)
 
 
+def suite_answer(params: llama.Params, config: ModelConfig, tokenizer,
+                 settings: retrieval_task.SuiteSettings, *, batch_size: int | None = None,
+                 progress: bool = False):
+    """The ``answer(name, cache_config) -> rows`` that
+    :func:`kvjax.eval.retrieval.run_suite` takes, for the suite ``settings`` describe:
+    its cases are built once, from the settings' corpus."""
+    cases = retrieval_cases(config, tokenizer, load_corpus(settings.corpus),
+                            tasks=settings.tasks, lengths=settings.lengths,
+                            depths=settings.depths, trials=settings.trials,
+                            seed=settings.seed)
+
+    def answer(name: str, cache_config: CacheConfig) -> list[dict]:
+        return retrieval_answers(params, config, tokenizer, cache_config, cases,
+                                 seed=settings.seed, batch_size=batch_size,
+                                 progress=progress)
+
+    return answer
+
+
 def sweep_evaluator(settings: Settings, *, needle_batch: int | None = None,
                     progress: bool = False, loaded: tuple | None = None) -> Evaluate:
     """The evaluator of :func:`kvjax.eval.sweep.run_sweep` for ``settings``: loads the
