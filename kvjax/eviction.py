@@ -185,7 +185,8 @@ def attention_mass(q: jax.Array, keys: jax.Array, q_positions: jax.Array,
     ``q[B, T, N, D]`` at positions ``q_positions[B, T]``; ``keys[B, K, S, D]`` at
     positions ``0 .. S - 1``, the first ``key_lengths[B]`` stored; ``weights[B, T]``
     (:meth:`Eviction.query_weights`); ``scale`` the logit scale. Queries are scored
-    :data:`QUERY_BLOCK` at a time, so memory stays ``[B, N, QUERY_BLOCK, S]``.
+    :data:`QUERY_BLOCK` at a time, so memory stays ``[B, N, QUERY_BLOCK, S]``, and a
+    block whose weights are all zero costs nothing.
     """
     batch, num_tokens, num_heads, head_dim = q.shape
     heads, num_positions = keys.shape[1], keys.shape[2]
@@ -203,8 +204,7 @@ def attention_mass(q: jax.Array, keys: jax.Array, q_positions: jax.Array,
     keys = keys.astype(jnp.float32)
     key_pos = jnp.arange(num_positions, dtype=jnp.int32)
 
-    def one(total, inputs):
-        qb, pb, wb = inputs
+    def scored(qb, pb, wb):
         qb = qb.reshape(batch, block, heads, group, head_dim)
         scores = jnp.einsum("btkgd,bksd->bkgts", qb, keys,
                             precision=jax.lax.Precision.HIGHEST)
@@ -215,7 +215,13 @@ def attention_mass(q: jax.Array, keys: jax.Array, q_positions: jax.Array,
         peak = jnp.max(logits, axis=-1, keepdims=True)
         p = jnp.where(visible, jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0)), 0)
         p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-        return total + jnp.einsum("bkgts,bt->bks", p, wb), None
+        return jnp.einsum("bkgts,bt->bks", p, wb)
+
+    def one(total, inputs):
+        # a block of queries that all weigh nothing (SnapKV's, before its window) is skipped
+        mass = jax.lax.cond(jnp.any(inputs[2] != 0), scored,
+                            lambda *_: jnp.zeros_like(total), *inputs)
+        return total + mass, None
 
     zero = jnp.zeros((batch, heads, num_positions), jnp.float32)
     total, _ = jax.lax.scan(one, zero, (split(q), split(q_positions), split(weights)))

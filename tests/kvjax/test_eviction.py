@@ -110,6 +110,12 @@ def test_attention_mass_matches_the_softmax_by_blocks(monkeypatch):
     # every weighted query spreads exactly its weight over its kv head's positions
     np.testing.assert_allclose(np.asarray(got).sum(axis=(1, 2)), 4 * weights.sum(axis=1),
                                rtol=1e-5)
+    # a block of queries that all weigh nothing is skipped, not mis-scored
+    weights[:, :8] = 0
+    got = attention_mass(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(q_pos),
+                         jnp.asarray(key_len), jnp.asarray(weights), 8 ** -0.5)
+    want = _naive_mass(q, keys, q_pos, key_len, weights, 8 ** -0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_query_weights_select_the_observers():
