@@ -68,6 +68,13 @@ def load_model_and_windows(model: str, corpus: str, num_windows: int, window_len
     return config, params, tokenizer, text, windows(ids, num_windows, window_len)
 
 
+def _forward(params: llama.Params, config: ModelConfig):
+    """The jitted ``forward(tokens, cache, valid) -> (logits, cache)`` of the model that
+    the perplexity loops call."""
+    return lambda tokens, cache, valid: llama.jit_forward(params, config, tokens, cache,
+                                                           valid)
+
+
 def cache_perplexity(
     params: llama.Params,
     config: ModelConfig,
@@ -90,16 +97,11 @@ def cache_perplexity(
     (normally :meth:`~kvjax.spec.CacheConfig.reference`) that the windows also run
     through, for the reference perplexity and the distribution metrics against it.
     """
-    if windows.shape[-1] > config.max_position_embeddings:
-        raise ValueError(f"windows of {windows.shape[-1]} tokens exceed the model's context "
-                         f"of {config.max_position_embeddings}")
+    check_window_len(config.max_position_embeddings, windows.shape[-1])
     if cache_config.evict is not None:
         raise ValueError(f"cache spec '{cache_config.spec}': an evict= clause acts on a "
                          "prompt, which a perplexity over whole windows has not; use "
                          "cache_continuation (kvjax ppl --context N)")
-
-    def forward(tokens, cache, valid):
-        return llama.jit_forward(params, config, tokens, cache, valid)
 
     def cache_of(cc: CacheConfig):
         def new_cache(batch, max_len):
@@ -109,7 +111,7 @@ def cache_perplexity(
 
         return new_cache
 
-    return perplexity(forward, cache_of(cache_config), windows, chunk=chunk,
+    return perplexity(_forward(params, config), cache_of(cache_config), windows, chunk=chunk,
                       batch_size=batch_size, progress=progress,
                       reference=None if reference is None else cache_of(reference))
 
@@ -133,13 +135,8 @@ def cache_continuation(
     ``context`` tokens are prefilled (``chunk`` at a time) into a cache of
     ``cache_config`` (an ``evict=`` clause scores and drops tokens there), the rest is
     scored after them. ``reference``: the cache config of the distribution metrics."""
-    if windows.shape[-1] > config.max_position_embeddings:
-        raise ValueError(f"windows of {windows.shape[-1]} tokens exceed the model's context "
-                         f"of {config.max_position_embeddings}")
+    check_window_len(config.max_position_embeddings, windows.shape[-1])
     window_len = windows.shape[-1]
-
-    def forward(tokens, cache, valid):
-        return llama.jit_forward(params, config, tokens, cache, valid)
 
     def prefill_of(cc: CacheConfig):
         def fill(prompts):
@@ -152,8 +149,9 @@ def cache_continuation(
         return fill
 
     return continuation_perplexity(
-        prefill_of(cache_config), forward, windows, context=context, batch_size=batch_size,
-        progress=progress, reference=None if reference is None else prefill_of(reference))
+        prefill_of(cache_config), _forward(params, config), windows, context=context,
+        batch_size=batch_size, progress=progress,
+        reference=None if reference is None else prefill_of(reference))
 
 
 def calibrate_keys(params: llama.Params, config: ModelConfig, windows) -> KeyCalibration:

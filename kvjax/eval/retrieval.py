@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.eval.needle import EncodePrompt, check_grid, insertion_point, run_batched
-from kvjax.eval.sweep import config_slug, write_json
+from kvjax.eval.sweep import config_slug, run_label, write_json
 from kvjax.spec import parse_cache
 
 TASKS = ("passkey", "single", "multikey", "multivalue", "vartrack", "common_words")
@@ -454,12 +454,10 @@ class SuiteSettings:
 
     def run_name(self) -> str:
         """A directory name that differs whenever a setting differs."""
-        corpus = Path(self.corpus).stem if "/" in self.corpus else self.corpus
-        tasks = "" if self.tasks == TASKS else "-" + "_".join(self.tasks)
-        text = (f"{Path(self.model).stem}-{corpus}-L{'_'.join(map(str, self.lengths))}-"
-                f"d{'_'.join(f'{d:g}' for d in self.depths)}-t{self.trials}{tasks}-"
-                f"seed{self.seed}")
-        return re.sub(r"[^A-Za-z0-9.\-]+", "_", text)
+        tasks = [] if self.tasks == TASKS else ["_".join(self.tasks)]
+        return run_label(self.model, self.corpus, f"L{'_'.join(map(str, self.lengths))}",
+                         f"d{'_'.join(f'{d:g}' for d in self.depths)}", f"t{self.trials}",
+                         *tasks, f"seed{self.seed}")
 
     def title(self) -> str:
         return (f"{self.model} on {self.corpus}: retrieval, depths "

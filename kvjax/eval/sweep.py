@@ -99,9 +99,7 @@ class Settings:
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def _name_parts(self) -> list[str]:
-        corpus = Path(self.corpus).stem if os.sep in self.corpus else self.corpus
-        parts = [_slug(Path(self.model).stem), _slug(corpus),
-                 f"{self.windows}x{self.window_len}"]
+        parts = [run_label(self.model, self.corpus), f"{self.windows}x{self.window_len}"]
         if self.chunk:
             parts.append(f"c{self.chunk}")
         if self.cache_options:
@@ -137,6 +135,16 @@ class Settings:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
+
+
+def run_label(model: str, corpus: str, *parts: str) -> str:
+    """The start of a run directory's name: the model's and the corpus' short names (a
+    path counts by its file name without suffix), then ``parts``, joined by ``-`` and
+    reduced to characters every file system takes."""
+    def short(name: str) -> str:
+        return _slug(Path(name).stem if os.sep in name else name)
+
+    return "-".join([short(model), short(corpus), *(_slug(p) for p in parts)])
 
 
 def config_slug(config: str) -> str:
@@ -770,6 +778,7 @@ __all__ = [
     "plot_pareto_views",
     "protocol_parser",
     "publish_tables",
+    "run_label",
     "run_seeds",
     "run_sweep",
     "seed_dependent",

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from kvjax.eval.retrieval import SuiteSettings, accuracy, run_suite
+from kvjax.eval.sweep import run_label
 from kvjax.eviction import POLICIES
 from kvjax.spec import parse_cache
 
@@ -88,10 +88,9 @@ class ContinuationSettings:
     seed: int = 0
 
     def run_name(self) -> str:
-        corpus = Path(self.corpus).stem if "/" in self.corpus else self.corpus
-        text = (f"{Path(self.model).stem}-{corpus}-n{self.windows}-c{self.context}-"
-                f"f{self.follow}-seed{self.seed}")
-        return re.sub(r"[^A-Za-z0-9.\-]+", "_", text)
+        """A directory name that differs whenever a setting differs."""
+        return run_label(self.model, self.corpus, f"n{self.windows}", f"c{self.context}",
+                         f"f{self.follow}", f"seed{self.seed}")
 
     def title(self) -> str:
         return (f"{self.model} on {self.corpus}: {self.windows} windows, "
