@@ -121,7 +121,9 @@ class KeyCalibration:
     def scale(self, centered: bool) -> np.ndarray:
         """``float32[L, K, D]`` smoothing scales of keys stored centered or not."""
         rms = self.rms if centered else np.sqrt(self.rms**2 + self.center**2)
-        return np.asarray(smoothing_scale(jnp.asarray(rms)))
+        # concrete statistics give concrete scales, also while a caller traces
+        with jax.ensure_compile_time_eval():
+            return np.asarray(smoothing_scale(jnp.asarray(rms)))
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"one JSON object (a list for several); {JSON_HELP}")
 
     g = sub.add_parser("generate", help="generate text with a compressed KV cache")
-    g.add_argument("--prompt", required=True, help="the prompt text")
-    _add_cache(g, "default: bf16", default="bf16")
+    g.add_argument("--prompt", help="the prompt text (required unless --resume)")
+    _add_cache(g, "default: bf16 (with --resume: the stored cache's)")
     g.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="registered name, .gguf file or HF checkpoint dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
@@ -189,14 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
                    default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=_finite(0, 1, "a number in (0, 1]", low_open=True),
                    default=1.0)
-    g.add_argument("--seed", type=_seed, default=0)
+    g.add_argument("--seed", type=_seed, default=None, help="default: 0")
     g.add_argument("--prefill-chunk", type=_positive, default=None, metavar="C",
                    help="feed the prompt C tokens at a time (long prompts)")
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template")
+    g.add_argument("--save-prompt", metavar="DIR", default=None,
+                   help="store the prefilled compressed cache in DIR (replacing it) before "
+                        "decoding; --max-new-tokens is the room it keeps for --resume")
+    g.add_argument("--resume", metavar="DIR", default=None,
+                   help="continue from a cache that --save-prompt stored, instead of a "
+                        "prompt (same --model; --seed defaults to the stored one)")
     g.add_argument("--json", action="store_true",
                    help="one JSON object: text, tokens, prefill_s, decode_tok_per_s, "
-                        f"cache_bytes; {JSON_HELP}")
+                        f"cache_bytes (disk_bytes with --save-prompt or --resume); "
+                        f"{JSON_HELP}")
 
     q = sub.add_parser("ppl", help="perplexity on a corpus, compressed cache vs bf16 cache")
     _add_cache(q, "a bf16 cache with its window and sinks is the baseline", required=True)
@@ -321,11 +328,20 @@ def _cmd_generate(args) -> int:
     import jax
 
     import models
-    from models.generate import generate
+    from kvjax.checkpoint import disk_bytes
+    from models.generate import decode, generate, load_prompt_cache
 
-    if not args.prompt.strip():
-        raise ValueError("the prompt is empty")
-    cache_config = args.cache
+    if args.resume is not None:
+        for flag, value in (("--prompt", args.prompt), ("--cache", args.cache),
+                            ("--save-prompt", args.save_prompt), ("--chat", args.chat or None),
+                            ("--prefill-chunk", args.prefill_chunk),
+                            ("--calibration", args.calibration)):
+            if value is not None:
+                raise ValueError(f"--resume continues a stored prompt: {flag} does not apply")
+    elif args.prompt is None or not args.prompt.strip():
+        raise ValueError("the prompt is empty" if args.prompt is not None
+                         else "give --prompt TEXT, or --resume DIR")
+    cache_config = args.cache or parse_cache("bf16")
     model_name = args.model or models.DEFAULT_MODEL
     # a cache or a model file that cannot work fails before the model is loaded
     check_context(cache_config, models.context_length(model_name), "the model's context")
@@ -334,16 +350,26 @@ def _cmd_generate(args) -> int:
                                             per_layer=jax.default_backend() == "gpu")
     if tokenizer is None:
         raise ValueError(f"model '{model_name}' has no tokenizer")
-    if args.chat:
-        prompt_ids = models.chat_prompt_ids(tokenizer, args.prompt)
+    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "top_p": args.top_p}
+    stored_bytes = None
+    if args.resume is not None:
+        stored = load_prompt_cache(args.resume, params=params, config=config)
+        cache_config, stored_bytes = stored.prefill.cache.config, stored.disk_bytes
+        result = decode(params, config, stored.prefill, **sampling,
+                        seed=stored.seed if args.seed is None else args.seed)
     else:
-        prompt_ids = tokenizer.encode(args.prompt)
-    result = generate(
-        params, config, [list(prompt_ids)], cache_config=cache_config,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        seed=args.seed, prefill_chunk=args.prefill_chunk,
-        calibration=_calibration(args, [cache_config]),
-    )
+        if args.chat:
+            prompt_ids = models.chat_prompt_ids(tokenizer, args.prompt)
+        else:
+            prompt_ids = tokenizer.encode(args.prompt)
+        result = generate(
+            params, config, [list(prompt_ids)], cache_config=cache_config, **sampling,
+            seed=args.seed or 0, prefill_chunk=args.prefill_chunk,
+            calibration=_calibration(args, [cache_config]), save_prompt=args.save_prompt,
+        )
+        if args.save_prompt is not None:
+            stored_bytes = disk_bytes(args.save_prompt)
     tokens = result.tokens[0]
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     if args.json:
@@ -352,6 +378,7 @@ def _cmd_generate(args) -> int:
             "decode_tok_per_s": result.decode_tok_per_s, "cache_bytes": result.cache_bytes,
             "cache": cache_config.spec, "k_codec": cache_config.k.spec,
             "v_codec": cache_config.v.spec,
+            **({} if stored_bytes is None else {"disk_bytes": stored_bytes}),
         }))
     else:
         print(text)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import KVCache, check, evict_into, memory_bytes
+from kvjax.checkpoint import CheckpointError, disk_bytes, load_cache, save_cache
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig
 from models.llama import Params, hidden_states, lm_logits, new_cache
@@ -165,13 +168,17 @@ def _compiled(name, jitted, static, args, static_argnums):
     return _COMPILED[key]
 
 
-def _validate(config, prompts, max_new_tokens, temperature, top_p, max_len):
+def _validate_sampling(max_new_tokens, temperature, top_p):
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not (np.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def _validate(config, prompts, max_new_tokens, temperature, top_p, max_len):
+    _validate_sampling(max_new_tokens, temperature, top_p)
     if len(prompts) == 0:
         raise ValueError("no prompts given")
     for i, p in enumerate(prompts):
@@ -301,6 +308,7 @@ def generate(
     cache_dtype: Any = jnp.bfloat16,
     prefill_chunk: int | None = None,
     calibration: Any = None,
+    save_prompt: str | Path | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt, batched.
 
@@ -319,35 +327,75 @@ def generate(
     checks whether every row is done once every :data:`CHECK_EVERY` steps, so after the
     last row's EOS up to ``CHECK_EVERY - 1`` steps may still run (recording nothing).
     ``calibration`` serves a cache spec's ``calib`` clauses
-    (:func:`models.evaluate.calibrate_keys`).
+    (:func:`models.evaluate.calibrate_keys`). ``save_prompt``: a directory where the
+    prefilled cache is stored (:func:`save_prompt_cache`, replacing what is there) before
+    decoding, for :func:`load_prompt_cache` and :func:`decode` to continue from later.
     """
     max_len = _validate(config, prompts, max_new_tokens, temperature, top_p, max_len)
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int | np.integer)
                                       or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-    eos = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
-    root = jax.random.PRNGKey(seed)
-    greedy = temperature == 0
-    temperature_arr = jnp.float32(temperature if not greedy else 1.0)
-    top_p_arr = jnp.float32(top_p)
-    sample_key = jax.random.fold_in(root, 1)
-
     with warnings.catch_warnings():
         # CPU backends cannot donate buffers and say so on every call
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         pre = prefill(params, config, prompts, cache_config=cache_config, max_len=max_len,
                       room=max_new_tokens, cache_dtype=cache_dtype, chunk=prefill_chunk,
-                      key=jax.random.fold_in(root, 0), calibration=calibration)
-        logits, cache = pre.logits, pre.cache
+                      key=jax.random.fold_in(jax.random.PRNGKey(seed), 0),
+                      calibration=calibration)
+    if save_prompt is not None:
+        save_prompt_cache(save_prompt, pre, params=params, config=config, prompts=prompts,
+                          seed=seed, overwrite=True)
+    return decode(params, config, pre, max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_p=top_p, seed=seed,
+                  eos_token_ids=eos_token_ids)
+
+
+def decode(
+    params: Params,
+    config: ModelConfig,
+    pre: Prefill,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+) -> GenerateResult:
+    """The decode half of :func:`generate`: up to ``max_new_tokens`` tokens per row after
+    a prefill (:func:`prefill`, or a prompt cache from :func:`load_prompt_cache`), with
+    :func:`generate`'s sampling, seed and end-of-sequence rules; the same ``seed`` as the
+    prefill's :func:`generate` call gives the same tokens. The prefill's cache is donated
+    to the decode loop: use ``result.cache`` afterwards. Raises ``ValueError`` when the
+    cache has no room for the tokens or their positions pass the model's context."""
+    _validate_sampling(max_new_tokens, temperature, top_p)
+    cache = pre.cache
+    longest = int(jnp.max(cache.lengths))
+    if longest + max_new_tokens - 1 > cache.max_len:
+        raise ValueError(f"the cache holds {cache.max_len} tokens, {longest} of them taken: "
+                         f"room for {cache.max_len - longest + 1} new tokens, not "
+                         f"{max_new_tokens}")
+    last = int(jnp.max(cache.lengths + cache.evicted))
+    if last + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(f"{last} prompt positions + max_new_tokens = "
+                         f"{last + max_new_tokens} exceeds max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    eos = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
+    greedy = temperature == 0
+    temperature_arr = jnp.float32(temperature if not greedy else 1.0)
+    top_p_arr = jnp.float32(top_p)
+    sample_key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         t2 = time.perf_counter()
-        dec_args = (params, config, max_new_tokens, greedy, logits, cache, eos_arr,
+        dec_args = (params, config, max_new_tokens, greedy, pre.logits, cache, eos_arr,
                     sample_key, temperature_arr, top_p_arr)
-        decode = _compiled("decode", _decode_jit, (config, max_new_tokens, greedy), dec_args,
-                           (1, 2, 3))
+        compiled = _compiled("decode", _decode_jit, (config, max_new_tokens, greedy),
+                             dec_args, (1, 2, 3))
         t3 = time.perf_counter()
-        out, cache = decode(params, logits, cache, eos_arr, sample_key, temperature_arr,
-                            top_p_arr)
+        out, cache = compiled(params, pre.logits, cache, eos_arr, sample_key,
+                              temperature_arr, top_p_arr)
         out = np.asarray(jax.block_until_ready(out))
         t4 = time.perf_counter()
 
@@ -369,3 +417,69 @@ def generate(
         cache_bytes=memory_bytes(cache),
         cache=cache,
     )
+
+
+# -- prompt caches on disk ----------------------------------------------------------------
+
+#: values of every weight array that :func:`model_fingerprint` reads, from each end
+FINGERPRINT_VALUES = 4096
+
+
+def model_fingerprint(config: ModelConfig, params: Params) -> str:
+    """16 hex digits that tell models apart: the config, and the shapes and first and
+    last :data:`FINGERPRINT_VALUES` values (rounded to bf16) of the embedding, the final
+    norm and every layer's norms. The same whatever the weights' dtype or layer layout
+    (stacked or per layer), so a prompt cache moves between CPU and GPU loads."""
+    digest = hashlib.sha256(repr(config).encode())
+    layers = params["layers"]
+    stacked = (layers if isinstance(layers, dict)
+               else {k: jnp.stack([layer[k] for layer in layers]) for k in layers[0]})
+    for name, leaf in [("embed", params["embed"]), ("final_norm", params["final_norm"]),
+                       *((f"layers.{k}", stacked[k]) for k in sorted(stacked)
+                         if k.endswith("norm"))]:
+        flat = jnp.ravel(leaf)
+        ends = jnp.concatenate([flat[:FINGERPRINT_VALUES], flat[-FINGERPRINT_VALUES:]])
+        digest.update(f"{name}{tuple(leaf.shape)}".encode())
+        digest.update(np.asarray(ends.astype(jnp.bfloat16)).tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class PromptCache:
+    """A prefill read back from disk (:func:`load_prompt_cache`): ``prefill`` (its
+    ``seconds`` is the time to read it), the ``prompts`` it holds, the ``seed`` of the
+    call that made it, and its ``disk_bytes``."""
+
+    prefill: Prefill
+    prompts: list[list[int]]
+    seed: int
+    disk_bytes: int
+
+
+def save_prompt_cache(path: str | Path, pre: Prefill, *, params: Params, config: ModelConfig,
+                      prompts: Sequence[Sequence[int]], seed: int = 0,
+                      overwrite: bool = False) -> int:
+    """Write a prefill's compressed cache (packed, as stored) and next-token logits to the
+    directory ``path`` with the model's :func:`model_fingerprint`, the prompts and the
+    seed (:mod:`kvjax.checkpoint`); returns the bytes on disk."""
+    metadata = {"model": model_fingerprint(config, params),
+                "prompts": [[int(t) for t in p] for p in prompts], "seed": int(seed)}
+    return save_cache(path, pre.cache, metadata=metadata, extra={"logits": pre.logits},
+                      overwrite=overwrite)
+
+
+def load_prompt_cache(path: str | Path, *, params: Params, config: ModelConfig) -> PromptCache:
+    """The prefill :func:`save_prompt_cache` wrote at ``path``, for :func:`decode`.
+    Raises :class:`kvjax.checkpoint.CheckpointError` for a cache of another model (its
+    fingerprint differs), format or kvjax version, and for a truncated or corrupt one."""
+    t0 = time.perf_counter()
+    cache, extra, metadata = load_cache(path,
+                                        expect={"model": model_fingerprint(config, params)})
+    if set(extra) != {"logits"} or extra["logits"].shape != (cache.batch, config.vocab_size):
+        raise CheckpointError(f"{path}: no next-token logits [{cache.batch}, "
+                              f"{config.vocab_size}] stored with the cache")
+    jax.block_until_ready(cache)
+    pre = Prefill(logits=extra["logits"], cache=cache, seconds=time.perf_counter() - t0,
+                  compile_s=0.0)
+    return PromptCache(prefill=pre, prompts=metadata["prompts"], seed=metadata["seed"],
+                       disk_bytes=disk_bytes(path))

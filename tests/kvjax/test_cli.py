@@ -168,7 +168,29 @@ def test_generate_with_the_embedded_model(capsys):
     assert out["text"].strip() and out["cache"] == "k=int:4 v=int:8 window=2"
 
 
+def test_a_prompt_stored_by_one_process_continues_in_another(tmp_path, capsys):
+    """The saving call decodes as usual; a second process reads the stored cache and
+    emits the same greedy tokens without the prompt."""
+    stored = tmp_path / "prompt"
+    args = ["--max-new-tokens", "6", "--json"]
+    assert main(["generate", "--prompt", "The capital of France is", "--cache",
+                 "kivi:2,g32 window=4", "--save-prompt", str(stored), *args]) == 0
+    first = _loads(capsys.readouterr().out)
+    proc = subprocess.run([sys.executable, "-m", "kvjax", "generate", "--resume", str(stored),
+                           *args], capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    resumed = _loads(proc.stdout)
+    assert resumed["tokens"] == first["tokens"] and len(first["tokens"]) == 6
+    assert resumed["cache"] == first["cache"] == "kivi:2,g32 window=4"
+    assert resumed["disk_bytes"] == first["disk_bytes"] > 0
+    assert main(["generate", "--resume", str(stored), "--max-new-tokens", "8"]) == 2
+    assert "room for 7 new tokens" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,needle", [
+    (["--resume", "/no/such/dir", "--prompt", "hi"], "--prompt does not apply"),
+    (["--resume", "/no/such/dir", "--cache", "int:4"], "--cache does not apply"),
+    ([], "give --prompt TEXT, or --resume DIR"),
     (["--prompt", "  "], "empty"),
     (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
     (["--prompt", "hi", "--codec", "int:1"], "2..8"),

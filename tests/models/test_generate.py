@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvjax.cache import dense, stored_bits
+from kvjax.checkpoint import CheckpointError
 from kvjax.spec import CacheConfig, parse_cache
 from models import generate as gen
 from models.config import ModelConfig
@@ -335,3 +336,44 @@ def test_tokens_after_an_eviction_sit_at_their_true_positions():
     shifted = dataclasses.replace(evicted, evicted=jnp.zeros_like(evicted.evicted))
     wrong, _ = forward(params, one, nxt, shifted)
     assert np.abs(np.asarray(wrong) - np.asarray(want)).max() > 1e-3
+
+
+# -- prompt caches on disk ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["bf16", "kivi:2,g32 window=4", "int:4 evict=h2o:50%"])
+def test_a_stored_prompt_decodes_as_if_never_stopped(params, tmp_path, spec):
+    kw = {"cache_config": parse_cache(spec), "max_new_tokens": 12, "seed": 3}
+    whole = _generate(params, PROMPTS, **kw, save_prompt=tmp_path / "p")
+    stored = gen.load_prompt_cache(tmp_path / "p", params=params, config=CONFIG)
+    assert stored.prompts == PROMPTS and stored.seed == 3 and stored.disk_bytes > 0
+    resumed = gen.decode(params, CONFIG, stored.prefill, max_new_tokens=12, seed=3)
+    assert resumed.tokens == whole.tokens
+    for a, b in zip(jax.tree.leaves(whole.cache), jax.tree.leaves(resumed.cache), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    sampled = {"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 5}
+    runs = [gen.decode(params, CONFIG, gen.load_prompt_cache(
+        tmp_path / "p", params=params, config=CONFIG).prefill, **sampled).tokens
+        for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_a_stored_prompt_refuses_another_model_and_too_many_tokens(params, tmp_path):
+    _generate(params, PROMPTS, max_new_tokens=4, save_prompt=tmp_path / "p")
+    other = init_params(jax.random.PRNGKey(1), CONFIG)
+    with pytest.raises(CheckpointError, match="model: checkpoint has"):
+        gen.load_prompt_cache(tmp_path / "p", params=other, config=CONFIG)
+    stored = gen.load_prompt_cache(tmp_path / "p", params=params, config=CONFIG)
+    with pytest.raises(ValueError, match="room for"):
+        gen.decode(params, CONFIG, stored.prefill, max_new_tokens=MAX_LEN)
+
+
+def test_the_model_fingerprint_follows_the_weights_not_their_layout(params):
+    print_ = gen.model_fingerprint(CONFIG, params)
+    assert gen.model_fingerprint(CONFIG, unstack_layers(params)) == print_
+    as_bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    assert gen.model_fingerprint(CONFIG, as_bf16) == print_
+    other = init_params(jax.random.PRNGKey(1), CONFIG)
+    assert gen.model_fingerprint(CONFIG, other) != print_
+    wider = dataclasses.replace(CONFIG, max_position_embeddings=128)
+    assert gen.model_fingerprint(wider, params) != print_
