@@ -228,6 +228,7 @@ def init_cache(
     max_len: int,
     dtype: Any = jnp.bfloat16,
     calibration: centering.KeyCalibration | None = None,
+    fitted: Any = None,
 ) -> KVCache:
     """An empty cache for ``batch`` rows of up to ``max_len`` tokens.
 
@@ -235,6 +236,9 @@ def init_cache(
     (window, sinks, raw layers' storage excluded) are kept in ``dtype``.
     ``calibration`` (:func:`key_calibration`) supplies the key transform of a config with
     ``center=calib`` or ``smooth=calib``; it must then match the layers, heads and dim.
+    Codecs that need fitted parameters take them from ``fitted``
+    (:class:`kvjax.calibration.Fitted`), else from the checkpoint the config's ``fit=``
+    clause names; parameters fitted for another codec or shape are refused.
     """
     for name, value in (("num_layers", num_layers), ("batch", batch),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -255,6 +259,11 @@ def init_cache(
     for k_codec, v_codec in set(per_layer):
         k_codec.check_head_dim(head_dim)
         v_codec.check_head_dim(head_dim)
+    if fitted is None and any(c.needs_fit for pair in per_layer for c in pair):
+        # imported here: the calibration module reads checkpoints, which build caches
+        from kvjax.calibration import fitted_of
+
+        fitted = fitted_of(config)
 
     segments, start = [], 0
     while start < num_layers:
@@ -265,7 +274,7 @@ def init_cache(
         for role, codec in zip(("k", "v"), per_layer[start], strict=True):
             stores[role] = _empty_store(
                 key, codec, role, range(start, stop), config, batch, num_kv_heads,
-                head_dim, max_len, dtype,
+                head_dim, max_len, dtype, fitted,
             )
         stores["k"] = _with_key_transform(stores["k"], config, calibration,
                                           range(start, stop))
@@ -282,19 +291,26 @@ def init_cache(
     )
 
 
-def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_len, dtype):
+def _layer_params(key, codec, role, layer, heads, head_dim, fitted):
+    """Every kv head's parameters (leaves ``[K, ...]``) of one layer's K or V."""
+    seeded = jax.tree.map(lambda *h: jnp.stack(h),
+                          *[codec.init(_param_key(key, layer, head, role), head_dim)
+                            for head in range(heads)])
+    if not codec.needs_fit:
+        return seeded
+    params = fitted.layer_params(role, layer, codec, heads, head_dim)
+    shapes = jax.tree.map(lambda a: (a.shape, a.dtype), seeded)
+    if jax.tree.map(lambda a: (a.shape, a.dtype), params) != shapes:
+        raise ValueError(f"layer {layer}'s fitted {role.upper()} parameters do not have "
+                         f"the shapes {codec.spec} takes")
+    return params
+
+
+def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_len, dtype,
+                 fitted):
     params = jax.tree.map(
         lambda *a: jnp.stack(a),
-        *[
-            jax.tree.map(
-                lambda *h: jnp.stack(h),
-                *[
-                    codec.init(_param_key(key, layer, head, role), head_dim)
-                    for head in range(heads)
-                ],
-            )
-            for layer in layers
-        ],
+        *[_layer_params(key, codec, role, layer, heads, head_dim, fitted) for layer in layers],
     )
     store = Store(
         codes=None, params=params, raw=None, sink=None, nonfinite=None, saturated=None,

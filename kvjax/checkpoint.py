@@ -189,6 +189,17 @@ def cache_layout(cache: KVCache) -> dict[str, Any]:
             "dtype": _dtype_name(raw.dtype)}
 
 
+class _ShapesOnly:
+    """Stands in for fitted codec parameters where only a cache's shapes matter (the
+    stored cache holds its parameters)."""
+
+    @staticmethod
+    def layer_params(role, layer, codec, num_kv_heads, head_dim):
+        del role, layer
+        keys = jax.random.split(jax.random.PRNGKey(0), num_kv_heads)
+        return jax.vmap(lambda k: codec.init(k, head_dim))(keys)
+
+
 def _cache_structure(layout: Mapping[str, Any]) -> KVCache:
     """An abstract cache (leaves are ``ShapeDtypeStruct``) of ``layout``."""
     config = parse_cache(layout["spec"])
@@ -200,7 +211,8 @@ def _cache_structure(layout: Mapping[str, Any]) -> KVCache:
         jax.random.PRNGKey(0), config, num_layers=layout["num_layers"],
         batch=layout["batch"], num_kv_heads=layout["num_kv_heads"],
         head_dim=layout["head_dim"], max_len=layout["max_len"],
-        dtype=jnp.dtype(layout["dtype"]), calibration=calibration))
+        dtype=jnp.dtype(layout["dtype"]), calibration=calibration,
+        fitted=_ShapesOnly() if config.needs_fit else None))
 
 
 def cache_arrays(cache: KVCache) -> dict[str, jax.Array]:

@@ -526,6 +526,19 @@ class Codec:
         self.check_head_dim(head_dim)
         return {}
 
+    @property
+    def needs_fit(self) -> bool:
+        """Whether the parameters come from :meth:`fit` on calibration data (a cache
+        then reads them from its ``fit=`` clause) rather than from :meth:`init`."""
+        return False
+
+    def fit(self, key: jax.Array, x: jax.Array, query_moment: jax.Array | None = None
+            ) -> Params:
+        """Parameters of one (layer, kv head, K|V) fitted on its calibration vectors
+        ``x[N, D]``; ``query_moment[D, D]``: ``sum q q^T`` of the queries that attend to
+        them (keys only). The structure and shapes are :meth:`init`'s."""
+        raise CodecError(f"{self.spec}: this codec has no fitted parameters")
+
     def encode(self, params: Params, x: jax.Array) -> Codes:
         """Packed codes of ``x[..., T, D]`` (``T`` a multiple of ``block_tokens``).
 

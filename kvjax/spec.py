@@ -24,12 +24,15 @@ A whole cache (:func:`parse_cache`, :class:`CacheConfig`): clauses separated by 
     turboquant:b4 center=first             keys stored centered (exact for attention)
     int:4 center=calib smooth=calib        centered and channel-smoothed from calibration
     int:4 evict=snapkv:25%                 a quarter of each prompt kept, as int:4 codes
+    saw:c256 fit=runs/fit-c256             codec parameters fitted on calibration text
 
 A first clause without ``=`` is the codec of K, whose value codec (KIVI: the per-token
 variant) serves V unless ``v=`` is given. Layer rules apply in order (a later rule wins
 where two name the same layer) and take ``k``, ``v`` or ``kv``. ``center=`` and
 ``smooth=`` (``first`` or ``calib``) transform the keys every layer stores, exactly for
-attention (:mod:`kvjax.centering`). ``CacheConfig.spec`` is canonical:
+attention (:mod:`kvjax.centering`). ``fit=DIR`` names the fitted parameters
+(:mod:`kvjax.calibration`) of the codecs that take them (``saw:c256``, ``saw:hess``).
+``CacheConfig.spec`` is canonical:
 ``parse_cache(config.spec) == config``.
 """
 
@@ -89,7 +92,8 @@ def parse_codec(spec: str | Codec) -> Codec:
 #: the clauses of a cache spec, for error messages
 CACHE_CLAUSES = ("CODEC", "k=CODEC", "v=CODEC", "window=N", "sinks=N",
                  "layers[SEL]:k|v|kv=CODEC", "attn=IMPL[,IMPL...]", "center=first|calib",
-                 "smooth=first|calib", "evict=all|streaming|h2o|snapkv:BUDGET[,OPT...]")
+                 "smooth=first|calib", "evict=all|streaming|h2o|snapkv:BUDGET[,OPT...]",
+                 "fit=DIR")
 #: a layer selection: indices and Python slices, e.g. ``0,-1`` or ``4:12`` or ``::2``
 _LAYER_RULE = re.compile(r"layers\[([^\]]*)\]:(k|v|kv)=(.+)", re.S)
 _DEFAULT_ATTENTION = ("auto",)
@@ -171,6 +175,8 @@ class CacheConfig:
         smooth: the same for the per-channel key scales folded into the query.
         evict: None, or the eviction that bounds each prompt's stored tokens
             (:mod:`kvjax.eviction`).
+        fit: ``""``, or the directory of the fitted codec parameters
+            (:func:`kvjax.calibration.save_fitted`) of codecs that need them.
     """
 
     k: Codec | str
@@ -182,6 +188,7 @@ class CacheConfig:
     center: str = ""
     smooth: str = ""
     evict: Eviction | None = None
+    fit: str = ""
 
     def __post_init__(self):
         k = parse_codec(self.k)
@@ -209,6 +216,12 @@ class CacheConfig:
             object.__setattr__(self, "evict", parse_eviction(self.evict))
         if self.evict is not None and not isinstance(self.evict, Eviction):
             raise CacheSpecError(f"evict must be an Eviction or its spec, got {self.evict!r}")
+        if not isinstance(self.fit, str) or any(c.isspace() for c in self.fit):
+            raise CacheSpecError(f"fit must be a directory path without spaces, got "
+                                 f"{self.fit!r}")
+        if self.fit and not self.needs_fit:
+            raise CacheSpecError(f"fit={self.fit} names fitted parameters, but no codec of "
+                                 "this cache takes any (e.g. saw:c256 or saw:hess do)")
 
     def reference(self) -> CacheConfig:
         """The uncompressed cache this one is compared with: bf16 K and V with the same
@@ -216,6 +229,11 @@ class CacheConfig:
         layer rules, no key transform, no eviction."""
         return CacheConfig(k="bf16", residual_window=self.residual_window,
                            sink_tokens=self.sink_tokens)
+
+    @property
+    def needs_fit(self) -> bool:
+        """Whether a codec of some layer takes fitted parameters."""
+        return any(c.needs_fit for c in (self.k, self.v, *(r.codec for r in self.layers)))
 
     @property
     def calibrated(self) -> bool:
@@ -240,6 +258,8 @@ class CacheConfig:
                     if getattr(self, name)]
         if self.evict is not None:
             clauses.append(f"evict={self.evict.spec}")
+        if self.fit:
+            clauses.append(f"fit={self.fit}")
         return " ".join(clauses)
 
     def layer_codecs(self, num_layers: int) -> list[tuple[Codec, Codec]]:
@@ -326,6 +346,10 @@ def parse_cache(spec: str | CacheConfig, **defaults: Any) -> CacheConfig:
                 put(key, value, clause)
             elif key == "evict":
                 put("evict", parse_eviction(value), clause)
+            elif key == "fit":
+                if not value:
+                    raise CacheSpecError(f"'{clause}': fit= takes a directory")
+                put("fit", value, clause)
             else:
                 raise CacheSpecError(f"unknown clause '{clause}'")
         except CacheSpecError as err:

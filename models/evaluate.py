@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import key_calibration
+from kvjax.cache import dense, key_calibration
+from kvjax.calibration import Activations
 from kvjax.centering import KeyCalibration
 from kvjax.eval import needle as needle_task
 from kvjax.eval import retrieval as retrieval_task
@@ -163,6 +164,48 @@ def calibrate_keys(params: llama.Params, config: ModelConfig, windows) -> KeyCal
                             max_len=windows.shape[1], dtype=jnp.float32)
     _, cache = llama.jit_forward(params, config, windows, cache, None)
     return key_calibration(cache)
+
+
+def _observed_forward(params, config, tokens, cache):
+    moment = jnp.zeros((config.num_layers, config.num_kv_heads, config.head_dim,
+                        config.head_dim), jnp.float32)
+    _, cache, moment = llama.hidden_states(
+        params, config, tokens, cache, observe=(llama.query_moment_observer(config), moment))
+    return cache, moment
+
+
+_observed_forward_jit = jax.jit(_observed_forward, static_argnums=1)
+
+
+def collect_activations(params: llama.Params, config: ModelConfig, windows, *,
+                        batch_size: int | None = None, progress: bool = False) -> Activations:
+    """The :class:`kvjax.calibration.Activations` of the model on ``windows``
+    (``int[N, S]``, text kept apart from what is evaluated): every window runs through a
+    float32 cache (``batch_size`` windows at a time, default all), whose stored keys and
+    values are taken whole, while the queries' second moments add up."""
+    windows = jnp.asarray(windows)
+    count, length = windows.shape
+    batch_size = count if batch_size is None else min(batch_size, count)
+    keys, values, moment = [], [], 0.0
+    starts = range(0, count, batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc="calibration text", unit="batch")
+    for start in starts:
+        batch = windows[start:start + batch_size]
+        cache = llama.new_cache(config, CacheConfig(k="f32", v="f32"), batch=batch.shape[0],
+                                max_len=length, dtype=jnp.float32)
+        cache, part = _observed_forward_jit(params, config, batch, cache)
+        moment = moment + part
+        for role, out in (("k", keys), ("v", values)):
+            layers = [dense(getattr(cache.layer(i), role), cache.lengths,
+                            restore_keys=role == "k") for i in range(config.num_layers)]
+            # [L, B, K, S, D] -> [L, K, B * S, D]: every row's tokens of a head pooled
+            stacked = jnp.swapaxes(jnp.stack(layers), 1, 2)
+            out.append(stacked.reshape(*stacked.shape[:2], -1, stacked.shape[-1]))
+    return Activations(keys=jnp.concatenate(keys, axis=2),
+                       values=jnp.concatenate(values, axis=2), query_moment=moment)
 
 
 def heldout_calibration(params: llama.Params, config: ModelConfig, tokenizer, text: str,
@@ -397,6 +440,7 @@ __all__ = [
     "calibrate_keys",
     "check_needle_lengths",
     "check_window_len",
+    "collect_activations",
     "heldout_calibration",
     "load_model_and_windows",
     "needle_cases",

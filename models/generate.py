@@ -32,7 +32,7 @@ from kvjax.cache import KVCache, check, evict_into, memory_bytes
 from kvjax.checkpoint import CheckpointError, disk_bytes, load_cache, save_cache
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig
-from models.llama import Params, hidden_states, lm_logits, new_cache
+from models.llama import Params, attention_observer, hidden_states, lm_logits, new_cache
 
 #: how many times the prefill / decode functions were traced (for compile-once tests)
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
@@ -85,7 +85,7 @@ def _prefill(params, config, tokens, valid, cache):
 def _observed_prefill(params, config, tokens, valid, cache, weights, mass):
     TRACE_COUNTS["prefill"] += 1
     h, cache, mass = hidden_states(params, config, tokens, cache, valid,
-                                   observe=(weights, mass))
+                                   observe=(attention_observer(config, weights), mass))
     return _last_logits(params, config, h, valid), cache, mass
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -324,16 +325,22 @@ class DecoderLayer(nn.Module):
         return (h, layer_kv, q) if self.return_queries else (h, layer_kv)
 
 
+#: ``observer(state, layer, queries[B, T, N, D], view, step) -> state``: what a layer's
+#: chunk shows a caller of :func:`hidden_states` (``view``: the layer's cache after the
+#: chunk's append; queries after the rotary embedding)
+Observer = Callable[[Any, jax.Array, jax.Array, Any, Step], Any]
+
+
 def hidden_states(
     params: Params, config: ModelConfig, tokens: jax.Array, cache: KVCache,
-    valid: jax.Array | None = None, observe: tuple[jax.Array, jax.Array] | None = None,
-) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
+    valid: jax.Array | None = None, observe: tuple[Observer, Any] | None = None,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, Any]:
     """Final-normed hidden states ``[B, T, H]`` of a chunk, and the cache holding it.
 
-    ``observe``: ``(weights[B, T], mass[L, B, K, S])`` adds to ``mass`` (``S`` the
-    cache's ``max_len``) the attention each stored position receives from the chunk's
-    queries in every layer, weighted per query (:func:`kvjax.eviction.attention_mass`),
-    and returns it third: an eviction's scores, summed over a prefill.
+    ``observe``: ``(observer, state)``; every layer ``i`` updates ``state =
+    observer(state, i, queries, view, step)`` and the last state is returned third:
+    :func:`attention_observer` sums the attention each stored position receives (an
+    eviction's scores), :func:`query_moment_observer` the queries' second moments.
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:
@@ -353,22 +360,48 @@ def hidden_states(
 
         h, cache = _scan_layers(body, h, cache, params["layers"])
     else:
-        weights = observe[0]
-        lengths = step.start + step.valid
+        observer = observe[0]
 
         def body(carry, layer_params, view):
-            h, i, mass = carry
+            h, i, state = carry
             h, view, q = layer.apply({"params": layer_params}, h, view, step, cos, sin)
-            keys = dense(view.k, lengths, jnp.float32, restore_keys=True)
-            seen = attention_mass(q, keys, step.positions(num_tokens), lengths, weights,
-                                  config.head_dim ** -0.5)
-            return (h, i + 1, mass.at[i].add(seen)), view
+            return (h, i + 1, observer(state, i, q, view, step)), view
 
-        (h, _, mass), cache = _scan_layers(body, (h, jnp.int32(0), observe[1]), cache,
-                                           params["layers"])
+        (h, _, state), cache = _scan_layers(body, (h, jnp.int32(0), observe[1]), cache,
+                                            params["layers"])
     cache = commit(cache, step)
     h = rms_norm(h, params["final_norm"], config.rms_norm_eps)
-    return (h, cache) if observe is None else (h, cache, mass)
+    return (h, cache) if observe is None else (h, cache, state)
+
+
+def attention_observer(config: ModelConfig, weights: jax.Array) -> Observer:
+    """An observer whose state ``mass[L, B, K, S]`` (``S`` the cache's ``max_len``)
+    gains the attention each stored position receives from the chunk's queries,
+    weighted per query by ``weights[B, T]`` (:func:`kvjax.eviction.attention_mass`)."""
+    def observe(mass, i, q, view, step):
+        lengths = step.start + step.valid
+        keys = dense(view.k, lengths, jnp.float32, restore_keys=True)
+        seen = attention_mass(q, keys, step.positions(q.shape[1]), lengths, weights,
+                              config.head_dim ** -0.5)
+        return mass.at[i].add(seen)
+
+    return observe
+
+
+def query_moment_observer(config: ModelConfig) -> Observer:
+    """An observer whose state ``float32[L, K, D, D]`` gains, per kv head, ``sum q q^T``
+    over the chunk's real queries of every query head that shares it."""
+    group = config.num_heads // config.num_kv_heads
+
+    def observe(moment, i, q, view, step):
+        batch, tokens = q.shape[:2]
+        real = (jnp.arange(tokens)[None, :] < step.valid[:, None]).astype(jnp.float32)
+        q = q.astype(jnp.float32).reshape(batch, tokens, config.num_kv_heads, group, -1)
+        weighted = q * real[:, :, None, None, None]
+        return moment.at[i].add(jnp.einsum("btkgd,btkge->kde", weighted, q,
+                                           precision=jax.lax.Precision.HIGHEST))
+
+    return observe
 
 
 def lm_logits(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
