@@ -244,8 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--json", action="store_true",
                    help=f"one JSON list of every answer; {JSON_HELP}")
 
-    c = sub.add_parser("calibrate", help="key statistics for center=calib / smooth=calib")
-    c.add_argument("--out", required=True, metavar="FILE.npz", help="where to write them")
+    c = sub.add_parser("calibrate", help="key statistics for center=calib / smooth=calib, "
+                                         "or fitted codec parameters for fit=DIR")
+    c.add_argument("--out", required=True, metavar="FILE.npz|DIR",
+                   help="where to write them (a directory with --fit, replaced)")
+    c.add_argument("--fit", type=_cache, default=None, metavar="SPEC",
+                   help="fit the parameters of the codecs of this cache spec that take "
+                        "them (e.g. saw:b4,kv,c256); a cache names them with fit=DIR")
+    c.add_argument("--seed", type=_seed, default=0, help="seed of the fits (with --fit)")
+    c.add_argument("--progress", action="store_true", help="progress bars (with --fit)")
     c.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="registered name, .gguf file or HF checkpoint dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
@@ -500,9 +507,14 @@ def _cmd_calibrate(args) -> int:
     from models.evaluate import calibrate_keys, check_window_len, load_model_and_windows
 
     model_name = args.model or models.DEFAULT_MODEL
+    if args.fit is not None and not args.fit.needs_fit:
+        raise ValueError(f"--fit '{args.fit.spec}': no codec of it takes fitted parameters "
+                         "(e.g. saw:b4,kv,c256 or saw:b4,hess do)")
     check_window_len(models.context_length(model_name), args.window_len)
     config, params, _, _, wins = load_model_and_windows(
         model_name, args.corpus, args.offset + args.windows, args.window_len)
+    if args.fit is not None:
+        return _fit_codecs(args, model_name, config, params, wins[args.offset:])
     calibration = calibrate_keys(params, config, wins[args.offset:])
     calibration.save(args.out)
     # how far the keys sit from zero, per layer: what centering takes away
@@ -520,6 +532,36 @@ def _cmd_calibrate(args) -> int:
               f"{row['kv_heads']} kv heads x {row['head_dim']}; mean key / spread "
               f"{row['center_over_spread_mean']:.2f} on average, "
               f"{row['center_over_spread_max']:.2f} at most")
+    return 0
+
+
+def _fit_codecs(args, model_name: str, config, params, windows) -> int:
+    """``calibrate --fit``: collect the model's activations on ``windows``, fit, save."""
+    import time
+
+    import jax
+
+    from kvjax.calibration import fit_cache, save_fitted
+    from models.evaluate import collect_activations
+
+    start = time.perf_counter()
+    activations = collect_activations(params, config, windows, batch_size=4,
+                                      progress=args.progress)
+    fitted = fit_cache(args.fit, activations, key=jax.random.PRNGKey(args.seed),
+                       progress=args.progress,
+                       metadata={"model": model_name, "corpus": str(args.corpus),
+                                 "offset_windows": args.offset, "seed": args.seed})
+    written = save_fitted(args.out, fitted, overwrite=True)
+    fits = sum(c is not None for role in fitted.codecs.values() for c in role)
+    row = {"out": str(args.out), "model": model_name, "corpus": str(args.corpus),
+           "fit": args.fit.spec, "use": f"{args.fit.spec} fit={args.out}",
+           "tokens": activations.tokens, "fits": fits, "disk_bytes": written,
+           "seconds": time.perf_counter() - start}
+    if args.json:
+        print(strict_json(row))
+    else:
+        print(f"wrote {args.out}: {fits} fitted (layer, K|V) on {row['tokens']} tokens per "
+              f"kv head, {written} bytes; use it as --cache '{row['use']}'")
     return 0
 
 

@@ -7,20 +7,25 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache import dense, key_calibration
-from kvjax.calibration import Activations
+from kvjax.calibration import Activations, fit_cache, save_fitted
 from kvjax.centering import KeyCalibration
+from kvjax.eval import calibrated
 from kvjax.eval import needle as needle_task
 from kvjax.eval import retrieval as retrieval_task
+from kvjax.eval.calibrated import CalibrationSettings
 from kvjax.eval.corpus import load_corpus, tokenize_prefix, windows
 from kvjax.eval.ppl import PerplexityResult, continuation_perplexity, perplexity
-from kvjax.eval.sweep import Evaluate, Settings
+from kvjax.eval.sweep import Evaluate, Settings, config_slug
+from kvjax.eval.tradeoff import Measure
 from kvjax.spec import CacheConfig
 from models import chat_prompt_ids, llama
 from models.config import ModelConfig
@@ -206,6 +211,55 @@ def collect_activations(params: llama.Params, config: ModelConfig, windows, *,
             out.append(stacked.reshape(*stacked.shape[:2], -1, stacked.shape[-1]))
     return Activations(keys=jnp.concatenate(keys, axis=2),
                        values=jnp.concatenate(values, axis=2), query_moment=moment)
+
+
+def calibrated_measure(settings: CalibrationSettings, fits_dir: str | Path, *,
+                       progress: bool = False, loaded: tuple | None = None) -> Measure:
+    """``measure(name, cache_config) -> [row]`` of one direction of
+    :mod:`kvjax.eval.calibrated`: perplexity and distribution metrics against bf16 on
+    the evaluation windows; a configuration with a codec that needs fitting is first
+    fitted (:func:`kvjax.calibration.fit_cache`) on the activations of the fit corpus
+    (collected once, when first needed) and saved to ``fits_dir``, which its ``fit=``
+    clause then names. ``loaded``: what :func:`load_model_and_windows` returned for the
+    evaluation windows."""
+    model_config, params, tokenizer, _, wins = loaded or load_model_and_windows(
+        settings.model, settings.eval_corpus, settings.windows, settings.window_len)
+    fits_dir = Path(fits_dir)
+    collected: list[Activations] = []
+
+    def activations() -> Activations:
+        if not collected:
+            text = load_corpus(settings.fit_corpus)
+            ids = tokenize_prefix(tokenizer, text, settings.fit_windows * settings.fit_len)
+            collected.append(collect_activations(
+                params, model_config, windows(ids, settings.fit_windows, settings.fit_len),
+                batch_size=4, progress=progress))
+        return collected[0]
+
+    def measure(name: str, cache_config: CacheConfig) -> list[dict]:
+        fit_seconds, fit_bytes = 0.0, 0
+        if cache_config.needs_fit:
+            start = time.perf_counter()
+            fit = fit_cache(cache_config, activations(), key=jax.random.PRNGKey(settings.seed),
+                            progress=progress,
+                            metadata={"model": settings.model, "corpus": settings.fit_corpus,
+                                      "seed": settings.seed})
+            where = fits_dir / config_slug(cache_config.spec)
+            fit_bytes = save_fitted(where, fit, overwrite=True)
+            fit_seconds = time.perf_counter() - start
+            cache_config = dataclasses.replace(cache_config, fit=str(where))
+        result = cache_perplexity(params, model_config, cache_config, wins,
+                                  seed=settings.seed, reference=CacheConfig(k="bf16"),
+                                  progress=progress)
+        return [{"fit_corpus": settings.fit_corpus, "eval_corpus": settings.eval_corpus,
+                 "family": calibrated.family(name), "config": name,
+                 "fitted": cache_config.needs_fit,
+                 "bits_per_element": result.bits_per_element, "ppl": result.ppl,
+                 "reference_ppl": result.reference_ppl, "kl_mean": result.kl_mean,
+                 "kl_p99": result.kl_p99, "top1_agreement": result.top1_agreement,
+                 "fit_seconds": fit_seconds, "fit_bytes": fit_bytes}]
+
+    return measure
 
 
 def heldout_calibration(params: llama.Params, config: ModelConfig, tokenizer, text: str,
@@ -438,6 +492,7 @@ __all__ = [
     "RETRIEVAL_PREFILL_CHUNK",
     "cache_perplexity",
     "calibrate_keys",
+    "calibrated_measure",
     "check_needle_lengths",
     "check_window_len",
     "collect_activations",

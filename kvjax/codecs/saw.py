@@ -178,6 +178,8 @@ class SawCodec(Codec):
         values: ``x``'s own), with ``cC`` k-means centroids
         (:func:`kvjax.primitives.kmeans.kmeans`, seeded by ``key``) of the vectors
         rotated by that basis."""
+        if not self.needs_fit:
+            return super().fit(key, x, query_moment)
         x = jnp.asarray(x, jnp.float32)
         if x.ndim != 2:
             raise CodecError(f"{self.spec}: calibration vectors must be [N, D], got "

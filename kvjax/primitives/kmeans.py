@@ -1,6 +1,6 @@
 """Fitting on calibration vectors: k-means codebooks and damped eigenbases, jit-compiled.
 
-:func:`kmeans` is Lloyd's algorithm from ``C`` distinct data points drawn by a key, a
+:func:`kmeans` is Lloyd's algorithm from k-means++ starting points drawn by a key, a
 fixed number of iterations (a loop of known length, so the fit compiles once per shape),
 and a cluster that loses every point keeps its centroid. :func:`nearest` assigns
 vectors to centroids by squared distance. :func:`damped_eigenbasis` is the orthonormal
@@ -33,13 +33,33 @@ def nearest(x: jax.Array, centroids: jax.Array) -> jax.Array:
     return jnp.argmin(distance, axis=-1).astype(jnp.int32)
 
 
+def _seeding(key: jax.Array, x: jax.Array, clusters: int) -> jax.Array:
+    """k-means++ starting centroids: each next one a data point drawn with probability
+    proportional to its squared distance from the nearest one chosen so far (a start in
+    every well-separated cluster, where uniform draws often put two in one)."""
+    n = x.shape[0]
+    first = jax.random.randint(jax.random.fold_in(key, 0), (), 0, n)
+    chosen = jnp.zeros((clusters, x.shape[1]), x.dtype).at[0].set(x[first])
+    gap = jnp.sum((x - x[first]) ** 2, axis=-1)
+
+    def pick(i, state):
+        chosen, gap = state
+        # all points equal to chosen ones: any point, uniformly
+        weights = jnp.where(jnp.sum(gap) > 0, gap, jnp.ones_like(gap))
+        index = jax.random.categorical(jax.random.fold_in(key, i), jnp.log(weights))
+        gap = jnp.minimum(gap, jnp.sum((x - x[index]) ** 2, axis=-1))
+        return chosen.at[i].set(x[index]), gap
+
+    return jax.lax.fori_loop(1, clusters, pick, (chosen, gap))[0]
+
+
 @functools.partial(jax.jit, static_argnames=("clusters", "iterations"))
 def kmeans(key: jax.Array, x: jax.Array, clusters: int,
            iterations: int = ITERATIONS) -> jax.Array:
     """``float32[clusters, D]`` k-means centroids of ``x[N, D]`` (``N >= clusters``).
 
-    Lloyd's algorithm from ``clusters`` distinct points of ``x`` chosen by ``key``;
-    deterministic for a key. One cluster is the mean.
+    Lloyd's algorithm from k-means++ starting points chosen by ``key``; deterministic
+    for a key. One cluster is the mean.
     """
     x = jnp.asarray(x, jnp.float32)
     n = x.shape[0]
@@ -47,7 +67,7 @@ def kmeans(key: jax.Array, x: jax.Array, clusters: int,
         raise ValueError(f"k-means of {n} vectors into {clusters} clusters")
     if clusters == 1:
         return jnp.mean(x, axis=0, keepdims=True)
-    start = x[jax.random.choice(key, n, (clusters,), replace=False)]
+    start = _seeding(key, x, clusters)
 
     def step(_, centroids):
         assign = jax.nn.one_hot(nearest(x, centroids), clusters, dtype=jnp.float32)

@@ -38,3 +38,23 @@ def test_generate_needs_a_calibration_file_for_calib_clauses(capsys):
     assert main(["calibrate", "--out", "/nonexistent/dir/x.npz", "--windows", "1",
                  "--window-len", "16"]) == 2
     assert main(["calibrate", "--out", "x.npz", "--offset", "-1"]) == 2
+
+
+def test_calibrate_fits_what_a_fit_clause_reads(tmp_path, capsys):
+    out = tmp_path / "fit"
+    assert main(["calibrate", "--fit", "saw:b2,kv,c16", "--out", str(out), "--windows", "1",
+                 "--window-len", "64", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["fits"] == 60 and row["tokens"] == 64 and row["disk_bytes"] > 0
+    assert row["use"] == f"saw:b2,kv,c16 fit={out}"
+    args = ["ppl", "--windows", "1", "--window-len", "32", "--corpus", "austen", "--json"]
+    assert main([*args, "--cache", row["use"]]) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert main([*args, "--cache", "saw:b2,kv"]) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert fitted["bf16_ppl"] == free["bf16_ppl"] and fitted["ppl"] != free["ppl"]
+    assert fitted["bits_per_element"] == free["bits_per_element"] + 8 / 64
+    assert main([*args, "--cache", "saw:b2,kv,c16"]) == 2
+    assert "add fit=DIR" in capsys.readouterr().err
+    assert main(["calibrate", "--fit", "int:4", "--out", str(out)]) == 2
+    assert "no codec of it takes fitted parameters" in capsys.readouterr().err

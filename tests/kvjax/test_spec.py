@@ -33,6 +33,9 @@ from kvjax.spec import CacheConfig, CacheSpecError, LayerRule, parse_cache, pars
         ("bf16 evict=h2o:12.5%,r16", "bf16 evict=h2o:12.5%,r16"),
         ("kivi:2,g32 evict=streaming:64,s2", "kivi:2,g32 evict=streaming:64,s2"),
         ("int:8 evict=all", "int:8 evict=all"),
+        ("saw:kv,c256 fit=runs/fit-a", "saw:b4,kv,c256 fit=runs/fit-a"),
+        ("k=saw:hess,b2 v=int:2 fit=/tmp/x window=4", "saw:b2,hess window=4 fit=/tmp/x"),
+        ("int:4 layers[0]:k=saw:c16 fit=f", "int:4 layers[0]:k=saw:b4,c16 fit=f"),
     ],
 )
 def test_specs_parse_and_print_canonically(text, canonical):
@@ -207,3 +210,20 @@ def test_bad_fields_of_a_directly_built_config():
         CacheConfig(k="int:4", layers=("0:k=bf16",))
     with pytest.raises(CacheSpecError, match="role"):
         LayerRule(select="0", role="q", codec="bf16")
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("int:4 fit=runs/x", "no codec of this cache takes any"),
+    ("saw:c16 fit=", "fit= takes a directory"),
+    ("saw:c16 fit=a fit=b", "given twice"),
+])
+def test_a_fit_clause_needs_a_codec_that_takes_it(spec, message):
+    with pytest.raises(CacheSpecError, match=message):
+        parse_cache(spec)
+
+
+def test_needs_fit_follows_every_codec_of_the_cache():
+    assert not parse_cache("saw:b4").needs_fit
+    assert parse_cache("saw:b4,c1").needs_fit
+    assert not parse_cache("saw:b4,c16").v.needs_fit  # V is int:4 unless kv
+    assert parse_cache("int:4 layers[-1]:v=saw:kv,hess").needs_fit

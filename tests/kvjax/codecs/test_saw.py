@@ -207,3 +207,85 @@ def test_default_block_refuses_a_head_dim_no_block_divides(d):
                   lambda d: codec.init(KEY, d)):
         with pytest.raises(CodecError, match=f"no rotation block .* divides head_dim {d}"):
             check(d)
+
+
+# -- fitted variants: residual VQ (cC) and the query-aware basis (hess) --------------------
+
+
+def clustered(tokens, d, clusters=12, seed=0, spread=0.3):
+    """Vectors around a few centers far apart: what centroids can take away."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((clusters, d)).astype(np.float32) * 4
+    return (centers[rng.integers(0, clusters, tokens)]
+            + rng.standard_normal((tokens, d)).astype(np.float32) * spread)
+
+
+@pytest.mark.parametrize("spec,index_bits", [("saw:h32,c1", 0), ("saw:h32,c16", 8),
+                                             ("saw:h32,c256", 8), ("saw:h32,c2048", 16)])
+def test_centroid_bits_are_what_the_arrays_hold(spec, index_bits):
+    codec = parse_codec(spec)
+    assert codec.needs_fit
+    x = clustered(2048, 64)
+    params = codec.fit(KEY, x)
+    codes, _ = encode_decode(codec, params, jnp.asarray(x[:64]))
+    assert measured_bits_per_element(codes, x[:64].size) == codec.bits_per_element(64)
+    assert codec.bits_per_element(64) == IntCodec(bits=4).bits_per_element(64) + index_bits / 64
+    assert codec.kernel_formats() == ()
+
+
+def test_fitted_centroids_cut_the_error_on_held_out_vectors():
+    train, test = clustered(4096, 64, seed=1), clustered(512, 64, seed=1)[::-1].copy()
+    test += np.random.default_rng(9).standard_normal(test.shape).astype(np.float32) * 0.05
+    errors = {}
+    for spec in ("saw:b2", "saw:b2,c1", "saw:b2,c16", "saw:b2,c256"):
+        codec = parse_codec(spec)
+        params = codec.fit(KEY, train) if codec.needs_fit else codec.init(KEY, 64)
+        _, x_hat = encode_decode(codec, params, jnp.asarray(test))
+        errors[spec] = float(np.mean((np.asarray(x_hat) - test) ** 2) / np.mean(test**2))
+    assert errors["saw:b2,c16"] < 0.5 * errors["saw:b2"]
+    assert errors["saw:b2,c256"] < errors["saw:b2,c16"]
+
+
+def test_unfitted_parameters_compute_plain_saw():
+    x = with_outlier_channels(32, 64)
+    _, _, plain = roundtrip(parse_codec("saw:b4"), x)
+    for spec in ("saw:b4,c1", "saw:b4,c16,hess"):
+        _, _, neutral = roundtrip(parse_codec(spec), x)
+        np.testing.assert_allclose(neutral, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_the_query_aware_basis_is_the_moments_eigenbasis_and_keeps_scores_exact():
+    rng = np.random.default_rng(3)
+    queries = rng.standard_normal((500, 64)).astype(np.float32) * np.linspace(4, 0.1, 64)
+    moment = jnp.asarray(queries.T @ queries)
+    codec = parse_codec("saw:h64,hess")
+    params = codec.fit(KEY, with_outlier_channels(128, 64), moment)
+    basis = np.asarray(params["basis"])
+    np.testing.assert_allclose(basis.T @ basis, np.eye(64), atol=1e-4)
+    # the first direction is the queries' largest-variance channel
+    assert np.argmax(np.abs(basis[:, 0])) == 0
+    x = with_outlier_channels(40, 64, seed=4)
+    y = np.asarray(codec.rotate(params, jnp.asarray(x)))
+    np.testing.assert_allclose(np.asarray(codec.unrotate(params, jnp.asarray(y))), x,
+                               rtol=1e-4, atol=1e-3)
+    q = jnp.asarray(queries[:5])
+    codes = codec.encode(params, jnp.asarray(x))
+    expected = np.asarray(q) @ np.asarray(codec.decode(params, codes)).T
+    np.testing.assert_allclose(codec.scores(params, q, codes), expected, rtol=1e-4, atol=1e-2)
+    assert codec.kernel_formats()  # an orthogonal rotation: the int kernel reads it
+
+
+def test_fits_are_seeded_and_refuse_too_little_data():
+    x = clustered(300, 32)
+    codec = parse_codec("saw:h32,c16,hess")
+    a, b = codec.fit(KEY, x), codec.fit(KEY, x)
+    for name in a:
+        np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
+    other = codec.fit(jax.random.key(1), x)
+    assert not np.array_equal(np.asarray(other["centroids"]), np.asarray(a["centroids"]))
+    with pytest.raises(CodecError, match="300 calibration vectors for 2048 centroids"):
+        parse_codec("saw:h32,c2048").fit(KEY, x)
+    with pytest.raises(CodecError, match=r"must be \[N, D\]"):
+        codec.fit(KEY, x[None])
+    with pytest.raises(CodecError, match="no fitted parameters"):
+        parse_codec("saw:b4").fit(KEY, x)

@@ -1,0 +1,162 @@
+"""Calibrated against data-free codecs, measured on text the fits never saw.
+
+A run fits codec parameters (:mod:`kvjax.calibration`) on one corpus and measures
+perplexity and the next-token distribution against the bf16 cache (KL, top-1) on
+another, for data-free codecs (``int:N``, ``saw:bN,kv``) and the fitted variants of the
+SAW paper's ablations: k-means residual VQ with C centroids (``saw:bN,cC,kv``), the
+query-aware basis (``saw:bN,hess,kv``) and both. :class:`CalibrationSettings` names one
+direction (fit corpus -> evaluation corpus); :func:`default_configs` the grid;
+:func:`write_reports` the table, CSV and plot over both directions.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvjax.eval.sweep import run_label
+from kvjax.spec import parse_cache, parse_codec
+
+#: (fit corpus, evaluation corpus) pairs: each text evaluates the other's fits
+DIRECTIONS = (("shakespeare", "austen"), ("austen", "shakespeare"))
+BITS = (2, 3, 4)
+CENTROIDS = (1, 16, 256, 2048)
+FIELDS = ("fit_corpus", "eval_corpus", "family", "config", "fitted", "bits_per_element",
+          "ppl", "reference_ppl", "kl_mean", "kl_p99", "top1_agreement", "fit_seconds",
+          "fit_bytes")
+
+
+def family(config: str) -> str:
+    """The curve a configuration belongs to: ``int``, ``saw`` (data-free), ``saw cC``,
+    ``saw hess``, ``saw cC hess`` or ``bf16``."""
+    name, _, options = config.partition(":")
+    if name != "saw":
+        return name
+    extra = [o for o in options.split(",") if o.startswith("c") or o == "hess"]
+    return " ".join(["saw", *extra])
+
+
+def width(config: str) -> int | None:
+    """The nominal bit width of a configuration of the grid (``int:N``, ``saw:bN,...``),
+    None for others (``bf16``)."""
+    codec = parse_codec(parse_cache(config).k)
+    return getattr(codec, "bits", None) if codec.name in ("int", "saw") else None
+
+
+def default_configs(bits: Sequence[int] = BITS, centroids: Sequence[int] = CENTROIDS,
+                    combined: int | None = 256) -> list[str]:
+    """The grid at every bit width: ``int:N``, data-free ``saw:bN,kv``, each centroid
+    count, ``hess``, and (``combined``) centroids with ``hess``. K and V both go through
+    the rotation (``kv``), as in the paper's k-means ablation."""
+    configs = []
+    for b in bits:
+        configs += [f"int:{b}", f"saw:b{b},kv", *(f"saw:b{b},kv,c{c}" for c in centroids),
+                    f"saw:b{b},kv,hess"]
+        if combined:
+            configs.append(f"saw:b{b},kv,c{combined},hess")
+    return configs
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationSettings:
+    """One direction of the comparison: fit on ``fit_windows`` windows of ``fit_len``
+    tokens of ``fit_corpus``, evaluate on ``windows`` windows of ``window_len`` tokens of
+    ``eval_corpus``; ``seed`` seeds the codecs and the fits."""
+
+    model: str
+    fit_corpus: str
+    eval_corpus: str
+    fit_windows: int = 8
+    fit_len: int = 512
+    windows: int = 4
+    window_len: int = 256
+    seed: int = 0
+
+    def run_name(self) -> str:
+        """A directory name that differs whenever a setting differs."""
+        return run_label(self.model, self.fit_corpus, f"f{self.fit_windows}x{self.fit_len}",
+                         "to", Path(self.eval_corpus).stem,
+                         f"{self.windows}x{self.window_len}", f"seed{self.seed}")
+
+    def title(self) -> str:
+        return (f"{self.model}: fitted on {self.fit_windows}x{self.fit_len} tokens of "
+                f"{self.fit_corpus}, evaluated on {self.windows}x{self.window_len} of "
+                f"{self.eval_corpus}")
+
+
+def summary_table(rows: Sequence[dict]) -> str:
+    """A markdown table: per direction and bit width, every configuration, with the
+    change of perplexity and KL against the data-free ``saw`` of that width."""
+    head = ("| fit -> eval | config | fitted | bits/elem | ppl | vs saw | KL mean | "
+            "KL p99 | top-1 |")
+    lines = [head, "|" + "---|" * 9]
+    free = {(r["fit_corpus"], width(r["config"])): r for r in rows if r["family"] == "saw"}
+
+    def key(r):
+        return (r["fit_corpus"], -(width(r["config"]) or 16), r["bits_per_element"],
+                r["config"])
+
+    for r in sorted(rows, key=key):
+        base = free.get((r["fit_corpus"], width(r["config"])))
+        delta = ("-" if base is None or r is base or r["family"] == "bf16"
+                 else f"{r['ppl'] - base['ppl']:+.3f}")
+        lines.append(
+            f"| {r['fit_corpus']} -> {r['eval_corpus']} | `{r['config']}` | "
+            f"{'yes' if r['fitted'] else 'no'} | {r['bits_per_element']:.3f} | "
+            f"{r['ppl']:.3f} | {delta} | {r['kl_mean']:.4f} | {r['kl_p99']:.3f} | "
+            f"{r['top1_agreement']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict], path, title: str) -> None:
+    """KL mean (log) vs bits per element, a panel per direction, a curve per family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directions = list(dict.fromkeys((r["fit_corpus"], r["eval_corpus"]) for r in rows))
+    families = list(dict.fromkeys(r["family"] for r in rows if r["family"] != "bf16"))
+    fig, axes = plt.subplots(1, len(directions), figsize=(5.2 * len(directions), 4.0),
+                             squeeze=False)
+    for ax, (fit, evaluated) in zip(axes[0], directions, strict=True):
+        for i, name in enumerate(families):
+            pts = sorted((r["bits_per_element"], r["kl_mean"]) for r in rows
+                         if r["family"] == name and r["fit_corpus"] == fit)
+            if pts:
+                dashed = "--" if not any(r["fitted"] for r in rows if r["family"] == name) else "-"
+                ax.plot(*zip(*pts, strict=True), dashed, marker="osD^v<>pPXh"[i % 11],
+                        color=f"C{i % 10}", label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per stored element")
+        ax.set_ylabel("KL(bf16 || cache), nats/token (lower is better)")
+        ax.set_title(f"fitted on {fit}, evaluated on {evaluated}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(rows: Sequence[dict], out: Path, title: str) -> str:
+    """``summary.md``, ``calibration.csv`` and ``calibration.png`` in ``out``; returns
+    the table and the paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = summary_table(rows)
+    (out / "summary.md").write_text(f"{title}\n\n{table}\n")
+    with (out / "calibration.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows({k: r.get(k) for k in FIELDS} for r in rows)
+    plot(rows, out / "calibration.png", title)
+    return "\n".join([table, f"\ntable:   {out / 'summary.md'}",
+                      f"csv:     {out / 'calibration.csv'}",
+                      f"plot:    {out / 'calibration.png'}"])
+
+
+__all__ = ["BITS", "CENTROIDS", "DIRECTIONS", "FIELDS", "CalibrationSettings",
+           "default_configs", "family", "plot", "summary_table", "width", "write_reports"]
