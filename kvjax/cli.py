@@ -251,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fit", type=_cache, default=None, metavar="SPEC",
                    help="fit the parameters of the codecs of this cache spec that take "
                         "them (e.g. saw:b4,kv,c256); a cache names them with fit=DIR")
+    c.add_argument("--allocate", type=_finite(0, math.inf, "a number of bits > 0",
+                                              low_open=True),
+                   nargs="+", default=None, metavar="BITS",
+                   help="measure each (layer, K|V)'s sensitivity and print the per-layer "
+                        "cache spec of least loss at each budget (bits per element); the "
+                        "sensitivities go to --out (JSON)")
+    c.add_argument("--candidates", nargs="+", default=["int:2", "int:4", "int:8"],
+                   metavar="CODEC", help="what --allocate chooses from")
     c.add_argument("--seed", type=_seed, default=0, help="seed of the fits (with --fit)")
     c.add_argument("--progress", action="store_true", help="progress bars (with --fit)")
     c.add_argument("--model", default=None, metavar="NAME_OR_PATH",
@@ -507,6 +515,13 @@ def _cmd_calibrate(args) -> int:
     from models.evaluate import calibrate_keys, check_window_len, load_model_and_windows
 
     model_name = args.model or models.DEFAULT_MODEL
+    if args.fit is not None and args.allocate is not None:
+        raise ValueError("--fit and --allocate are separate runs")
+    if args.allocate is not None:
+        from kvjax.spec import parse_codec
+
+        for candidate in args.candidates:
+            parse_codec(candidate)  # a bad one fails before the model loads
     if args.fit is not None and not args.fit.needs_fit:
         raise ValueError(f"--fit '{args.fit.spec}': no codec of it takes fitted parameters "
                          "(e.g. saw:b4,kv,c256 or saw:b4,hess do)")
@@ -515,6 +530,8 @@ def _cmd_calibrate(args) -> int:
         model_name, args.corpus, args.offset + args.windows, args.window_len)
     if args.fit is not None:
         return _fit_codecs(args, model_name, config, params, wins[args.offset:])
+    if args.allocate is not None:
+        return _allocate(args, config, params, wins[args.offset:])
     calibration = calibrate_keys(params, config, wins[args.offset:])
     calibration.save(args.out)
     # how far the keys sit from zero, per layer: what centering takes away
@@ -562,6 +579,28 @@ def _fit_codecs(args, model_name: str, config, params, windows) -> int:
     else:
         print(f"wrote {args.out}: {fits} fitted (layer, K|V) on {row['tokens']} tokens per "
               f"kv head, {written} bytes; use it as --cache '{row['use']}'")
+    return 0
+
+
+def _allocate(args, config, params, windows) -> int:
+    """``calibrate --allocate``: per-layer sensitivities, then a spec per budget."""
+    from kvjax.allocation import allocate
+    from models.evaluate import layer_sensitivity
+
+    sensitivity = layer_sensitivity(params, config, windows, args.candidates,
+                                    seed=args.seed, progress=args.progress)
+    sensitivity.save(args.out)
+    rows = []
+    for budget in args.allocate:
+        found = allocate(sensitivity, budget)
+        rows.append({"budget": budget, "bits_per_element": found.bits,
+                     "predicted_kl": sensitivity.base + found.predicted, "spec": found.spec})
+    if args.json:
+        print(strict_json({"out": str(args.out), "rows": rows}))
+    else:
+        for row in rows:
+            print(f"{row['budget']:g} bits: {row['spec']}  ({row['bits_per_element']:.3f} "
+                  f"bits per element)")
     return 0
 
 

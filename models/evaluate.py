@@ -14,7 +14,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from kvjax.allocation import Sensitivity
 from kvjax.cache import dense, key_calibration
 from kvjax.calibration import Activations, fit_cache, save_fitted
 from kvjax.centering import KeyCalibration
@@ -26,7 +28,7 @@ from kvjax.eval.corpus import load_corpus, tokenize_prefix, windows
 from kvjax.eval.ppl import PerplexityResult, continuation_perplexity, perplexity
 from kvjax.eval.sweep import Evaluate, Settings, config_slug
 from kvjax.eval.tradeoff import Measure
-from kvjax.spec import CacheConfig
+from kvjax.spec import CacheConfig, parse_cache, parse_codec
 from models import chat_prompt_ids, llama
 from models.config import ModelConfig
 from models.generate import generate, prefill
@@ -211,6 +213,40 @@ def collect_activations(params: llama.Params, config: ModelConfig, windows, *,
             out.append(stacked.reshape(*stacked.shape[:2], -1, stacked.shape[-1]))
     return Activations(keys=jnp.concatenate(keys, axis=2),
                        values=jnp.concatenate(values, axis=2), query_moment=moment)
+
+
+def layer_sensitivity(params: llama.Params, config: ModelConfig, windows,
+                      candidates: Sequence[str], *, seed: int = 0, progress: bool = False
+                      ) -> Sensitivity:
+    """Measured per-(layer, K|V) sensitivity for :func:`kvjax.allocation.allocate`: the
+    mean KL divergence from the bf16 cache's next tokens on ``windows`` when one unit
+    stores with a candidate (K codec specs; V takes each one's value codec) and every
+    other the candidate of most bits, less that cache's own. ``2 * layers *
+    (candidates - 1)`` perplexity runs."""
+    codecs = [parse_codec(c) for c in candidates]
+    bits = {"k": tuple(c.bits_per_element(config.head_dim) for c in codecs),
+            "v": tuple(c.value_codec().bits_per_element(config.head_dim) for c in codecs)}
+    top = max(range(len(codecs)), key=lambda c: bits["k"][c] + bits["v"][c])
+    base_clause = f"k={codecs[top].spec} v={codecs[top].value_codec().spec}"
+    reference = CacheConfig(k="bf16")
+
+    def kl(spec: str) -> float:
+        return cache_perplexity(params, config, parse_cache(spec), windows, seed=seed,
+                                reference=reference).kl_mean
+
+    base = kl(base_clause)
+    loss = np.zeros((config.num_layers, 2, len(codecs)))
+    runs = [(layer, r, c) for layer in range(config.num_layers) for r in range(2)
+            for c in range(len(codecs)) if c != top]
+    if progress:
+        from tqdm.auto import tqdm
+
+        runs = tqdm(runs, desc="sensitivity", unit="run")
+    for layer, r, c in runs:
+        codec = codecs[c] if r == 0 else codecs[c].value_codec()
+        loss[layer, r, c] = kl(f"{base_clause} layers[{layer}]:{'kv'[r]}={codec.spec}") - base
+    return Sensitivity(candidates=tuple(c.spec for c in codecs), bits=bits, loss=loss,
+                       base=base)
 
 
 def calibrated_measure(settings: CalibrationSettings, fits_dir: str | Path, *,
@@ -497,6 +533,7 @@ __all__ = [
     "check_window_len",
     "collect_activations",
     "heldout_calibration",
+    "layer_sensitivity",
     "load_model_and_windows",
     "needle_cases",
     "needle_retrieval",

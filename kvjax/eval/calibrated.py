@@ -4,7 +4,9 @@ A run fits codec parameters (:mod:`kvjax.calibration`) on one corpus and measure
 perplexity and the next-token distribution against the bf16 cache (KL, top-1) on
 another, for data-free codecs (``int:N``, ``saw:bN,kv``) and the fitted variants of the
 SAW paper's ablations: k-means residual VQ with C centroids (``saw:bN,cC,kv``), the
-query-aware basis (``saw:bN,hess,kv``) and both. :class:`CalibrationSettings` names one
+query-aware basis (``saw:bN,hess,kv``) and both; and per-layer bit allocations
+(:mod:`kvjax.allocation`) chosen from sensitivities measured on the fit corpus, against
+uniform widths of the same bits. :class:`CalibrationSettings` names one
 direction (fit corpus -> evaluation corpus); :func:`default_configs` the grid;
 :func:`write_reports` the table, CSV and plot over both directions.
 """
@@ -22,7 +24,9 @@ from kvjax.spec import parse_cache, parse_codec
 #: (fit corpus, evaluation corpus) pairs: each text evaluates the other's fits
 DIRECTIONS = (("shakespeare", "austen"), ("austen", "shakespeare"))
 BITS = (2, 3, 4)
-CENTROIDS = (1, 16, 256, 2048)
+CENTROIDS = (1, 16, 256)
+#: the paper's largest codebook, fitted at one width only
+LARGE = 2048
 FIELDS = ("fit_corpus", "eval_corpus", "family", "config", "fitted", "bits_per_element",
           "ppl", "reference_ppl", "kl_mean", "kl_p99", "top1_agreement", "fit_seconds",
           "fit_bytes")
@@ -30,7 +34,9 @@ FIELDS = ("fit_corpus", "eval_corpus", "family", "config", "fitted", "bits_per_e
 
 def family(config: str) -> str:
     """The curve a configuration belongs to: ``int``, ``saw`` (data-free), ``saw cC``,
-    ``saw hess``, ``saw cC hess`` or ``bf16``."""
+    ``saw hess``, ``saw cC hess``, ``allocated`` (per-layer rules) or ``bf16``."""
+    if "layers[" in config:
+        return "allocated"
     name, _, options = config.partition(":")
     if name != "saw":
         return name
@@ -41,18 +47,24 @@ def family(config: str) -> str:
 def width(config: str) -> int | None:
     """The nominal bit width of a configuration of the grid (``int:N``, ``saw:bN,...``),
     None for others (``bf16``)."""
-    codec = parse_codec(parse_cache(config).k)
-    return getattr(codec, "bits", None) if codec.name in ("int", "saw") else None
+    cache = parse_cache(config)
+    codec = parse_codec(cache.k)
+    if cache.layers or codec.name not in ("int", "saw"):
+        return None
+    return codec.bits
 
 
 def default_configs(bits: Sequence[int] = BITS, centroids: Sequence[int] = CENTROIDS,
-                    combined: int | None = 256) -> list[str]:
+                    combined: int | None = 256, large: int | None = LARGE,
+                    large_bits: int = 4) -> list[str]:
     """The grid at every bit width: ``int:N``, data-free ``saw:bN,kv``, each centroid
-    count, ``hess``, and (``combined``) centroids with ``hess``. K and V both go through
-    the rotation (``kv``), as in the paper's k-means ablation."""
+    count, ``hess``, and (``combined``) centroids with ``hess``; ``large`` centroids only
+    at ``large_bits`` (the paper's INT4: its fit costs ~8x C = 256's). K and V both go
+    through the rotation (``kv``), as in the paper's k-means ablation."""
     configs = []
     for b in bits:
-        configs += [f"int:{b}", f"saw:b{b},kv", *(f"saw:b{b},kv,c{c}" for c in centroids),
+        counts = [*centroids, *([large] if large and b == large_bits else [])]
+        configs += [f"int:{b}", f"saw:b{b},kv", *(f"saw:b{b},kv,c{c}" for c in counts),
                     f"saw:b{b},kv,hess"]
         if combined:
             configs.append(f"saw:b{b},kv,c{combined},hess")
@@ -95,8 +107,8 @@ def summary_table(rows: Sequence[dict]) -> str:
     free = {(r["fit_corpus"], width(r["config"])): r for r in rows if r["family"] == "saw"}
 
     def key(r):
-        return (r["fit_corpus"], -(width(r["config"]) or 16), r["bits_per_element"],
-                r["config"])
+        return (r["fit_corpus"], -(width(r["config"]) or round(r["bits_per_element"])),
+                r["bits_per_element"], r["config"])
 
     for r in sorted(rows, key=key):
         base = free.get((r["fit_corpus"], width(r["config"])))
@@ -158,5 +170,17 @@ def write_reports(rows: Sequence[dict], out: Path, title: str) -> str:
                       f"plot:    {out / 'calibration.png'}"])
 
 
-__all__ = ["BITS", "CENTROIDS", "DIRECTIONS", "FIELDS", "CalibrationSettings",
-           "default_configs", "family", "plot", "summary_table", "width", "write_reports"]
+__all__ = [
+    "BITS",
+    "CENTROIDS",
+    "DIRECTIONS",
+    "FIELDS",
+    "LARGE",
+    "CalibrationSettings",
+    "default_configs",
+    "family",
+    "plot",
+    "summary_table",
+    "width",
+    "write_reports",
+]

@@ -58,3 +58,12 @@ def test_calibrate_fits_what_a_fit_clause_reads(tmp_path, capsys):
     assert "add fit=DIR" in capsys.readouterr().err
     assert main(["calibrate", "--fit", "int:4", "--out", str(out)]) == 2
     assert "no codec of it takes fitted parameters" in capsys.readouterr().err
+
+
+def test_allocate_refuses_bad_input_before_loading(capsys, tmp_path):
+    out = str(tmp_path / "s.json")
+    for args, message in ((["--allocate", "3", "--candidates", "int:1"], "2..8"),
+                          (["--allocate", "3", "--fit", "saw:c16"], "separate runs"),
+                          (["--allocate", "0"], "> 0")):
+        assert main(["calibrate", "--out", out, *args]) == 2
+        assert message in capsys.readouterr().err
