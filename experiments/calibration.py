@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--centroids", type=int, nargs="+", default=list(calibrated.CENTROIDS))
     p.add_argument("--large", type=int, default=calibrated.LARGE,
                    help="centroids fitted at 4 bits only (0: none)")
+    p.add_argument("--hqmq", nargs="*", default=list(calibrated.HQMQ), metavar="sS,rB",
+                   help="HQMQ points run with the Haar-random and the learned codebook")
     p.add_argument("--fit-windows", type=int, default=8, help="calibration windows")
     p.add_argument("--fit-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--windows", type=int, default=4, help="evaluation windows")
@@ -57,7 +59,8 @@ def main(argv: Sequence[str] | None = None, build=None) -> int:
     measure`` replaces the model (tests); by default it loads when first needed."""
     args = build_parser().parse_args(argv)
     try:
-        configs = calibrated.default_configs(args.bits, args.centroids, large=args.large)
+        configs = calibrated.default_configs(args.bits, args.centroids, large=args.large,
+                                             hqmq=args.hqmq)
         for config in configs:
             parse_cache(config)
         if min(args.fit_windows, args.fit_len, args.windows, args.window_len) < 1:

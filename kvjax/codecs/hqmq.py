@@ -31,6 +31,12 @@ fractional count (its Table 21), ``(log2(24 S) + B) / 4 + 16 / D`` at ``4 | D``,
 :meth:`HqmqCodec.fractional_bits_per_element`; for D = 128 the stored count is 0.02 bit
 above it (s24_r3: 3.188 stored vs 3.167; s192_r6: 4.688 vs 4.667), for D = 64 0.08 bit.
 
+Learned codebook (``hqmq:sS,rB,learn``): the paper keeps the secondary codebook
+data-free; with ``learn`` its ``S`` quaternions are fitted to calibration vectors
+(:meth:`HqmqCodec.fit`, generalized Lloyd on the chunks' directions weighted by their
+squared radii) and read from a cache's ``fit=`` clause (:mod:`kvjax.calibration`).
+Storage and kernels are the same; only the codebook differs.
+
 Outliers (the paper's Med-C) are not part of this codec: any token-wise codec takes them
 with the ``medC`` option, see :mod:`kvjax.codecs.outliers` (``hqmq:s96,r4,med3``).
 """
@@ -49,6 +55,7 @@ import numpy as np
 from kvjax.codec import (
     FP16_MAX,
     Codec,
+    CodecError,
     Codes,
     Example,
     HqmqFormat,
@@ -87,6 +94,8 @@ MIN_RADIUS_BITS, MAX_RADIUS_BITS = 1, 12
 DEFAULT_SECONDARY, DEFAULT_RADIUS_BITS = 96, 4
 #: chunks whose ``S`` candidate products are evaluated at once (memory ~ 64 S bytes each)
 ENCODE_BATCH = 4096
+#: generalized Lloyd iterations of a learned secondary codebook (``learn``)
+LLOYD_ITERATIONS = 20
 
 
 @register
@@ -106,14 +115,17 @@ class HqmqCodec(Codec):
                     hi=MAX_SECONDARY, always=True),
         Option.flag("radius_bits", "r", "radius bits", "B", lo=MIN_RADIUS_BITS,
                     hi=MAX_RADIUS_BITS, always=True),
+        Option.word("learned", "learn", "secondary codebook fitted on calibration data"),
     )
     examples: ClassVar[tuple[Example, ...]] = (
         Example("hqmq", rel_mse=0.025, seeded=True),
         Example("hqmq:s24,r3", rel_mse=0.06, head_dim=80, seeded=True),
+        Example("hqmq:s24,r3,learn", rel_mse=0.06, head_dim=64, seeded=True),
     )
 
     secondary: int = DEFAULT_SECONDARY
     radius_bits: int = DEFAULT_RADIUS_BITS
+    learned: bool = False
 
     @property
     def alphabet(self) -> int:
@@ -122,9 +134,50 @@ class HqmqCodec(Codec):
 
     # -- protocol ---------------------------------------------------------------------
     def init(self, key: jax.Array, head_dim: int) -> Params:
-        """``{"secondary": float32[S, 4]}``: Haar-random unit quaternions from ``key``."""
+        """``{"secondary": float32[S, 4]}``: Haar-random unit quaternions from ``key``
+        (with ``learn``: where :meth:`fit` starts)."""
         self.check_head_dim(head_dim)
         return {"secondary": haar_quaternions(key, self.secondary)}
+
+    @property
+    def needs_fit(self) -> bool:
+        """With ``learn`` the secondary codebook is fitted (:meth:`fit`)."""
+        return self.learned
+
+    def fit(self, key: jax.Array, x: jax.Array, query_moment: jax.Array | None = None
+            ) -> Params:
+        """A secondary codebook fitted to calibration vectors ``x[N, D]`` by generalized
+        Lloyd iterations from the Haar-random one of ``key``: every chunk direction ``u``
+        (weighted by its squared radius, so the objective is the chunks' squared
+        reconstruction error at exact radii) goes to its best codeword ``q_p q_s``; each
+        ``q_s`` then moves to the normalized weighted sum of ``conj(q_p) u`` over its
+        chunks, which maximizes their summed inner products (left multiplication by a
+        unit quaternion is an isometry). A ``q_s`` that gets no chunk stays.
+        ``query_moment`` is not used."""
+        if not self.needs_fit:
+            return super().fit(key, x, query_moment)
+        x = jnp.asarray(x, jnp.float32)
+        if x.ndim != 2:
+            raise CodecError(f"{self.spec}: calibration vectors must be [N, D], got "
+                             f"{x.shape}")
+        params = self.init(key, int(x.shape[-1]))
+        chunks = to_chunks(x).reshape(-1, 4)
+        radius = jnp.linalg.norm(chunks, axis=-1)
+        direction = chunks / jnp.maximum(radius, 1e-30)[:, None]
+        weight = radius**2
+        units = jnp.asarray(hurwitz_units())
+
+        def step(_, secondary):
+            index = self.nearest_codeword(secondary, direction)
+            s = (index // NUM_HURWITZ).astype(jnp.int32)
+            p = (index % NUM_HURWITZ).astype(jnp.int32)
+            aligned = hamilton(conjugate(units[p]), direction) * weight[:, None]
+            sums = jax.ops.segment_sum(aligned, s, num_segments=self.secondary)
+            norm = jnp.linalg.norm(sums, axis=-1, keepdims=True)
+            return jnp.where(norm > 0, sums / jnp.maximum(norm, 1e-30), secondary)
+
+        return {"secondary": jax.lax.fori_loop(0, LLOYD_ITERATIONS, step,
+                                               params["secondary"])}
 
     def _widths(self, head_dim: int) -> list[tuple[int, int]]:
         """The stream's ``(count, bits)`` fields: the digits' groups, a pad that

@@ -4,7 +4,8 @@ A run fits codec parameters (:mod:`kvjax.calibration`) on one corpus and measure
 perplexity and the next-token distribution against the bf16 cache (KL, top-1) on
 another, for data-free codecs (``int:N``, ``saw:bN,kv``) and the fitted variants of the
 SAW paper's ablations: k-means residual VQ with C centroids (``saw:bN,cC,kv``), the
-query-aware basis (``saw:bN,hess,kv``) and both; and per-layer bit allocations
+query-aware basis (``saw:bN,hess,kv``) and both; HQMQ with a learned secondary
+codebook against its Haar-random one; and per-layer bit allocations
 (:mod:`kvjax.allocation`) chosen from sensitivities measured on the fit corpus, against
 uniform widths of the same bits. :class:`CalibrationSettings` names one
 direction (fit corpus -> evaluation corpus); :func:`default_configs` the grid;
@@ -27,6 +28,8 @@ BITS = (2, 3, 4)
 CENTROIDS = (1, 16, 256)
 #: the paper's largest codebook, fitted at one width only
 LARGE = 2048
+#: HQMQ points (``sS,rB``) compared with their learned codebooks
+HQMQ = ("s24,r3", "s96,r4")
 FIELDS = ("fit_corpus", "eval_corpus", "family", "config", "fitted", "bits_per_element",
           "ppl", "reference_ppl", "kl_mean", "kl_p99", "top1_agreement", "fit_seconds",
           "fit_bytes")
@@ -34,10 +37,13 @@ FIELDS = ("fit_corpus", "eval_corpus", "family", "config", "fitted", "bits_per_e
 
 def family(config: str) -> str:
     """The curve a configuration belongs to: ``int``, ``saw`` (data-free), ``saw cC``,
-    ``saw hess``, ``saw cC hess``, ``allocated`` (per-layer rules) or ``bf16``."""
+    ``saw hess``, ``saw cC hess``, ``hqmq``, ``hqmq learn``, ``allocated`` (per-layer
+    rules) or ``bf16``."""
     if "layers[" in config:
         return "allocated"
     name, _, options = config.partition(":")
+    if name == "hqmq":
+        return "hqmq learn" if "learn" in options.split(",") else "hqmq"
     if name != "saw":
         return name
     extra = [o for o in options.split(",") if o.startswith("c") or o == "hess"]
@@ -56,12 +62,13 @@ def width(config: str) -> int | None:
 
 def default_configs(bits: Sequence[int] = BITS, centroids: Sequence[int] = CENTROIDS,
                     combined: int | None = 256, large: int | None = LARGE,
-                    large_bits: int = 4) -> list[str]:
+                    large_bits: int = 4, hqmq: Sequence[str] = HQMQ) -> list[str]:
     """The grid at every bit width: ``int:N``, data-free ``saw:bN,kv``, each centroid
     count, ``hess``, and (``combined``) centroids with ``hess``; ``large`` centroids only
     at ``large_bits`` (the paper's INT4: its fit costs ~8x C = 256's). K and V both go
-    through the rotation (``kv``), as in the paper's k-means ablation."""
-    configs = []
+    through the rotation (``kv``), as in the paper's k-means ablation. First, each HQMQ
+    point of ``hqmq`` with its Haar-random and its learned secondary codebook."""
+    configs = [c for point in hqmq for c in (f"hqmq:{point}", f"hqmq:{point},learn")]
     for b in bits:
         counts = [*centroids, *([large] if large and b == large_bits else [])]
         configs += [f"int:{b}", f"saw:b{b},kv", *(f"saw:b{b},kv,c{c}" for c in counts),
@@ -175,6 +182,7 @@ __all__ = [
     "CENTROIDS",
     "DIRECTIONS",
     "FIELDS",
+    "HQMQ",
     "LARGE",
     "CalibrationSettings",
     "default_configs",

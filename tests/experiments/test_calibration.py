@@ -33,7 +33,7 @@ def fake_build(calls):
 
 def test_runs_both_directions_resumes_and_reports(tmp_path, capsys):
     calls = []
-    args = ["--bits", "2", "--centroids", "16", "--budgets", "2.834",
+    args = ["--bits", "2", "--centroids", "16", "--budgets", "2.834", "--hqmq",
             "--out", str(tmp_path), "--no-progress"]
     assert calibration.main(args, build=fake_build(calls)) == 0
     out = capsys.readouterr().out

@@ -356,3 +356,51 @@ def test_paper_bit_formula():
         0.97 * base + 0.48 + 0.25)
     assert isinstance(codec.base, HqmqCodec) and isinstance(
         parse_codec("int:4,med3").base, IntCodec)
+
+
+# -- the learned secondary codebook (``learn``) ---------------------------------------------
+
+
+def _anisotropic(tokens, seed):
+    """Vectors whose chunk directions crowd a few regions of S^3, as a model's keys do."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, 64)).astype(np.float32) * np.tile([4.0, 1, 0.3, 0.1], 16)
+    return x + np.tile([2.0, 0, 0, 0], 16)
+
+
+def test_a_learned_codebook_cuts_the_error_on_held_out_vectors_at_equal_bits():
+    train, test = _anisotropic(2048, 0), jnp.asarray(_anisotropic(256, 1))
+    haar, learned = parse_codec("hqmq:s24,r3"), parse_codec("hqmq:s24,r3,learn")
+    assert learned.needs_fit and not haar.needs_fit
+    assert learned.bits_per_element(64) == haar.bits_per_element(64)
+    start = haar.init(KEY, 64)
+    fitted = learned.fit(KEY, train)
+    np.testing.assert_allclose(np.linalg.norm(fitted["secondary"], axis=-1), 1, atol=1e-5)
+
+    def error(codec, params):
+        codes, x_hat = encode_decode(codec, params, test)
+        assert measured_bits_per_element(codes, test.size) == codec.bits_per_element(64)
+        return float(jnp.mean((x_hat - test) ** 2) / jnp.mean(test**2))
+
+    assert error(learned, fitted) < 0.7 * error(haar, start)
+    again = learned.fit(KEY, train)
+    np.testing.assert_array_equal(again["secondary"], fitted["secondary"])
+    assert learned.kernel_formats()[0].codewords(fitted).shape == (24 * 24, 4)
+
+
+def test_a_fit_never_loses_to_its_starting_codebook_on_its_own_data():
+    """Each Lloyd step cannot lower the weighted sum of best inner products."""
+    train = jnp.asarray(_anisotropic(512, 2))
+    codec = parse_codec("hqmq:s8,r4,learn")
+
+    def objective(secondary):
+        chunks = train.reshape(-1, 4)
+        radius = jnp.linalg.norm(chunks, axis=-1)
+        u = chunks / radius[:, None]
+        words = codec.codewords({"secondary": secondary})
+        return float(jnp.sum(radius**2 * jnp.max(u @ words.T, axis=-1)))
+
+    start = codec.init(KEY, 64)["secondary"]
+    assert objective(codec.fit(KEY, train)["secondary"]) >= objective(start)
+    with pytest.raises(CodecError, match="no fitted parameters"):
+        parse_codec("hqmq").fit(KEY, train)
