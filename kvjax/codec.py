@@ -536,8 +536,18 @@ class Codec:
             ) -> Params:
         """Parameters of one (layer, kv head, K|V) fitted on its calibration vectors
         ``x[N, D]``; ``query_moment[D, D]``: ``sum q q^T`` of the queries that attend to
-        them (keys only). The structure and shapes are :meth:`init`'s."""
-        raise CodecError(f"{self.spec}: this codec has no fitted parameters")
+        them (keys only). The structure and shapes are :meth:`init`'s.
+        :class:`CodecError` for a codec that needs no fit, or ``x`` not ``[N, D]``."""
+        if not self.needs_fit:
+            raise CodecError(f"{self.spec}: this codec has no fitted parameters")
+        x = jnp.asarray(x, jnp.float32)
+        if x.ndim != 2:
+            raise CodecError(f"{self.spec}: calibration vectors must be [N, D], got "
+                             f"{x.shape}")
+        return self._fit(key, x, query_moment)
+
+    def _fit(self, key: jax.Array, x: jax.Array, query_moment: jax.Array | None) -> Params:
+        raise NotImplementedError
 
     def encode(self, params: Params, x: jax.Array) -> Codes:
         """Packed codes of ``x[..., T, D]`` (``T`` a multiple of ``block_tokens``).

@@ -55,7 +55,6 @@ import numpy as np
 from kvjax.codec import (
     FP16_MAX,
     Codec,
-    CodecError,
     Codes,
     Example,
     HqmqFormat,
@@ -144,8 +143,7 @@ class HqmqCodec(Codec):
         """With ``learn`` the secondary codebook is fitted (:meth:`fit`)."""
         return self.learned
 
-    def fit(self, key: jax.Array, x: jax.Array, query_moment: jax.Array | None = None
-            ) -> Params:
+    def _fit(self, key: jax.Array, x: jax.Array, query_moment: jax.Array | None) -> Params:
         """A secondary codebook fitted to calibration vectors ``x[N, D]`` by generalized
         Lloyd iterations from the Haar-random one of ``key``: every chunk direction ``u``
         (weighted by its squared radius, so the objective is the chunks' squared
@@ -154,12 +152,6 @@ class HqmqCodec(Codec):
         chunks, which maximizes their summed inner products (left multiplication by a
         unit quaternion is an isometry). A ``q_s`` that gets no chunk stays.
         ``query_moment`` is not used."""
-        if not self.needs_fit:
-            return super().fit(key, x, query_moment)
-        x = jnp.asarray(x, jnp.float32)
-        if x.ndim != 2:
-            raise CodecError(f"{self.spec}: calibration vectors must be [N, D], got "
-                             f"{x.shape}")
         params = self.init(key, int(x.shape[-1]))
         chunks = to_chunks(x).reshape(-1, 4)
         radius = jnp.linalg.norm(chunks, axis=-1)

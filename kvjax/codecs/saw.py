@@ -170,20 +170,13 @@ class SawCodec(Codec):
             params["centroids"] = jnp.zeros((self.centroids, head_dim), jnp.float32)
         return params
 
-    def fit(self, key: jax.Array, x: jax.Array, query_moment: jax.Array | None = None
-            ) -> Params:
+    def _fit(self, key: jax.Array, x: jax.Array, query_moment: jax.Array | None) -> Params:
         """Parameters fitted on calibration vectors ``x[N, D]`` of one (layer, kv head,
         K|V): with ``hess`` the eigenbasis of the damped second moment
         ``query_moment[D, D]`` of the queries that attend to these keys (None, for
         values: ``x``'s own), with ``cC`` k-means centroids
         (:func:`kvjax.primitives.kmeans.kmeans`, seeded by ``key``) of the vectors
         rotated by that basis."""
-        if not self.needs_fit:
-            return super().fit(key, x, query_moment)
-        x = jnp.asarray(x, jnp.float32)
-        if x.ndim != 2:
-            raise CodecError(f"{self.spec}: calibration vectors must be [N, D], got "
-                             f"{x.shape}")
         head_dim = int(x.shape[-1])
         sign_key, kmeans_key = jax.random.split(key)
         params = self.init(sign_key, head_dim)

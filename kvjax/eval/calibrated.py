@@ -14,12 +14,11 @@ direction (fit corpus -> evaluation corpus); :func:`default_configs` the grid;
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvjax.eval.sweep import run_label
+from kvjax.eval.sweep import run_label, write_table_reports
 from kvjax.spec import parse_cache, parse_codec
 
 #: (fit corpus, evaluation corpus) pairs: each text evaluates the other's fits
@@ -163,18 +162,8 @@ def plot(rows: Sequence[dict], path, title: str) -> None:
 def write_reports(rows: Sequence[dict], out: Path, title: str) -> str:
     """``summary.md``, ``calibration.csv`` and ``calibration.png`` in ``out``; returns
     the table and the paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    table = summary_table(rows)
-    (out / "summary.md").write_text(f"{title}\n\n{table}\n")
-    with (out / "calibration.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows({k: r.get(k) for k in FIELDS} for r in rows)
-    plot(rows, out / "calibration.png", title)
-    return "\n".join([table, f"\ntable:   {out / 'summary.md'}",
-                      f"csv:     {out / 'calibration.csv'}",
-                      f"plot:    {out / 'calibration.png'}"])
+    return write_table_reports(out, title, summary_table(rows), rows, FIELDS,
+                               "calibration.csv", plot, "calibration.png")
 
 
 __all__ = [

@@ -233,6 +233,24 @@ def write_json(path: Path, data: dict, *, source: dict | None = None) -> dict:
     return record
 
 
+def write_table_reports(out: Path, title: str, table: str, rows: Sequence[dict],
+                        fields: Sequence[str], csv_name: str, plot: Callable,
+                        plot_name: str) -> str:
+    """``summary.md`` (``title`` and the markdown ``table``), ``csv_name`` (``fields`` of
+    every row) and ``plot_name`` (``plot(rows, path, title)``) in ``out``; returns the
+    table and the three paths, to print."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(f"{title}\n\n{table}\n")
+    with (out / csv_name).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(fields))
+        writer.writeheader()
+        writer.writerows({k: r.get(k) for k in fields} for r in rows)
+    plot(rows, out / plot_name, title)
+    return "\n".join([table, f"\ntable:   {out / 'summary.md'}",
+                      f"csv:     {out / csv_name}", f"plot:    {out / plot_name}"])
+
+
 #: JSON fields that must match for a stored result to count as done
 SETTING_KEYS = ("model", "corpus", "windows", "window_len", "chunk", "cache_options", "seed",
                 "distribution")
@@ -790,4 +808,5 @@ __all__ = [
     "write_reports",
     "write_seed_csv",
     "write_seed_reports",
+    "write_table_reports",
 ]

@@ -20,7 +20,6 @@ metric, one curve per strategy).
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.eval.retrieval import SuiteSettings, accuracy, run_suite
-from kvjax.eval.sweep import run_label
+from kvjax.eval.sweep import run_label, write_table_reports
 from kvjax.eviction import POLICIES
 from kvjax.spec import parse_cache
 
@@ -180,17 +179,8 @@ def plot_tradeoff(rows: Sequence[dict], path, title: str) -> None:
 def write_reports(rows: Sequence[dict], out: Path, title: str) -> str:
     """``summary.md``, ``grid.csv`` and ``tradeoff.png`` in ``out``; returns the table
     and the paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    table = summary_table(rows)
-    (out / "summary.md").write_text(f"{title}\n\n{table}\n")
-    with (out / "grid.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows({k: r.get(k) for k in FIELDS} for r in rows)
-    plot_tradeoff(rows, out / "tradeoff.png", title)
-    return "\n".join([table, f"\ntable:   {out / 'summary.md'}", f"csv:     {out / 'grid.csv'}",
-                      f"plot:    {out / 'tradeoff.png'}"])
+    return write_table_reports(out, title, summary_table(rows), rows, FIELDS, "grid.csv",
+                               plot_tradeoff, "tradeoff.png")
 
 
 __all__ = ["BUDGETS", "CODECS", "COMBINED", "COMBINED_BUDGETS", "FIELDS", "METRICS",
