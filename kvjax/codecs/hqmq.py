@@ -34,7 +34,9 @@ above it (s24_r3: 3.188 stored vs 3.167; s192_r6: 4.688 vs 4.667), for D = 64 0.
 Learned codebook (``hqmq:sS,rB,learn``): the paper keeps the secondary codebook
 data-free; with ``learn`` its ``S`` quaternions are fitted to calibration vectors
 (:meth:`HqmqCodec.fit`, generalized Lloyd on the chunks' directions weighted by their
-squared radii) and read from a cache's ``fit=`` clause (:mod:`kvjax.calibration`).
+squared radii; with ``score`` the keys' codebook is then refined with Adam, from
+optax, for the calibration queries' score error) and read from a cache's ``fit=``
+clause (:mod:`kvjax.calibration`).
 Storage and kernels are the same; only the codebook differs.
 
 Outliers (the paper's Med-C) are not part of this codec: any token-wise codec takes them
@@ -55,6 +57,7 @@ import numpy as np
 from kvjax.codec import (
     FP16_MAX,
     Codec,
+    CodecError,
     Codes,
     Example,
     HqmqFormat,
@@ -95,6 +98,9 @@ DEFAULT_SECONDARY, DEFAULT_RADIUS_BITS = 96, 4
 ENCODE_BATCH = 4096
 #: generalized Lloyd iterations of a learned secondary codebook (``learn``)
 LLOYD_ITERATIONS = 20
+#: the score objective's refinement (``learn,score``): rounds of reassignment, Adam steps
+#: per round and their learning rate (unit quaternions move by a few hundredths a step)
+SCORE_ROUNDS, SCORE_STEPS, SCORE_LEARNING_RATE = 5, 40, 0.01
 
 
 @register
@@ -115,16 +121,26 @@ class HqmqCodec(Codec):
         Option.flag("radius_bits", "r", "radius bits", "B", lo=MIN_RADIUS_BITS,
                     hi=MAX_RADIUS_BITS, always=True),
         Option.word("learned", "learn", "secondary codebook fitted on calibration data"),
+        Option.word("score", "score", "keys' codebook fitted for the attention-score error"),
     )
     examples: ClassVar[tuple[Example, ...]] = (
         Example("hqmq", rel_mse=0.025, seeded=True),
         Example("hqmq:s24,r3", rel_mse=0.06, head_dim=80, seeded=True),
         Example("hqmq:s24,r3,learn", rel_mse=0.06, head_dim=64, seeded=True),
+        Example("hqmq:s24,r3,learn,score", rel_mse=0.06, head_dim=64, seeded=True),
     )
 
     secondary: int = DEFAULT_SECONDARY
     radius_bits: int = DEFAULT_RADIUS_BITS
     learned: bool = False
+    score: bool = False
+
+    def validate(self) -> None:
+        """``score`` chooses how ``learn`` fits: it needs ``learn``."""
+        super().validate()
+        if self.score and not self.learned:
+            raise CodecError(f"{self.name}: score is an objective of learn; write "
+                             f"hqmq:s{self.secondary},r{self.radius_bits},learn,score")
 
     @property
     def alphabet(self) -> int:
@@ -168,8 +184,55 @@ class HqmqCodec(Codec):
             norm = jnp.linalg.norm(sums, axis=-1, keepdims=True)
             return jnp.where(norm > 0, sums / jnp.maximum(norm, 1e-30), secondary)
 
-        return {"secondary": jax.lax.fori_loop(0, LLOYD_ITERATIONS, step,
-                                               params["secondary"])}
+        secondary = jax.lax.fori_loop(0, LLOYD_ITERATIONS, step, params["secondary"])
+        if self.score and query_moment is not None:
+            secondary = self._refine_for_scores(secondary, chunks, query_moment)
+        return {"secondary": secondary}
+
+    def _refine_for_scores(self, secondary: jax.Array, chunks: jax.Array,
+                           query_moment: jax.Array) -> jax.Array:
+        """``secondary`` moved by Adam (optax) to lower the attention-score error of the
+        chunks ``[N * C, 4]`` rather than their reconstruction error: with ``M_c`` the
+        ``4 x 4`` block of the (trace-normalized) query moment on chunk ``c``, a chunk
+        reconstructed as ``r q_p q_s`` errs by ``e^T M_c e``, ``e = x - r q_p q_s``, the
+        expected squared score error it adds for the calibration queries (cross-chunk
+        terms left out, so chunks stay independent). Each round reassigns the chunks as
+        the encoder does (largest inner product), then takes Adam steps on unnormalized
+        quaternions, normalized in the loss."""
+        import optax
+
+        c = num_chunks(query_moment.shape[-1])
+        padded = jnp.zeros((4 * c, 4 * c), jnp.float32).at[
+            :query_moment.shape[0], :query_moment.shape[1]].set(query_moment)
+        padded = padded / jnp.maximum(jnp.trace(padded) / (4 * c), 1e-30)
+        blocks = jnp.stack([padded[4 * i:4 * i + 4, 4 * i:4 * i + 4] for i in range(c)])
+        block_of = blocks[jnp.arange(chunks.shape[0]) % c]  # [N * C, 4, 4]
+        radius = jnp.linalg.norm(chunks, axis=-1)
+        direction = chunks / jnp.maximum(radius, 1e-30)[:, None]
+        units = jnp.asarray(hurwitz_units())
+        optimizer = optax.adam(SCORE_LEARNING_RATE)
+
+        def loss(raw, s, p):
+            unit = raw / jnp.linalg.norm(raw, axis=-1, keepdims=True)
+            error = chunks - radius[:, None] * hamilton(units[p], unit[s])
+            return jnp.mean(jnp.einsum("ni,nij,nj->n", error, block_of, error))
+
+        def round_(_, raw):
+            index = self.nearest_codeword(raw / jnp.linalg.norm(raw, axis=-1,
+                                                                 keepdims=True), direction)
+            s = (index // NUM_HURWITZ).astype(jnp.int32)
+            p = (index % NUM_HURWITZ).astype(jnp.int32)
+
+            def adam(_, state):
+                raw, opt = state
+                grads = jax.grad(loss)(raw, s, p)
+                updates, opt = optimizer.update(grads, opt)
+                return optax.apply_updates(raw, updates), opt
+
+            return jax.lax.fori_loop(0, SCORE_STEPS, adam, (raw, optimizer.init(raw)))[0]
+
+        raw = jax.lax.fori_loop(0, SCORE_ROUNDS, round_, secondary)
+        return raw / jnp.linalg.norm(raw, axis=-1, keepdims=True)
 
     def _widths(self, head_dim: int) -> list[tuple[int, int]]:
         """The stream's ``(count, bits)`` fields: the digits' groups, a pad that

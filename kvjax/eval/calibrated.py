@@ -36,13 +36,14 @@ FIELDS = ("fit_corpus", "eval_corpus", "family", "config", "fitted", "bits_per_e
 
 def family(config: str) -> str:
     """The curve a configuration belongs to: ``int``, ``saw`` (data-free), ``saw cC``,
-    ``saw hess``, ``saw cC hess``, ``hqmq``, ``hqmq learn``, ``allocated`` (per-layer
+    ``saw hess``, ``saw cC hess``, ``hqmq``, ``hqmq learn``, ``hqmq learn score``,
+    ``allocated`` (per-layer
     rules) or ``bf16``."""
     if "layers[" in config:
         return "allocated"
     name, _, options = config.partition(":")
     if name == "hqmq":
-        return "hqmq learn" if "learn" in options.split(",") else "hqmq"
+        return " ".join(["hqmq", *(o for o in options.split(",") if o in ("learn", "score"))])
     if name != "saw":
         return name
     extra = [o for o in options.split(",") if o.startswith("c") or o == "hess"]
@@ -66,8 +67,10 @@ def default_configs(bits: Sequence[int] = BITS, centroids: Sequence[int] = CENTR
     count, ``hess``, and (``combined``) centroids with ``hess``; ``large`` centroids only
     at ``large_bits`` (the paper's INT4: its fit costs ~8x C = 256's). K and V both go
     through the rotation (``kv``), as in the paper's k-means ablation. First, each HQMQ
-    point of ``hqmq`` with its Haar-random and its learned secondary codebook."""
+    point of ``hqmq`` with its Haar-random and its learned secondary codebook, and the
+    last one learned for the score error."""
     configs = [c for point in hqmq for c in (f"hqmq:{point}", f"hqmq:{point},learn")]
+    configs += [f"hqmq:{point},learn,score" for point in hqmq[-1:]]
     for b in bits:
         counts = [*centroids, *([large] if large and b == large_bits else [])]
         configs += [f"int:{b}", f"saw:b{b},kv", *(f"saw:b{b},kv,c{c}" for c in counts),

@@ -404,3 +404,26 @@ def test_a_fit_never_loses_to_its_starting_codebook_on_its_own_data():
     assert objective(codec.fit(KEY, train)["secondary"]) >= objective(start)
     with pytest.raises(CodecError, match="no fitted parameters"):
         parse_codec("hqmq").fit(KEY, train)
+
+
+def test_the_score_objective_lowers_the_query_weighted_error_it_is_fitted_for():
+    rng = np.random.default_rng(4)
+    train = jnp.asarray(_anisotropic(512, 3))
+    queries = rng.standard_normal((256, 64)).astype(np.float32)
+    queries *= np.tile([0.1, 3.0, 0.2, 1.0], 16)  # weights the chunks' axes unlike x does
+    moment = jnp.asarray(queries.T @ queries)
+    lloyd = parse_codec("hqmq:s8,r4,learn").fit(KEY, train, moment)
+    scored = parse_codec("hqmq:s8,r4,learn,score").fit(KEY, train, moment)
+
+    def score_error(codec, params):
+        error = codec.decode(params, codec.encode(params, train)) - train
+        return float(jnp.mean(jnp.einsum("ni,ij,nj->n", error, moment, error)))
+
+    codec = parse_codec("hqmq:s8,r4,learn")
+    assert score_error(codec, scored) < score_error(codec, lloyd)
+    np.testing.assert_allclose(np.linalg.norm(scored["secondary"], axis=-1), 1, atol=1e-5)
+    # values have no queries: the score objective falls back to the reconstruction
+    values = parse_codec("hqmq:s8,r4,learn,score").fit(KEY, train)
+    np.testing.assert_array_equal(values["secondary"], codec.fit(KEY, train)["secondary"])
+    with pytest.raises(CodecError, match="score is an objective of learn"):
+        parse_codec("hqmq:s8,r4,score")
