@@ -9,7 +9,7 @@ measured on the fit corpus, against uniform widths at the same bits.
 
 Each direction's points go to ``OUT/RUN/configs/`` (one JSON each, read back by a second
 run with equal settings; ``--force`` redoes them) and its fitted parameters to
-``OUT/RUN/fits/``, the measured sensitivities to ``OUT/RUN/sensitivity-*.json``; then
+``OUT/RUN/fits/``, the measured sensitivities to ``OUT/RUN/sensitivity-*/``; then
 ``OUT/summary.md``, ``OUT/calibration.csv`` and ``OUT/calibration.png``.
 """
 
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None, build=None) -> int:
             window_len=args.window_len, seed=args.seed)
         run_dir = args.out / settings.run_name()
         tasks = _lazy(build or _model_tasks, settings, run_dir / "fits", progress)
-        allocated = _allocations(args, run_dir, tasks)
+        allocated = _allocations(args, run_dir, tasks, fit_corpus)
         found, _ = run_suite([*configs, *allocated], settings, args.out,
                              _measure_of(tasks), force=args.force, progress=progress)
         rows += found
@@ -106,7 +106,7 @@ def _measure_of(tasks):
     return lambda name, cache_config: tasks()[0](name, cache_config)
 
 
-def _allocations(args, run_dir: Path, tasks) -> list[str]:
+def _allocations(args, run_dir: Path, tasks, fit_corpus: str) -> list[str]:
     """The cache specs of the per-layer allocations at ``--budgets``, from the
     sensitivities stored in ``run_dir`` or measured (and stored) now."""
     if not args.budgets:
@@ -115,13 +115,14 @@ def _allocations(args, run_dir: Path, tasks) -> list[str]:
     from kvjax.eval.sweep import config_slug
 
     name = config_slug(" ".join([*args.candidates, f"w{args.sensitivity_windows}"]))
-    path = run_dir / f"sensitivity-{name}.json"
-    if path.exists() and not args.force:
+    path = run_dir / f"sensitivity-{name}"
+    if (path / "kvjax.json").exists() and not args.force:
         sensitivity = Sensitivity.load(path)
     else:
         sensitivity = tasks()[1](args.candidates, args.sensitivity_windows)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        sensitivity.save(path)
+        sensitivity.save(path, metadata={"model": args.model, "corpus": fit_corpus,
+                                         "windows": args.sensitivity_windows,
+                                         "window_len": args.window_len}, overwrite=True)
     return [allocate(sensitivity, budget).spec for budget in args.budgets]
 
 

@@ -19,16 +19,18 @@ stores the heads of a layer with one codec.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from kvjax.checkpoint import CheckpointError, load_arrays, save_arrays
 from kvjax.spec import parse_codec
 
 ROLES = ("k", "v")
+#: the checkpoint kind of saved sensitivities
+KIND = "layer-sensitivity"
 #: the grain of the budget's dynamic program, in bits
 STEP = 1 / 64
 
@@ -66,18 +68,28 @@ class Sensitivity:
         codec = parse_codec(self.candidates[c])
         return (codec if role == "k" else codec.value_codec()).spec
 
-    def save(self, path: str | Path) -> None:
-        """Write as JSON (:meth:`load` reads it)."""
-        Path(path).write_text(json.dumps({
-            "candidates": list(self.candidates), "bits": {r: list(b) for r, b in
-                                                          self.bits.items()},
-            "loss": self.loss.tolist(), "metric": self.metric, "base": self.base}, indent=1))
+    def save(self, path: str | Path, *, metadata: dict | None = None,
+             overwrite: bool = False) -> int:
+        """Write to the directory ``path`` as a :mod:`kvjax.checkpoint` of kind
+        :data:`KIND` (the losses as an array; candidates, bits, metric, base and
+        ``metadata`` such as the model and corpus in its record); returns its bytes on
+        disk. :meth:`load` reads it."""
+        record = {**(metadata or {}), "candidates": list(self.candidates),
+                  "bits": {r: list(b) for r, b in self.bits.items()},
+                  "metric": self.metric, "base": self.base}
+        return save_arrays(path, {"loss": self.loss}, record, kind=KIND, overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | Path) -> Sensitivity:
-        data = json.loads(Path(path).read_text())
-        return cls(candidates=tuple(data["candidates"]), bits=data["bits"],
-                   loss=np.asarray(data["loss"]), metric=data["metric"], base=data["base"])
+        """What :meth:`save` wrote (a :class:`~kvjax.checkpoint.CheckpointError` for
+        anything else, or a corrupt or unfinished checkpoint)."""
+        arrays, record = load_arrays(path, kind=KIND)
+        meta = record["metadata"]
+        try:
+            return cls(candidates=tuple(meta["candidates"]), bits=meta["bits"],
+                       loss=arrays["loss"], metric=meta["metric"], base=meta["base"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{path}: not layer sensitivities ({err})") from err
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,4 +161,4 @@ def allocation_spec(sensitivity: Sensitivity, choice: Sequence[Sequence[int]]) -
     return " ".join(clauses + rules)
 
 
-__all__ = ["ROLES", "STEP", "Allocation", "Sensitivity", "allocate", "allocation_spec"]
+__all__ = ["KIND", "ROLES", "STEP", "Allocation", "Sensitivity", "allocate", "allocation_spec"]

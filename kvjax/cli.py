@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    nargs="+", default=None, metavar="BITS",
                    help="measure each (layer, K|V)'s sensitivity and print the per-layer "
                         "cache spec of least loss at each budget (bits per element); the "
-                        "sensitivities go to --out (JSON)")
+                        "sensitivities go to --out (a directory)")
     c.add_argument("--candidates", nargs="+", default=["int:2", "int:4", "int:8"],
                    metavar="CODEC", help="what --allocate chooses from")
     c.add_argument("--seed", type=_seed, default=0, help="seed of the fits (with --fit)")
@@ -589,7 +589,8 @@ def _allocate(args, config, params, windows) -> int:
 
     sensitivity = layer_sensitivity(params, config, windows, args.candidates,
                                     seed=args.seed, progress=args.progress)
-    sensitivity.save(args.out)
+    sensitivity.save(args.out, metadata={"model": args.model or "default",
+                                         "corpus": str(args.corpus)}, overwrite=True)
     rows = []
     for budget in args.allocate:
         found = allocate(sensitivity, budget)
