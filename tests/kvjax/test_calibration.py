@@ -146,3 +146,36 @@ def test_a_rewritten_fit_is_read_again(tmp_path, fitted, activations):
     refit = cal.fit_cache(parse_cache(SPEC), activations, key=jax.random.PRNGKey(1))
     cal.save_fitted(path, refit, overwrite=True)
     assert cal.fitted_arrays_equal(cal.fitted_of(config), refit)
+
+
+def test_a_fitted_rotation_reaches_the_fused_kernel(tmp_path):
+    """A decode step of a tiny llama whose K and V are stored with fitted query-aware
+    bases: the int kernel (interpret mode) rotates the query by the fitted basis and
+    agrees with the reference attention."""
+    from models import llama
+    from models.config import ModelConfig
+    from models.evaluate import collect_activations
+
+    config = ModelConfig(family="llama", vocab_size=64, hidden_size=128,
+                         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=64, max_position_embeddings=64)
+    params = llama.init_params(jax.random.key(0), config)
+    text = jax.random.randint(jax.random.key(5), (2, 32), 0, config.vocab_size)
+    spec = "saw:h64,kv,hess window=4"
+    fit = cal.fit_cache(parse_cache(spec), collect_activations(params, config, text),
+                        key=jax.random.PRNGKey(0))
+    basis = np.asarray(fit.params["k"][0]["basis"][0])
+    assert not np.allclose(basis, np.eye(64), atol=1e-2)  # the fit moved it
+    cal.save_fitted(tmp_path / "fit", fit)
+    prompt = jax.random.randint(jax.random.key(1), (2, 21), 0, config.vocab_size)
+    logits = {}
+    for impl in ("reference", "int_decode,reference"):
+        cache_config = parse_cache(f"{spec} attn={impl} fit={tmp_path / 'fit'}")
+        cache = llama.new_cache(config, cache_config, batch=2, max_len=32, dtype=jnp.float32)
+        _, cache = llama.jit_forward(params, config, prompt, cache, jnp.array([21, 13]))
+        step_logits, _ = llama.jit_forward(params, config, prompt[:, :1], cache, None)
+        logits[impl] = np.asarray(step_logits)
+    scale = np.max(np.abs(logits["reference"]))
+    np.testing.assert_allclose(logits["int_decode,reference"], logits["reference"],
+                               atol=1e-2 * scale)
+    assert not np.array_equal(logits["int_decode,reference"], logits["reference"])
