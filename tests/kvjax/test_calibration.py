@@ -66,6 +66,14 @@ def test_only_codecs_that_need_it_are_fitted_each_head_on_its_own_data(fitted, a
             np.testing.assert_allclose(v["centroids"][head, 0], rotated.mean(0), atol=1e-5)
 
 
+def test_a_fit_is_determined_by_its_key(fitted, activations):
+    again = cal.fit_cache(parse_cache(SPEC), activations, key=jax.random.PRNGKey(0),
+                          metadata={"corpus": "test"})
+    assert cal.fitted_arrays_equal(again, fitted)
+    other = cal.fit_cache(parse_cache(SPEC), activations, key=jax.random.PRNGKey(1))
+    assert not cal.fitted_arrays_equal(other, fitted)
+
+
 def test_nothing_to_fit_is_an_error(activations):
     with pytest.raises(ValueError, match="no codec of cache 'int:4'"):
         cal.fit_cache(parse_cache("int:4"), activations, key=jax.random.PRNGKey(0))
