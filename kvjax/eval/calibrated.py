@@ -21,6 +21,8 @@ from pathlib import Path
 from kvjax.eval.sweep import run_label, write_table_reports
 from kvjax.spec import parse_cache, parse_codec
 
+#: the families whose codecs use no calibration data
+DATA_FREE = ("int", "saw", "hqmq")
 #: (fit corpus, evaluation corpus) pairs: each text evaluates the other's fits
 DIRECTIONS = (("shakespeare", "austen"), ("austen", "shakespeare"))
 BITS = (2, 3, 4)
@@ -132,7 +134,8 @@ def summary_table(rows: Sequence[dict]) -> str:
 
 
 def plot(rows: Sequence[dict], path, title: str) -> None:
-    """KL mean (log) vs bits per element, a panel per direction, a curve per family."""
+    """KL mean (log) vs bits per element, a panel per direction, a curve per family
+    (dashed: the data-free ones)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,7 +150,7 @@ def plot(rows: Sequence[dict], path, title: str) -> None:
             pts = sorted((r["bits_per_element"], r["kl_mean"]) for r in rows
                          if r["family"] == name and r["fit_corpus"] == fit)
             if pts:
-                dashed = "--" if not any(r["fitted"] for r in rows if r["family"] == name) else "-"
+                dashed = "--" if name in DATA_FREE else "-"
                 ax.plot(*zip(*pts, strict=True), dashed, marker="osD^v<>pPXh"[i % 11],
                         color=f"C{i % 10}", label=name)
         ax.set_yscale("log")
@@ -172,6 +175,7 @@ def write_reports(rows: Sequence[dict], out: Path, title: str) -> str:
 __all__ = [
     "BITS",
     "CENTROIDS",
+    "DATA_FREE",
     "DIRECTIONS",
     "FIELDS",
     "HQMQ",
