@@ -143,7 +143,7 @@ def plot(rows: Sequence[dict], path, title: str) -> None:
 
     directions = list(dict.fromkeys((r["fit_corpus"], r["eval_corpus"]) for r in rows))
     families = list(dict.fromkeys(r["family"] for r in rows if r["family"] != "bf16"))
-    fig, axes = plt.subplots(1, len(directions), figsize=(5.2 * len(directions), 4.0),
+    fig, axes = plt.subplots(1, len(directions), figsize=(5.2 * len(directions) + 1.6, 4.0),
                              squeeze=False)
     for ax, (fit, evaluated) in zip(axes[0], directions, strict=True):
         for i, name in enumerate(families):
@@ -152,15 +152,16 @@ def plot(rows: Sequence[dict], path, title: str) -> None:
             if pts:
                 dashed = "--" if name in DATA_FREE else "-"
                 ax.plot(*zip(*pts, strict=True), dashed, marker="osD^v<>pPXh"[i % 11],
-                        color=f"C{i % 10}", label=name)
+                        color=plt.cm.tab20(i % 20), label=name)
         ax.set_yscale("log")
         ax.set_xlabel("bits per stored element")
         ax.set_ylabel("KL(bf16 || cache), nats/token (lower is better)")
         ax.set_title(f"fitted on {fit}, evaluated on {evaluated}", fontsize=9)
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
