@@ -237,8 +237,9 @@ def init_cache(
     ``calibration`` (:func:`key_calibration`) supplies the key transform of a config with
     ``center=calib`` or ``smooth=calib``; it must then match the layers, heads and dim.
     Codecs that need fitted parameters take them from ``fitted``
-    (:class:`kvjax.calibration.Fitted`), else from the checkpoint the config's ``fit=``
-    clause names; parameters fitted for another codec or shape are refused.
+    (:class:`kvjax.calibration.Fitted`; :func:`kvjax.calibration.fitted_of` reads the
+    checkpoint of the config's ``fit=`` clause, as :func:`models.llama.new_cache` does);
+    parameters fitted for another codec or shape are refused.
     """
     for name, value in (("num_layers", num_layers), ("batch", batch),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -260,10 +261,12 @@ def init_cache(
         k_codec.check_head_dim(head_dim)
         v_codec.check_head_dim(head_dim)
     if fitted is None and any(c.needs_fit for pair in per_layer for c in pair):
-        # imported here: the calibration module reads checkpoints, which build caches
-        from kvjax.calibration import fitted_of
-
-        fitted = fitted_of(config)
+        raise ValueError(
+            f"cache spec '{config.spec}' has a codec that takes fitted parameters: pass "
+            "fitted= (kvjax.calibration.fitted_of(config) reads its fit=DIR clause)"
+            if config.fit else
+            f"cache spec '{config.spec}' has a codec that takes fitted parameters: add "
+            "fit=DIR (python -m kvjax calibrate --fit SPEC --out DIR writes them)")
 
     segments, start = [], 0
     while start < num_layers:

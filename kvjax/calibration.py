@@ -14,8 +14,8 @@ take parameters fitted on calibration text instead of seeded ones. The pipeline:
    ``codec-params`` holding each fitted array, the codec spec each (layer, K|V) was fitted
    for, the shape ``(layers, kv heads, head dim)`` and the caller's metadata (model,
    corpus, tokens, seed). A cache spec names it with ``fit=DIR``;
-   :func:`kvjax.cache.init_cache` reads it and refuses parameters fitted for another
-   codec or shape.
+   :func:`fitted_of` reads it (:func:`models.llama.new_cache` does) and
+   :func:`kvjax.cache.init_cache` refuses parameters fitted for another codec or shape.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ import numpy as np
 from kvjax.attention import attend
 from kvjax.cache import KVCache, Step, append, commit, dense, init_cache, make_step
 from kvjax.cache import scan_layers as _scan_layers
+from kvjax.calibration import fitted_of
 from kvjax.eviction import attention_mass
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig, RopeScaling
@@ -434,11 +435,15 @@ def new_cache(
     dtype: Any = jnp.bfloat16, key: jax.Array | None = None, calibration: Any = None,
 ) -> KVCache:
     """An empty kvjax cache shaped for this model (``calibration``: the key calibration
-    of a spec with ``calib`` clauses, :func:`models.evaluate.calibrate_keys`)."""
+    of a spec with ``calib`` clauses, :func:`models.evaluate.calibrate_keys`; codecs that
+    take fitted parameters read the checkpoint of the spec's ``fit=`` clause,
+    :func:`kvjax.calibration.fitted_of`)."""
+    fitted = fitted_of(cache_config) if cache_config.fit else None
     return init_cache(
         jax.random.PRNGKey(0) if key is None else key, cache_config,
         num_layers=config.num_layers, batch=batch, num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim, max_len=max_len, dtype=dtype, calibration=calibration,
+        fitted=fitted,
     )
 
 

@@ -15,8 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.codec import EXACT
-
+#: float32 matmuls: GPUs would otherwise use TF32, and distances decide assignments
+EXACT = jax.lax.Precision.HIGHEST
 #: Lloyd iterations of :func:`kmeans`
 ITERATIONS = 25
 #: :func:`damped_eigenbasis`' damping, a share of the mean diagonal

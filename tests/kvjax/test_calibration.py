@@ -107,7 +107,10 @@ def test_a_fit_whose_record_does_not_match_its_arrays_is_refused(tmp_path, fitte
 
 
 def _cache(spec, **kw):
-    return kc.init_cache(jax.random.PRNGKey(5), parse_cache(spec), num_layers=LAYERS,
+    config = parse_cache(spec)
+    if config.fit and "fitted" not in kw:
+        kw["fitted"] = cal.fitted_of(config)
+    return kc.init_cache(jax.random.PRNGKey(5), config, num_layers=LAYERS,
                          batch=1, num_kv_heads=HEADS, head_dim=DIM, max_len=16,
                          dtype=jnp.float32, **kw)
 
@@ -134,6 +137,8 @@ def test_a_cache_reads_the_fit_its_spec_names(tmp_path, fitted, activations):
 def test_a_cache_refuses_a_missing_or_mismatched_fit(tmp_path, fitted):
     with pytest.raises(ValueError, match="add fit=DIR"):
         _cache(SPEC)
+    with pytest.raises(ValueError, match="pass fitted="):
+        _cache(f"{SPEC} fit={tmp_path / 'f'}", fitted=None)
     with pytest.raises(CheckpointError, match="no checkpoint directory"):
         _cache(f"{SPEC} fit={tmp_path / 'nowhere'}")
     with pytest.raises(ValueError, match="fitted for saw:h32,b4,c16,hess, the cache stores "

@@ -152,7 +152,7 @@ def test_bad_command_lines(capsys):
     usage_error(capsys, [], "required: command")
     usage_error(capsys, ["nosuch"], "invalid choice: 'nosuch'")
     usage_error(capsys, ["codecs", "--json"], "unrecognized arguments: --json")
-    usage_error(capsys, ["generate"], "required: --prompt")
+    usage_error(capsys, ["generate"], "give --prompt TEXT, or --resume DIR")
     usage_error(capsys, ["generate", "--prompt", " "], "the prompt is empty")
     usage_error(capsys, ["ppl"], "required: --cache")
     usage_error(capsys, [*PROBE, "--cache"], "expected one argument")
