@@ -155,6 +155,8 @@ def _data_files(path):
     return sorted(files, key=lambda f: -f.stat().st_size)
 
 
+# orbax's reader threads report the damaged file a second time, as unraisable exceptions
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_truncated_checkpoint_is_refused(tmp_path, saved):
     path = tmp_path / "c"
     ck.save_cache(path, saved[1])
@@ -164,6 +166,7 @@ def test_a_truncated_checkpoint_is_refused(tmp_path, saved):
         ck.load_cache(path)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_changed_byte_never_restores_a_different_cache(tmp_path, saved):
     """A flipped byte is refused, or it lies where nothing read depends on it (orbax's
     files hold more than the arrays): the restored cache is then the saved one."""
