@@ -138,14 +138,15 @@ def check_expected(path: str | Path, metadata: Mapping[str, Any],
         raise CheckpointError(f"{path}: not a checkpoint for this use ({'; '.join(wrong)})")
 
 
-def load_arrays(path: str | Path, *, kind: str,
-                expect: Mapping[str, Any] | None = None) -> tuple[dict[str, np.ndarray], dict]:
+def load_arrays(path: str | Path, *, kind: str, expect: Mapping[str, Any] | None = None,
+                record: dict | None = None) -> tuple[dict[str, np.ndarray], dict]:
     """``(arrays, record)`` of the checkpoint at ``path``: every array, read back and
     checked against its recorded shape, dtype and SHA-256, and the :func:`read_metadata`
-    record, whose ``metadata`` must agree with ``expect`` where ``expect`` names a key."""
+    record, whose ``metadata`` must agree with ``expect`` where ``expect`` names a key.
+    ``record``: the :func:`read_metadata` record a caller has already read."""
     import orbax.checkpoint as ocp
 
-    record = read_metadata(path, kind=kind)
+    record = read_metadata(path, kind=kind) if record is None else record
     check_expected(path, record["metadata"], expect or {})
     described = record["arrays"]
     template = {name: jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]))
@@ -261,7 +262,7 @@ def load_cache(path: str | Path, *, expect: Mapping[str, Any] | None = None
         if (shape, dtype) != (leaf.shape, leaf.dtype):
             raise CheckpointError(f"{path}: array '{name}' is {dtype}{list(shape)}, the "
                                   f"layout needs {leaf.dtype}{list(leaf.shape)}")
-    arrays, _ = load_arrays(path, kind=CACHE_KIND)
+    arrays, _ = load_arrays(path, kind=CACHE_KIND, record=record)
     treedef = jax.tree.structure(structure)
     cache = jax.tree.unflatten(treedef, [jnp.asarray(arrays[name]) for name in names])
     extra = {name[len("extra/"):]: jnp.asarray(a) for name, a in arrays.items()
