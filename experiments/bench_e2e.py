@@ -106,10 +106,10 @@ def program_temps(params, config: ModelConfig, cache_config: CacheConfig, *, bat
                                              max_len=max_len, key=jax.random.key(0)))
     i32 = jnp.int32
     prefill = gen._prefill_jit.lower(
-        params, config, jax.ShapeDtypeStruct((batch, min(chunk, context)), i32),
+        params, config, None, jax.ShapeDtypeStruct((batch, min(chunk, context)), i32),
         jax.ShapeDtypeStruct((batch,), i32), cache).compile()
     decode = gen._decode_jit.lower(
-        params, config, new_tokens, True,
+        params, config, None, new_tokens, True,
         jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32), cache,
         jax.ShapeDtypeStruct((1,), i32), jax.random.key(1), jnp.float32(1),
         jnp.float32(1)).compile()

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from kvjax.allocation import Sensitivity
 from kvjax.cache import dense, key_calibration
@@ -76,11 +77,13 @@ def load_model_and_windows(model: str, corpus: str, num_windows: int, window_len
     return config, params, tokenizer, text, windows(ids, num_windows, window_len)
 
 
-def _forward(params: llama.Params, config: ModelConfig):
+def _forward(params: llama.Params, config: ModelConfig, mesh: Mesh | None = None):
     """The jitted ``forward(tokens, cache, valid) -> (logits, cache)`` of the model that
-    the perplexity loops call."""
+    the perplexity loops call (over ``mesh``: on params placed there)."""
+    if mesh is not None:
+        params = llama.shard_params(params, config, mesh)
     return lambda tokens, cache, valid: llama.jit_forward(params, config, tokens, cache,
-                                                           valid)
+                                                           valid, mesh=mesh)
 
 
 def cache_perplexity(
@@ -96,6 +99,7 @@ def cache_perplexity(
     progress: bool = False,
     calibration: KeyCalibration | None = None,
     reference: CacheConfig | None = None,
+    mesh: Mesh | None = None,
 ) -> PerplexityResult:
     """:func:`kvjax.eval.perplexity` of the model with caches of ``cache_config``.
 
@@ -104,6 +108,9 @@ def cache_perplexity(
     serves ``calib`` clauses (:func:`calibrate_keys`). ``reference``: a cache config
     (normally :meth:`~kvjax.spec.CacheConfig.reference`) that the windows also run
     through, for the reference perplexity and the distribution metrics against it.
+    ``mesh``: the model tensor-parallel and the caches split over it
+    (:func:`models.llama.hidden_states`); each batch of windows must split over its data
+    axis.
     """
     check_window_len(config.max_position_embeddings, windows.shape[-1])
     if cache_config.evict is not None:
@@ -115,12 +122,12 @@ def cache_perplexity(
         def new_cache(batch, max_len):
             return llama.new_cache(config, cc, batch=batch, max_len=max_len,
                                    dtype=cache_dtype, key=jax.random.PRNGKey(seed),
-                                   calibration=calibration)
+                                   calibration=calibration, mesh=mesh)
 
         return new_cache
 
-    return perplexity(_forward(params, config), cache_of(cache_config), windows, chunk=chunk,
-                      batch_size=batch_size, progress=progress,
+    return perplexity(_forward(params, config, mesh), cache_of(cache_config), windows,
+                      chunk=chunk, batch_size=batch_size, progress=progress,
                       reference=None if reference is None else cache_of(reference))
 
 
@@ -138,26 +145,31 @@ def cache_continuation(
     progress: bool = False,
     calibration: KeyCalibration | None = None,
     reference: CacheConfig | None = None,
+    mesh: Mesh | None = None,
 ) -> PerplexityResult:
     """:func:`kvjax.eval.ppl.continuation_perplexity` of the model: each window's first
     ``context`` tokens are prefilled (``chunk`` at a time) into a cache of
     ``cache_config`` (an ``evict=`` clause scores and drops tokens there), the rest is
-    scored after them. ``reference``: the cache config of the distribution metrics."""
+    scored after them. ``reference``: the cache config of the distribution metrics.
+    ``mesh``: as :func:`cache_perplexity`'s."""
     check_window_len(config.max_position_embeddings, windows.shape[-1])
     window_len = windows.shape[-1]
+    if mesh is not None:  # placed once, not at every batch's prefill
+        params = llama.shard_params(params, config, mesh)
 
     def prefill_of(cc: CacheConfig):
         def fill(prompts):
             pre = prefill(params, config, prompts.tolist(), cache_config=cc,
                           max_len=window_len, room=window_len - context,
                           cache_dtype=cache_dtype, chunk=chunk,
-                          key=jax.random.PRNGKey(seed), calibration=calibration)
+                          key=jax.random.PRNGKey(seed), calibration=calibration,
+                          mesh=mesh)
             return pre.logits, pre.cache
 
         return fill
 
     return continuation_perplexity(
-        prefill_of(cache_config), _forward(params, config), windows, context=context,
+        prefill_of(cache_config), _forward(params, config, mesh), windows, context=context,
         batch_size=batch_size, progress=progress,
         reference=None if reference is None else prefill_of(reference))
 

@@ -27,12 +27,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from kvjax.cache import KVCache, check, evict_into, memory_bytes
 from kvjax.checkpoint import CheckpointError, disk_bytes, load_cache, save_cache
+from kvjax.sharding import place_cache, sharded_evict_into
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig
-from models.llama import Params, attention_observer, hidden_states, lm_logits, new_cache
+from models.llama import (
+    Params,
+    attention_observer,
+    check_mesh,
+    hidden_states,
+    lm_logits,
+    new_cache,
+    shard_params,
+)
 
 #: how many times the prefill / decode functions were traced (for compile-once tests)
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
@@ -76,16 +86,17 @@ def _last_logits(params, config, h, valid):
     return lm_logits(params, config, last)
 
 
-def _prefill(params, config, tokens, valid, cache):
+def _prefill(params, config, mesh, tokens, valid, cache):
     TRACE_COUNTS["prefill"] += 1
-    h, cache = hidden_states(params, config, tokens, cache, valid)
+    h, cache = hidden_states(params, config, tokens, cache, valid, mesh=mesh)
     return _last_logits(params, config, h, valid), cache
 
 
-def _observed_prefill(params, config, tokens, valid, cache, weights, mass):
+def _observed_prefill(params, config, mesh, tokens, valid, cache, weights, mass):
     TRACE_COUNTS["prefill"] += 1
     h, cache, mass = hidden_states(params, config, tokens, cache, valid,
-                                   observe=(attention_observer(config, weights), mass))
+                                   observe=(attention_observer(config, weights), mass),
+                                   mesh=mesh)
     return _last_logits(params, config, h, valid), cache, mass
 
 
@@ -115,8 +126,8 @@ def _choose(logits, key, temperature, top_p, greedy: bool):
 CHECK_EVERY = 8
 
 
-def _decode(params, config, max_new_tokens, greedy, logits, cache, eos, key, temperature,
-            top_p):
+def _decode(params, config, mesh, max_new_tokens, greedy, logits, cache, eos, key,
+            temperature, top_p):
     TRACE_COUNTS["decode"] += 1
     batch = logits.shape[0]
     block = min(CHECK_EVERY, max_new_tokens)
@@ -139,7 +150,8 @@ def _decode(params, config, max_new_tokens, greedy, logits, cache, eos, key, tem
         # the token is fed back only if generation goes on after it; the last step's
         # forward is spent but keeps the loop body uniform
         feed = ~done_now & (i + 1 < max_new_tokens)
-        h, cache = hidden_states(params, config, tok[:, None], cache, feed.astype(jnp.int32))
+        h, cache = hidden_states(params, config, tok[:, None], cache, feed.astype(jnp.int32),
+                                 mesh=mesh)
         return i + 1, lm_logits(params, config, h[:, 0]), cache, done_now, out
 
     def body(state):
@@ -151,14 +163,17 @@ def _decode(params, config, max_new_tokens, greedy, logits, cache, eos, key, tem
     return out[:, :max_new_tokens], cache
 
 
-_prefill_jit = jax.jit(_prefill, static_argnums=1, donate_argnums=4)
-_observed_prefill_jit = jax.jit(_observed_prefill, static_argnums=1, donate_argnums=(4, 6))
-_decode_jit = jax.jit(_decode, static_argnums=(1, 2, 3), donate_argnums=5)
+_prefill_jit = jax.jit(_prefill, static_argnums=(1, 2), donate_argnums=5)
+_observed_prefill_jit = jax.jit(_observed_prefill, static_argnums=(1, 2),
+                                donate_argnums=(5, 7))
+_decode_jit = jax.jit(_decode, static_argnums=(1, 2, 3, 4), donate_argnums=6)
 
 
 def _signature(*trees) -> Any:
     leaves, treedef = jax.tree.flatten(trees)
-    return treedef, tuple((tuple(np.shape(a)), str(getattr(a, "dtype", type(a)))) for a in leaves)
+    # a sharded argument compiles for its layout: the layout is part of the signature
+    return treedef, tuple((tuple(np.shape(a)), str(getattr(a, "dtype", type(a))),
+                           str(getattr(a, "sharding", None))) for a in leaves)
 
 
 def _compiled(name, jitted, static, args, static_argnums):
@@ -224,6 +239,7 @@ def prefill(
     chunk: int | None = None,
     key: jax.Array | None = None,
     calibration: Any = None,
+    mesh: Mesh | None = None,
 ) -> Prefill:
     """Feed ``prompts`` (right-padded into one batch) through a new cache of
     ``cache_config`` of ``max_len`` slots, ``chunk`` tokens at a time (one compiled
@@ -233,9 +249,15 @@ def prefill(
     for a float32 ``cache_dtype``) while the prefill records the attention the policy
     scores by, and the cache returned holds only the kept tokens
     (:func:`kvjax.cache.evict_into`), with ``room`` slots after them for what follows.
-    ``key`` draws the codec parameters.
+    ``key`` draws the codec parameters. ``mesh`` (:func:`kvjax.sharding.make_mesh`):
+    the model runs tensor-parallel over it and the cache is split over its rows and kv
+    heads (:func:`models.llama.hidden_states`); the prompts must split over its data
+    axis.
     """
     batch = len(prompts)
+    if mesh is not None:
+        check_mesh(config, mesh, rows=batch)
+        params = shard_params(params, config, mesh)
     # prompts are padded to a multiple of PREFILL_BUCKET so that prompt sets of similar
     # lengths share one compiled prefill; `valid` keeps the padding out of the cache
     longest = max(len(p) for p in prompts)
@@ -252,17 +274,18 @@ def prefill(
     policy = cache_config.evict
     if policy is None:
         cache = new_cache(config, cache_config, batch=batch, max_len=max_len,
-                          dtype=cache_dtype, key=key, calibration=calibration)
+                          dtype=cache_dtype, key=key, calibration=calibration, mesh=mesh)
     else:
         exact = CacheConfig(k="f32" if jnp.dtype(cache_dtype) == jnp.float32 else "bf16")
-        cache = new_cache(config, exact, batch=batch, max_len=width, dtype=cache_dtype)
+        cache = new_cache(config, exact, batch=batch, max_len=width, dtype=cache_dtype,
+                          mesh=mesh)
     observe = policy is not None and policy.observes
     mass = (jnp.zeros((config.num_layers, batch, config.num_kv_heads, width), jnp.float32)
             if observe else None)
 
     def arguments(start):
         piece = tokens[:, start:start + chunk]
-        args = (params, config, piece, jnp.clip(valid - start, 0, chunk), cache)
+        args = (params, config, mesh, piece, jnp.clip(valid - start, 0, chunk), cache)
         if not observe:
             return args
         positions = start + jnp.arange(chunk, dtype=jnp.int32)[None, :]
@@ -272,11 +295,11 @@ def prefill(
     name, jitted = (("prefill_observed", _observed_prefill_jit) if observe
                     else ("prefill", _prefill_jit))
     t0 = time.perf_counter()
-    compiled = _compiled(name, jitted, config, arguments(0), (1,))
+    compiled = _compiled(name, jitted, (config, mesh), arguments(0), (1, 2))
     t1 = time.perf_counter()
     logits = None
     for start in range(0, width, chunk):
-        params_, _, *rest = arguments(start)
+        params_, _, _, *rest = arguments(start)
         chunk_logits, cache, *observed = compiled(params_, *rest)
         if observe:
             mass = observed[0]
@@ -286,8 +309,9 @@ def prefill(
     if policy is not None:
         target = new_cache(config, cache_config, batch=batch,
                            max_len=policy.capacity(width) + room, dtype=cache_dtype, key=key,
-                           calibration=calibration)
-        cache = evict_into(cache, mass, target)
+                           calibration=calibration, mesh=mesh)
+        cache = (evict_into(cache, mass, target) if mesh is None
+                 else sharded_evict_into(mesh, cache, mass, target))
     jax.block_until_ready((logits, cache))
     return Prefill(logits=logits, cache=cache, seconds=time.perf_counter() - t1,
                    compile_s=t1 - t0)
@@ -309,6 +333,7 @@ def generate(
     prefill_chunk: int | None = None,
     calibration: Any = None,
     save_prompt: str | Path | None = None,
+    mesh: Mesh | None = None,
 ) -> GenerateResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt, batched.
 
@@ -330,6 +355,9 @@ def generate(
     (:func:`models.evaluate.calibrate_keys`). ``save_prompt``: a directory where the
     prefilled cache is stored (:func:`save_prompt_cache`, replacing what is there) before
     decoding, for :func:`load_prompt_cache` and :func:`decode` to continue from later.
+    ``mesh`` (:func:`kvjax.sharding.make_mesh`): tensor-parallel over its ``model``
+    axis, the prompts split over its ``data`` axis (their count must divide), the cache
+    split over both; the same tokens as on one device.
     """
     max_len = _validate(config, prompts, max_new_tokens, temperature, top_p, max_len)
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int | np.integer)
@@ -341,13 +369,13 @@ def generate(
         pre = prefill(params, config, prompts, cache_config=cache_config, max_len=max_len,
                       room=max_new_tokens, cache_dtype=cache_dtype, chunk=prefill_chunk,
                       key=jax.random.fold_in(jax.random.PRNGKey(seed), 0),
-                      calibration=calibration)
+                      calibration=calibration, mesh=mesh)
     if save_prompt is not None:
         save_prompt_cache(save_prompt, pre, params=params, config=config, prompts=prompts,
                           seed=seed, overwrite=True)
     return decode(params, config, pre, max_new_tokens=max_new_tokens,
                   temperature=temperature, top_p=top_p, seed=seed,
-                  eos_token_ids=eos_token_ids)
+                  eos_token_ids=eos_token_ids, mesh=mesh)
 
 
 def decode(
@@ -360,15 +388,22 @@ def decode(
     top_p: float = 1.0,
     seed: int = 0,
     eos_token_ids: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
 ) -> GenerateResult:
     """The decode half of :func:`generate`: up to ``max_new_tokens`` tokens per row after
     a prefill (:func:`prefill`, or a prompt cache from :func:`load_prompt_cache`), with
     :func:`generate`'s sampling, seed and end-of-sequence rules; the same ``seed`` as the
     prefill's :func:`generate` call gives the same tokens. The prefill's cache is donated
     to the decode loop: use ``result.cache`` afterwards. Raises ``ValueError`` when the
-    cache has no room for the tokens or their positions pass the model's context."""
+    cache has no room for the tokens or their positions pass the model's context.
+    ``mesh``: as :func:`generate`'s (a prompt cache read from disk is split over it)."""
     _validate_sampling(max_new_tokens, temperature, top_p)
     cache = pre.cache
+    logits = pre.logits
+    if mesh is not None:
+        check_mesh(config, mesh, rows=cache.batch)
+        params = shard_params(params, config, mesh)
+        cache = place_cache(mesh, cache)
     longest = int(jnp.max(cache.lengths))
     if longest + max_new_tokens - 1 > cache.max_len:
         raise ValueError(f"the cache holds {cache.max_len} tokens, {longest} of them taken: "
@@ -389,12 +424,12 @@ def decode(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         t2 = time.perf_counter()
-        dec_args = (params, config, max_new_tokens, greedy, pre.logits, cache, eos_arr,
+        dec_args = (params, config, mesh, max_new_tokens, greedy, logits, cache, eos_arr,
                     sample_key, temperature_arr, top_p_arr)
-        compiled = _compiled("decode", _decode_jit, (config, max_new_tokens, greedy),
-                             dec_args, (1, 2, 3))
+        compiled = _compiled("decode", _decode_jit, (config, mesh, max_new_tokens, greedy),
+                             dec_args, (1, 2, 3, 4))
         t3 = time.perf_counter()
-        out, cache = compiled(params, pre.logits, cache, eos_arr, sample_key,
+        out, cache = compiled(params, logits, cache, eos_arr, sample_key,
                               temperature_arr, top_p_arr)
         out = np.asarray(jax.block_until_ready(out))
         t4 = time.perf_counter()

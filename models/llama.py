@@ -40,12 +40,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from kvjax.attention import attend
 from kvjax.cache import KVCache, Step, append, commit, dense, init_cache, make_step
 from kvjax.cache import scan_layers as _scan_layers
 from kvjax.calibration import fitted_of
 from kvjax.eviction import attention_mass
+from kvjax.sharding import (
+    DATA,
+    MODEL,
+    axis_sizes,
+    cache_specs,
+    check_split,
+    new_sharded_cache,
+    per_shard,
+    shardings,
+)
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig, RopeScaling
 
@@ -110,6 +122,28 @@ def fuse_projections(params: Params) -> Params:
     if isinstance(layers, (list, tuple)):
         return {**params, "layers": tuple(fuse(layer) for layer in layers)}
     return {**params, "layers": fuse(layers)}
+
+
+def unfuse_projections(params: Params, config: ModelConfig) -> Params:
+    """Inverse of :func:`fuse_projections`: each fused leaf split back into its parts."""
+    if not is_fused(params):
+        return params
+    widths = {part: shape[-1] for part, shape in layer_shapes(config).items()}
+
+    def split(layer):
+        layer = dict(layer)
+        for name, parts in FUSED.items():
+            if name in layer:
+                cuts = np.cumsum([widths[part] for part in parts])[:-1].tolist()
+                lib = np if isinstance(layer[name], np.ndarray) else jnp
+                layer.update(zip(parts, lib.split(layer.pop(name), cuts, axis=-1),
+                                 strict=True))
+        return layer
+
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return {**params, "layers": tuple(split(layer) for layer in layers)}
+    return {**params, "layers": split(layers)}
 
 
 def param_shapes(config: ModelConfig, fused: bool = False) -> Params:
@@ -219,6 +253,63 @@ def check_params(params: Params, config: ModelConfig) -> None:
         raise ValueError("params do not match the model config: " + "; ".join(problems))
 
 
+#: how each weight splits for tensor parallelism (Megatron's): the Q, K, V, gate and up
+#: projections by output columns (whole heads, whole MLP units), the output and down
+#: projections by input rows, whose partial sums the layer adds over the model axis;
+#: every other leaf (norms, embedding) is whole on every device
+SPLIT = {
+    "wq": (None, MODEL), "wk": (None, MODEL), "wv": (None, MODEL), "wo": (MODEL, None),
+    "bq": (MODEL,), "bk": (MODEL,), "bv": (MODEL,),
+    "w_gate": (None, MODEL), "w_up": (None, MODEL), "w_down": (MODEL, None),
+}
+
+
+def check_mesh(config: ModelConfig, mesh: Mesh | None, *, rows: int | None = None) -> None:
+    """Raise :class:`kvjax.sharding.MeshError` unless the model's query and kv heads and
+    MLP units (and ``rows``) split evenly over the mesh."""
+    check_split(mesh, rows=rows, kv_heads=config.num_kv_heads,
+                query_heads=config.num_heads, mlp_units=config.intermediate_size)
+
+
+def shard_config(config: ModelConfig, model: int) -> ModelConfig:
+    """The config one device of a ``model``-wide tensor-parallel group computes: its
+    share of the query and kv heads and of the MLP units."""
+    if model == 1:
+        return config
+    return dataclasses.replace(config, num_heads=config.num_heads // model,
+                               num_kv_heads=config.num_kv_heads // model,
+                               intermediate_size=config.intermediate_size // model)
+
+
+def param_specs(params: Params) -> Any:
+    """A :class:`~jax.sharding.PartitionSpec` per leaf of ``params`` (stacked or per
+    layer; :data:`SPLIT`); ``lm_head`` splits over the vocabulary."""
+    def spec(path, leaf):
+        name = path[-1].key
+        split = SPLIT.get(name, ())
+        if name == "lm_head":
+            split = (None, MODEL)
+        # stacked layer leaves carry a leading layer axis
+        lead = (None,) * (leaf.ndim - len(split)) if split else ()
+        return P(*lead, *split)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def shard_params(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
+    """``params`` placed on ``mesh`` for :func:`hidden_states` over it: each device holds
+    its heads' and MLP units' columns or rows (:data:`SPLIT`), the norms and the
+    embedding whole; replicated over the data axis. Fused projections are split back
+    (the fused matrices would not split along whole heads)."""
+    check_mesh(config, mesh)
+    if is_fused(params):
+        params = unfuse_projections(params, config)
+    specs = param_specs(params)
+    if config.vocab_size % axis_sizes(mesh)[MODEL] and "lm_head" in params:
+        specs = {**specs, "lm_head": P()}
+    return jax.device_put(params, shardings(mesh, specs))
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """HF RMSNorm: normalize in float32, cast back to ``x.dtype``, then scale by ``weight``."""
     x32 = x.astype(jnp.float32)
@@ -279,6 +370,9 @@ class DecoderLayer(nn.Module):
     fused: bool = False
     #: also return the chunk's queries (after the rotary embedding), for eviction
     return_queries: bool = False
+    #: the mesh axis the layer's heads and MLP units are split over (inside
+    #: ``shard_map``): the output and down projections' partial sums are added over it
+    model_axis: str | None = None
 
     def _p(self, name: str) -> jax.Array:
         # zeros only matter for shape inference; loaders always supply the values
@@ -300,6 +394,11 @@ class DecoderLayer(nn.Module):
             ys = tuple(y + self._p(b) for y, b in zip(ys, FUSED[bias], strict=True))
         return ys
 
+    def _reduce(self, partial: jax.Array) -> jax.Array:
+        if self.model_axis is None:
+            return partial
+        return jax.lax.psum(partial, self.model_axis)
+
     @nn.compact
     def __call__(self, h: jax.Array, layer_kv, step: Step, cos: jax.Array, sin: jax.Array):
         """``h [B, T, H]`` -> ``(h, layer_kv)`` after appending this chunk's K/V (and the
@@ -317,24 +416,40 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         layer_kv = append(layer_kv, k, v, step)
         o = attend(q, layer_kv, step, sliding_window=c.sliding_window, impl=self.attention)
-        h = h + o.reshape(b, t, -1).astype(h.dtype) @ self._p("wo")
+        h = h + self._reduce(o.reshape(b, t, -1).astype(h.dtype) @ self._p("wo"))
 
         x = rms_norm(h, self._p("mlp_norm"), c.rms_norm_eps)
         gate, up = self._project(x, "w_gate_up")
         mlp = nn.silu(gate) * up
-        h = h + mlp @ self._p("w_down")
+        h = h + self._reduce(mlp @ self._p("w_down"))
         return (h, layer_kv, q) if self.return_queries else (h, layer_kv)
 
 
-#: ``observer(state, layer, queries[B, T, N, D], view, step) -> state``: what a layer's
-#: chunk shows a caller of :func:`hidden_states` (``view``: the layer's cache after the
-#: chunk's append; queries after the rotary embedding)
-Observer = Callable[[Any, jax.Array, jax.Array, Any, Step], Any]
+@dataclasses.dataclass(frozen=True)
+class Observer:
+    """What a layer's chunk shows a caller of :func:`hidden_states`:
+    ``update(state, layer, queries[B, T, N, D], view, step, inputs) -> state`` adds what
+    it sees to ``state`` (``view``: the layer's cache after the chunk's append; queries
+    after the rotary embedding; ``inputs``: arrays of the caller's it reads). On a mesh
+    (:mod:`kvjax.sharding`) ``partition`` and ``inputs_partition`` are the
+    :class:`~jax.sharding.PartitionSpec` of the state and the inputs: each device adds
+    what its rows and heads see, summed over the axes the state's partition does not
+    name. A plain ``update(state, layer, queries, view, step)`` also serves, off a mesh.
+    """
+
+    update: Callable[..., Any]
+    partition: P = dataclasses.field(default_factory=P)
+    inputs: Any = None
+    inputs_partition: Any = dataclasses.field(default_factory=P)
+
+    def __call__(self, state, layer, queries, view, step):
+        return self.update(state, layer, queries, view, step, self.inputs)
 
 
 def hidden_states(
     params: Params, config: ModelConfig, tokens: jax.Array, cache: KVCache,
     valid: jax.Array | None = None, observe: tuple[Observer, Any] | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, Any]:
     """Final-normed hidden states ``[B, T, H]`` of a chunk, and the cache holding it.
 
@@ -342,18 +457,29 @@ def hidden_states(
     observer(state, i, queries, view, step)`` and the last state is returned third:
     :func:`attention_observer` sums the attention each stored position receives (an
     eviction's scores), :func:`query_moment_observer` the queries' second moments.
+
+    ``mesh`` (:func:`kvjax.sharding.make_mesh`): the layers run tensor-parallel inside
+    ``shard_map``, rows over its ``data`` axis and heads (and MLP units) over ``model``,
+    on params placed by :func:`shard_params` and a cache made by :func:`new_cache` with
+    the same mesh; the hidden states come back split over rows.
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
     if cache.num_layers != config.num_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, model {config.num_layers}")
+    if mesh is None:
+        return _hidden_states(params, config, tokens, cache, valid, observe)
+    return _sharded_hidden_states(params, config, tokens, cache, valid, observe, mesh)
+
+
+def _hidden_states(params, config, tokens, cache, valid, observe, model_axis=None):
     num_tokens = tokens.shape[1]
     step = make_step(cache, num_tokens, valid)
     cos, sin = rope_tables(config, cache.positions(step, num_tokens))
     h = jnp.take(params["embed"], tokens, axis=0)
     layer = DecoderLayer(config, attention=cache.config.attention, fused=is_fused(params),
-                         return_queries=observe is not None)
+                         return_queries=observe is not None, model_axis=model_axis)
 
     if observe is None:
         def body(h, layer_params, view):
@@ -375,34 +501,74 @@ def hidden_states(
     return (h, cache) if observe is None else (h, cache, state)
 
 
+def _sharded_hidden_states(params, config, tokens, cache, valid, observe, mesh):
+    batch, num_tokens = tokens.shape
+    check_mesh(config, mesh, rows=batch)
+    if is_fused(params):
+        raise ValueError("params with fused projections do not split over a mesh: place "
+                         "them with shard_params")
+    # the whole cache's step: the checks of concrete counts see every row
+    make_step(cache, num_tokens, valid)
+    if valid is None:
+        valid = jnp.full((batch,), num_tokens, jnp.int32)
+    local = shard_config(config, axis_sizes(mesh)[MODEL])
+    # the head stays outside: its vocabulary split is XLA's (lm_logits)
+    inner = {name: params[name] for name in ("embed", "layers", "final_norm")}
+    in_specs = (param_specs(inner), P(DATA), cache_specs(cache), P(DATA))
+    out_specs = (P(DATA), in_specs[2])
+    if observe is None:
+        def run(p, t, c, v):
+            return _hidden_states(p, local, t, c, v, None, MODEL)
+
+        return per_shard(run, mesh, in_specs, out_specs)(inner, tokens, cache, valid)
+
+    observer, state = observe
+    if not isinstance(observer, Observer):
+        raise ValueError("an observer on a mesh is an Observer, which names its state's "
+                         "partition")
+    summed = tuple(axis for axis in (DATA, MODEL) if axis not in observer.partition)
+
+    def observed(p, t, c, v, start, inputs):
+        local_observer = dataclasses.replace(observer, inputs=inputs)
+        h, c, seen = _hidden_states(p, local, t, c, v,
+                                    (local_observer, jnp.zeros_like(start)), MODEL)
+        return h, c, start + (jax.lax.psum(seen, summed) if summed else seen)
+
+    return per_shard(
+        observed, mesh, (*in_specs, observer.partition, observer.inputs_partition),
+        (*out_specs, observer.partition),
+    )(inner, tokens, cache, valid, state, observer.inputs)
+
+
 def attention_observer(config: ModelConfig, weights: jax.Array) -> Observer:
     """An observer whose state ``mass[L, B, K, S]`` (``S`` the cache's ``max_len``)
     gains the attention each stored position receives from the chunk's queries,
-    weighted per query by ``weights[B, T]`` (:func:`kvjax.eviction.attention_mass`)."""
-    def observe(mass, i, q, view, step):
+    weighted per query by ``weights[B, T]`` (:func:`kvjax.eviction.attention_mass`);
+    split over rows and kv heads on a mesh (``weights`` too)."""
+    def observe(mass, i, q, view, step, weights):
         lengths = step.start + step.valid
         keys = dense(view.k, lengths, jnp.float32, restore_keys=True)
         seen = attention_mass(q, keys, step.positions(q.shape[1]), lengths, weights,
                               config.head_dim ** -0.5)
         return mass.at[i].add(seen)
 
-    return observe
+    return Observer(observe, P(None, DATA, MODEL), weights, P(DATA))
 
 
 def query_moment_observer(config: ModelConfig) -> Observer:
     """An observer whose state ``float32[L, K, D, D]`` gains, per kv head, ``sum q q^T``
     over the chunk's real queries of every query head that shares it."""
-    group = config.num_heads // config.num_kv_heads
-
-    def observe(moment, i, q, view, step):
+    def observe(moment, i, q, view, step, _):
         batch, tokens = q.shape[:2]
+        # the kv heads of the view: a device's own on a mesh
+        heads = view.k.raw.shape[1]
         real = (jnp.arange(tokens)[None, :] < step.valid[:, None]).astype(jnp.float32)
-        q = q.astype(jnp.float32).reshape(batch, tokens, config.num_kv_heads, group, -1)
+        q = q.astype(jnp.float32).reshape(batch, tokens, heads, -1, config.head_dim)
         weighted = q * real[:, :, None, None, None]
         return moment.at[i].add(jnp.einsum("btkgd,btkge->kde", weighted, q,
                                            precision=jax.lax.Precision.HIGHEST))
 
-    return observe
+    return Observer(observe, P(None, MODEL))
 
 
 def lm_logits(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
@@ -413,38 +579,49 @@ def lm_logits(params: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
 
 def forward(
     params: Params, config: ModelConfig, tokens: jax.Array, cache: KVCache,
-    valid: jax.Array | None = None,
+    valid: jax.Array | None = None, mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Logits ``[B, T, V]`` (float32) of a chunk ``tokens [B, T]``, and the updated cache.
 
     Token ``t`` of row ``b`` sits at position ``cache.lengths[b] + t``. ``valid[B]`` (default
     ``T``) counts each row's real tokens; a right-padded tail is neither stored nor
-    attended to, and its logits are meaningless. Jit with ``static_argnums=1``.
+    attended to, and its logits are meaningless. ``mesh``: tensor-parallel over it
+    (:func:`hidden_states`). Jit with ``static_argnums=1`` and ``mesh`` static.
     """
-    h, cache = hidden_states(params, config, tokens, cache, valid)
+    h, cache = hidden_states(params, config, tokens, cache, valid, mesh=mesh)
     return lm_logits(params, config, h), cache
 
 
 #: :func:`forward` jitted with the weights as an argument (not a closure constant, which
 #: XLA would fold into the program: about 8x slower to compile for a 135M model on CPU)
-jit_forward = jax.jit(forward, static_argnums=1)
+jit_forward = jax.jit(forward, static_argnums=1, static_argnames="mesh")
 
 
 def new_cache(
     config: ModelConfig, cache_config: CacheConfig, *, batch: int, max_len: int,
     dtype: Any = jnp.bfloat16, key: jax.Array | None = None, calibration: Any = None,
+    mesh: Mesh | None = None,
 ) -> KVCache:
     """An empty kvjax cache shaped for this model (``calibration``: the key calibration
     of a spec with ``calib`` clauses, :func:`models.evaluate.calibrate_keys`; codecs that
     take fitted parameters read the checkpoint of the spec's ``fit=`` clause,
-    :func:`kvjax.calibration.fitted_of`)."""
+    :func:`kvjax.calibration.fitted_of`). ``mesh``: made split over it, rows over
+    ``data`` and kv heads over ``model`` (:func:`kvjax.sharding.new_sharded_cache`),
+    the same values as without."""
     fitted = fitted_of(cache_config) if cache_config.fit else None
-    return init_cache(
-        jax.random.PRNGKey(0) if key is None else key, cache_config,
-        num_layers=config.num_layers, batch=batch, num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim, max_len=max_len, dtype=dtype, calibration=calibration,
-        fitted=fitted,
-    )
+
+    def make() -> KVCache:
+        return init_cache(
+            jax.random.PRNGKey(0) if key is None else key, cache_config,
+            num_layers=config.num_layers, batch=batch, num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, max_len=max_len, dtype=dtype, calibration=calibration,
+            fitted=fitted,
+        )
+
+    if mesh is None:
+        return make()
+    check_mesh(config, mesh, rows=batch)
+    return new_sharded_cache(mesh, make)
 
 
 def logits_no_cache(

@@ -3,7 +3,8 @@
 Most of the suite's time on a 2-core CPU is XLA compiling small programs. LLVM's
 expensive optimization passes buy nothing for arrays of a few KiB, so the suite turns
 them off (the numerics are unchanged: neither setting enables fast-math), unless the
-caller has chosen XLA_FLAGS already.
+caller has chosen XLA_FLAGS already. It also asks for :data:`TEST_DEVICES` virtual CPU
+devices for the sharding tests.
 """
 
 import inspect
@@ -11,10 +12,17 @@ import os
 
 import pytest
 
+#: CPU devices the suite runs with (tests/kvjax/test_sharding.py, tests/models/test_sharded.py)
+TEST_DEVICES = 8
+
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
 )
+# the sharding tests split caches and models over meshes of up to 8 devices; on a CPU
+# those are virtual devices of the host (everything else runs on the first)
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={TEST_DEVICES}"
 
 # designed codebooks go to a fresh folder, not the user's cache
 if "KVJAX_CODEBOOKS" not in os.environ:

@@ -27,6 +27,7 @@ RANKS = (
     ("kvjax.spec", 3),
     ("kvjax.cache", 4),
     ("kvjax.attention", 5),
+    ("kvjax.sharding", 5),
     ("kvjax.probe", 6),
     ("kvjax.eval", 6),
     ("kvjax.checkpoint", 6),

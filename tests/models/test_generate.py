@@ -240,7 +240,7 @@ def _weights_temp_bytes(intermediate: int, per_layer: bool) -> int:
     weights = unstack_layers(weights) if per_layer else weights
     cache = new_cache(config, BF16, batch=2, max_len=256)
     compiled = gen._decode_jit.lower(
-        weights, config, 4, True, jnp.zeros((2, 64), jnp.float32), cache,
+        weights, config, None, 4, True, jnp.zeros((2, 64), jnp.float32), cache,
         jnp.asarray((-1,), jnp.int32), jax.random.key(1), jnp.float32(1), jnp.float32(1),
     ).compile()
     return compiled.memory_analysis().temp_size_in_bytes
@@ -267,7 +267,7 @@ def _decode_temp_bytes(num_layers: int, spec: str) -> tuple[int, int]:
     codes = sum(x.nbytes for seg in cache.segments for store in (seg.k, seg.v)
                 for x in jax.tree.leaves(store.codes))
     compiled = gen._decode_jit.lower(
-        weights, config, 4, True, jnp.zeros((2, 64), jnp.float32), cache,
+        weights, config, None, 4, True, jnp.zeros((2, 64), jnp.float32), cache,
         jnp.asarray((-1,), jnp.int32), jax.random.key(1), jnp.float32(1), jnp.float32(1),
     ).compile()
     return compiled.memory_analysis().temp_size_in_bytes, codes
