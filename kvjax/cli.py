@@ -38,6 +38,8 @@ import numpy as np
 from kvjax.attention import check_names
 from kvjax.eval.corpus import CorpusDownloadError
 from kvjax.probe import BASELINE_CODECS
+from kvjax.sharding import MeshError, check_split, make_mesh, parse_mesh
+from kvjax.sharding import describe as describe_mesh
 from kvjax.spec import CACHE_CLAUSES, CacheConfig, parse_cache, registered
 
 CACHE_HELP = ("cache spec, one quoted string of clauses: " + " ".join(CACHE_CLAUSES)
@@ -115,6 +117,25 @@ def _cache(text: str) -> CacheConfig:
         return config
     except ValueError as err:  # one line that lists what is valid
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _mesh(text: str) -> dict[str, int]:
+    """A ``--mesh`` value: ``data=D,model=M`` read, or a usage error saying why not."""
+    try:
+        return parse_mesh(text)
+    except MeshError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_mesh(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mesh", type=_mesh, default=None, metavar="data=D,model=M",
+                        help="run over D x M devices: rows split over data, heads "
+                             "tensor-parallel over model (default: one device)")
+
+
+def _device_mesh(args):
+    """The mesh of ``--mesh`` over this machine's devices, or None for one device."""
+    return None if args.mesh is None else make_mesh(args.mesh)
 
 
 def _add_cache(parser: argparse.ArgumentParser, extra_help: str, **kw) -> None:
@@ -204,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one JSON object: text, tokens, prefill_s, decode_tok_per_s, "
                         f"cache_bytes (disk_bytes with --save-prompt or --resume); "
                         f"{JSON_HELP}")
+    _add_mesh(g)
 
     q = sub.add_parser("ppl", help="perplexity on a corpus, compressed cache vs bf16 cache")
     _add_cache(q, "a bf16 cache with its window and sinks is the baseline", required=True)
@@ -222,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=_seed, default=0, help="seed of the codec parameters")
     q.add_argument("--progress", action="store_true", help="a progress bar over chunks")
     q.add_argument("--json", action="store_true", help=f"one JSON object; {JSON_HELP}")
+    _add_mesh(q)
 
     n = sub.add_parser("needle", help="needle-in-a-haystack retrieval accuracy per cache")
     _add_cache(n, "repeat for several; a bf16 cache with the window and sinks of each "
@@ -357,6 +380,8 @@ def _cmd_generate(args) -> int:
         raise ValueError("the prompt is empty" if args.prompt is not None
                          else "give --prompt TEXT, or --resume DIR")
     cache_config = args.cache or parse_cache("bf16")
+    mesh = _device_mesh(args)
+    check_split(mesh, rows=1)  # one prompt
     model_name = args.model or models.DEFAULT_MODEL
     # a cache or a model file that cannot work fails before the model is loaded
     check_context(cache_config, models.context_length(model_name), "the model's context")
@@ -372,7 +397,7 @@ def _cmd_generate(args) -> int:
         stored = load_prompt_cache(args.resume, params=params, config=config)
         cache_config, stored_bytes = stored.prefill.cache.config, stored.disk_bytes
         result = decode(params, config, stored.prefill, **sampling,
-                        seed=stored.seed if args.seed is None else args.seed)
+                        seed=stored.seed if args.seed is None else args.seed, mesh=mesh)
     else:
         if args.chat:
             prompt_ids = models.chat_prompt_ids(tokenizer, args.prompt)
@@ -382,6 +407,7 @@ def _cmd_generate(args) -> int:
             params, config, [list(prompt_ids)], cache_config=cache_config, **sampling,
             seed=args.seed or 0, prefill_chunk=args.prefill_chunk,
             calibration=_calibration(args, [cache_config]), save_prompt=args.save_prompt,
+            mesh=mesh,
         )
         if args.save_prompt is not None:
             stored_bytes = disk_bytes(args.save_prompt)
@@ -392,7 +418,7 @@ def _cmd_generate(args) -> int:
             "text": text, "tokens": tokens, "prefill_s": result.prefill_s,
             "decode_tok_per_s": result.decode_tok_per_s, "cache_bytes": result.cache_bytes,
             "cache": cache_config.spec, "k_codec": cache_config.k.spec,
-            "v_codec": cache_config.v.spec,
+            "v_codec": cache_config.v.spec, "mesh": describe_mesh(mesh),
             **({} if stored_bytes is None else {"disk_bytes": stored_bytes}),
         }))
     else:
@@ -419,6 +445,8 @@ def _cmd_ppl(args) -> int:
         raise ValueError(f"--context {args.context} leaves no token of a "
                          f"{args.window_len}-token window to score")
     calibration = _calibration(args, [cache_config])
+    mesh = _device_mesh(args)
+    check_split(mesh, rows=args.windows)
     baseline = cache_config.reference()
     model_name = args.model or models.DEFAULT_MODEL
     context = models.context_length(model_name)
@@ -435,7 +463,8 @@ def _cmd_ppl(args) -> int:
     evaluate = cache_perplexity if args.context is None else functools.partial(
         cache_continuation, context=args.context)
     result = evaluate(params, config, cache_config, wins, chunk=args.chunk, seed=args.seed,
-                      progress=args.progress, calibration=calibration, reference=baseline)
+                      progress=args.progress, calibration=calibration, reference=baseline,
+                      mesh=mesh)
     row = {
         "cache": cache_config.spec, "bf16_cache": baseline.spec,
         "k_codec": cache_config.k.spec, "v_codec": cache_config.v.spec,
@@ -443,7 +472,7 @@ def _cmd_ppl(args) -> int:
         "windows": args.windows, "window_len": args.window_len, "chunk": args.chunk,
         "context": args.context,
         "residual_window": cache_config.residual_window, "sinks": cache_config.sink_tokens,
-        "seed": args.seed,
+        "seed": args.seed, "mesh": describe_mesh(mesh),
         "ppl": result.ppl, "bf16_ppl": result.reference_ppl,
         "bits_per_element": result.bits_per_element,
         "k_bits_per_element": result.k_bits_per_element,

@@ -116,8 +116,8 @@ def check_split(mesh: Mesh | None, *, rows: int | None = None,
     sizes = axis_sizes(mesh)
     problems = []
     if rows is not None and rows % sizes[DATA]:
-        problems.append(f"{rows} rows do not split over {DATA}={sizes[DATA]} (give a "
-                        f"multiple of {sizes[DATA]} rows)")
+        problems.append(f"{rows} {'row does' if rows == 1 else 'rows do'} not split over "
+                        f"{DATA}={sizes[DATA]} (give a multiple of {sizes[DATA]} rows)")
     for name, count in (("kv_heads", kv_heads), *others.items()):
         if count is not None and count % sizes[MODEL]:
             problems.append(f"{count} {name.replace('_', ' ')} do not split over "

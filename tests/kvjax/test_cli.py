@@ -162,7 +162,11 @@ def test_generate_with_the_embedded_model(capsys):
     out = _loads(capsys.readouterr().out)
     assert "Paris" in out["text"] and len(out["tokens"]) == 4
     assert out["cache_bytes"] > 0 and out["decode_tok_per_s"] > 0 and out["prefill_s"] > 0
-    assert out["cache"] == "bf16"
+    assert out["cache"] == "bf16" and out["mesh"] == "data=1,model=1"
+    # SmolLM2's 3 kv heads (and 9 query heads) on 3 devices: the same tokens
+    assert main([*args, "--json", "--mesh", "model=3"]) == 0
+    sharded = _loads(capsys.readouterr().out)
+    assert sharded["tokens"] == out["tokens"] and sharded["mesh"] == "data=1,model=3"
     assert main([*args, "--cache", "k=int:4 v=int:8 window=2", "--json"]) == 0
     out = _loads(capsys.readouterr().out)
     assert out["text"].strip() and out["cache"] == "k=int:4 v=int:8 window=2"
@@ -195,6 +199,7 @@ def test_a_prompt_stored_by_one_process_continues_in_another(tmp_path, capsys):
     (["--prompt", "hi", "--model", "no-such-model"], "no-such-model"),
     (["--prompt", "hi", "--codec", "int:1"], "2..8"),
     (["--prompt", "hi", "--cache", "v=int:4"], "names no K codec"),
+    (["--prompt", "hi", "--mesh", "data=2"], "1 row does not split over data=2"),
 ])
 def test_generate_bad_input_exits_2(capsys, args, needle):
     assert main(["generate", *args]) == 2

@@ -35,6 +35,18 @@ def test_ppl_real_model_on_shakespeare(capsys):
     buckets = out["kl_by_position"]
     assert [(b["start"], b["end"]) for b in buckets] == [(0, 8), (8, 16), (16, 32), (32, 64)]
     assert sum(b["tokens"] for b in buckets) == out["tokens"] == 2 * 63
+    assert out["mesh"] == "data=1,model=1"
+
+    # the windows over 2 rows of devices, SmolLM2's 3 kv heads over 3: the bf16 cache's
+    # perplexity to float rounding; int:4's within the spread that rounding alone gives
+    # it (a value moved across a quantization step by the order the tensor-parallel sums
+    # add in changes a code, and 30 layers carry it on: docs/sharding.md)
+    assert main([*args, "--mesh", "data=2,model=3"]) == 0
+    sharded = _loads(capsys.readouterr().out)
+    assert sharded["mesh"] == "data=2,model=3"
+    assert sharded["bf16_ppl"] == pytest.approx(out["bf16_ppl"], rel=1e-3)
+    assert sharded["ppl"] == pytest.approx(out["ppl"], rel=0.1)
+    assert sharded["bits_per_element"] == out["bits_per_element"]
 
 
 def test_ppl_after_an_evicted_prompt_counts_the_sequence_bits(capsys):
@@ -59,6 +71,10 @@ def test_ppl_after_an_evicted_prompt_counts_the_sequence_bits(capsys):
     (["--codec", "int:4", "--model", "no-such-model"], "no-such-model"),
     (["--cache", "int:4 evict=snapkv:25%"], "give --context N"),
     (["--codec", "int:4", "--window-len", "64", "--context", "64"], "leaves no token"),
+    (["--codec", "int:4", "--mesh", "rows=2"], "mesh axis 'rows' unknown"),
+    (["--codec", "int:4", "--mesh", "model=16"], "needs 16 devices"),
+    (["--codec", "int:4", "--window-len", "64", "--mesh", "model=2"],
+     "3 kv heads do not split over model=2"),
 ])
 def test_ppl_bad_input_exits_2(capsys, args, needle):
     assert main(["ppl", *args]) == 2
