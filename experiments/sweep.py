@@ -29,6 +29,10 @@ without its seed; ``seeds0-4`` for ``--seeds 0 1 2 3 4``): ``summary.csv`` and
 a configuration measured once is marked and has sd 0) and ``pareto.png``/
 ``pareto_zoom.png`` (the means, with min..max error bars). One seed given to ``--seeds``
 is the same as ``--seed``.
+
+``--devices N`` measures N configurations at once, each on its own device (a thread per
+device, each with a copy of the model): on a machine with N GPUs, N times the
+configurations per hour, with the results and the resumable folders of a serial run.
 """
 
 from __future__ import annotations
@@ -105,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--needle-batch", type=int, default=None,
                    help="needle prompts per generate call (default: all of one length); "
                         "the reference attention holds [batch, heads, length, length] scores")
+    p.add_argument("--devices", type=int, default=1, metavar="N",
+                   help="measure N configurations at once, one per device (each device "
+                        "holds a copy of the model); the results of a serial run")
     p.add_argument("--out", type=Path, default=Path("results") / "sweep")
     p.add_argument("--force", action="store_true", help="redo finished configurations")
     p.add_argument("--no-progress", action="store_true")
@@ -132,6 +139,7 @@ def main(argv: Sequence[str] | None = None, evaluate: sw.Evaluate | None = None,
         if args.seeds is not None and min(args.seeds) < 0:
             raise ValueError("--seeds must be >= 0")
         seeds = sorted(set(args.seeds)) if args.seeds else [args.seed]
+        devices = sw.sweep_devices(args.devices)
         configs = list(PRESETS[args.preset]) if args.preset else []
         configs += args.configs or []
         if not configs:
@@ -156,11 +164,13 @@ def main(argv: Sequence[str] | None = None, evaluate: sw.Evaluate | None = None,
         if len(seeds) == 1:
             rows, run_dir = sw.run_sweep(configs, settings, args.out,
                                          sw.lazy_evaluator(settings, {}, build),
-                                         force=args.force, progress=not args.no_progress)
+                                         force=args.force, progress=not args.no_progress,
+                                         devices=devices)
         else:
             per_seed, seeds_dir = sw.run_seeds(configs, settings, seeds, args.out, build,
                                                force=args.force,
-                                               progress=not args.no_progress)
+                                               progress=not args.no_progress,
+                                               devices=devices)
     except (ValueError, OSError) as err:
         print(f"sweep: error: {err}", file=sys.stderr)
         return 2

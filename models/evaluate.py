@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -521,15 +522,24 @@ def sweep_builder(*, needle_batch: int | None = None,
     """``build(settings) -> Evaluate`` (:func:`sweep_evaluator`) that loads each model,
     corpus and windows once and keeps them: the evaluators of settings that differ only
     in the seed or the cache clauses share one loaded model
-    (:func:`kvjax.eval.sweep.run_seeds`, :func:`kvjax.eval.sweep.lazy_evaluator`)."""
+    (:func:`kvjax.eval.sweep.run_seeds`, :func:`kvjax.eval.sweep.lazy_evaluator`).
+    Called under ``jax.default_device`` (a sweep over several devices, from a thread per
+    device), the evaluator gets a copy of the weights on that device, made once."""
     loaded: dict[tuple, tuple] = {}
+    lock = threading.Lock()
 
     def build(settings: Settings) -> Evaluate:
         key = (settings.model, settings.corpus, settings.windows, settings.window_len)
-        if key not in loaded:
-            loaded[key] = load_model_and_windows(*key)
+        device = jax.config.jax_default_device
+        with lock:  # threads of a sweep over devices load a model once between them
+            if key not in loaded:
+                loaded[key] = load_model_and_windows(*key)
+            if (key, device) not in loaded:
+                config, params, *rest = loaded[key]
+                placed = params if device is None else jax.device_put(params, device)
+                loaded[key, device] = (config, placed, *rest)
         return sweep_evaluator(settings, needle_batch=needle_batch, progress=progress,
-                               loaded=loaded[key])
+                               loaded=loaded[key, device])
 
     return build
 

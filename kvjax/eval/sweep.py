@@ -23,6 +23,7 @@ evaluator, their argument parser and published tables).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import dataclasses
 import functools
@@ -30,6 +31,7 @@ import hashlib
 import json
 import math
 import os
+import queue
 import re
 import statistics
 import time
@@ -273,26 +275,45 @@ def _result_path(run_dir: Path, config: str) -> Path:
     return run_dir / "configs" / f"{config_slug(config)}.json"
 
 
+def sweep_devices(count: int | None) -> list[jax.Device] | None:
+    """The first ``count`` devices for a sweep to measure on, one configuration per device
+    at a time (None or 1: the default device alone, serially). Raises ``ValueError``
+    when there are fewer."""
+    if count is None or count == 1:
+        return None
+    devices = jax.devices()
+    if not isinstance(count, int) or count < 1 or count > len(devices):
+        raise ValueError(f"a sweep over {count} devices needs 1..{len(devices)} "
+                         f"({len(devices)} {devices[0].platform} devices here)")
+    return devices[:count]
+
+
 def _measure(todo: Sequence[tuple[Settings, str]], done: int, out: Path,
              cache_configs: dict[str, CacheConfig],
              evaluator: Callable[[Settings], Evaluate], *, progress: bool,
-             show_seed: bool = False) -> None:
+             show_seed: bool = False, devices: Sequence[jax.Device] | None = None) -> None:
     """Measure each ``(settings, config)`` of ``todo`` with ``evaluator(settings)`` and
-    write its row; ``done`` counts the measurements already there, for the bar."""
+    write its row; ``done`` counts the measurements already there, for the bar.
+
+    ``devices``: measure ``len(devices)`` configurations at once, each in a thread whose
+    default device is its own (``jax.default_device``: everything it creates and runs
+    lives there; JAX lets go of the interpreter while a device computes). A row is
+    written as soon as its configuration is measured, whichever finishes first, so
+    resuming works as for a serial run, and each configuration's result is computed
+    exactly as it would be alone."""
     source = provenance() if todo else None
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=done + len(todo), initial=done, desc="sweep", unit="config")
-    for settings, config in todo:
-        if bar is not None:
-            bar.set_postfix_str(f"seed {settings.seed}: {config}" if show_seed else config)
+
+    def measure(settings: Settings, config: str) -> dict:
         t0 = time.perf_counter()
         cc = cache_configs[config]
         want_needle = settings.needle_trials > 0
         measured = evaluator(settings)(config, cc, want_needle)
-        row = {
+        return {
             "config": config, "family": family(config), "cache_spec": cc.spec,
             "k_codec": cc.k.spec, "v_codec": cc.v.spec,
             **dataclasses.asdict(settings),
@@ -300,10 +321,56 @@ def _measure(todo: Sequence[tuple[Settings, str]], done: int, out: Path,
             **measured,
             "wall_seconds": time.perf_counter() - t0,
         }
+
+    def record(settings: Settings, config: str, row: dict) -> None:
         path = _result_path(Path(out) / settings.run_name(), config)
         write_json(path, row, source={**source, "time": timestamp()})
         if bar is not None:
             bar.update(1)
+
+    def label(settings: Settings, config: str) -> str:
+        return f"seed {settings.seed}: {config}" if show_seed else config
+
+    if devices is None or len(devices) < 2 or len(todo) < 2:
+        for settings, config in todo:
+            if bar is not None:
+                bar.set_postfix_str(label(settings, config))
+            record(settings, config, measure(settings, config))
+    else:
+        free: queue.Queue = queue.Queue()
+        for device in devices:
+            free.put(device)
+
+        def on_a_device(settings: Settings, config: str) -> dict:
+            device = free.get()
+            try:
+                with jax.default_device(device):
+                    return measure(settings, config)
+            finally:
+                free.put(device)
+
+        error = None
+        with concurrent.futures.ThreadPoolExecutor(len(devices)) as pool:
+            running = {pool.submit(on_a_device, s, c): (s, c) for s, c in todo}
+            for future in concurrent.futures.as_completed(running):
+                if future.cancelled():
+                    continue
+                if future.exception() is not None:
+                    # the first failure stops what has not started; what runs still
+                    # finishes and is kept, as a serial run keeps what came before
+                    if error is None:
+                        error = future.exception()
+                        for other in running:
+                            other.cancel()
+                    continue
+                settings, config = running[future]
+                record(settings, config, future.result())
+                if bar is not None:
+                    bar.set_postfix_str(label(settings, config))
+        if error is not None:
+            if bar is not None:
+                bar.close()
+            raise error
     if bar is not None:
         bar.close()
 
@@ -316,6 +383,7 @@ def run_sweep(
     *,
     force: bool = False,
     progress: bool = True,
+    devices: Sequence[jax.Device] | None = None,
 ) -> tuple[list[dict], Path]:
     """Evaluate every configuration not done yet and return all rows and the run folder.
 
@@ -324,6 +392,9 @@ def run_sweep(
     asked). Each result is written to ``out/RUN/configs/SLUG.json`` as soon as it exists,
     with the settings, the configuration, its family, the canonical cache spec, the K and
     V codec specs and the provenance. Configurations are validated before anything runs.
+    ``devices`` (:func:`sweep_devices`): configurations measured at once, one per device,
+    with the results a serial run gives (``evaluate`` is called from several threads,
+    each under its device: :func:`lazy_evaluator` builds one evaluator per device).
     """
     configs = list(dict.fromkeys([BASELINE, *configs]))
     cache_configs = {c: cache_config(c, settings) for c in configs}
@@ -333,7 +404,7 @@ def run_sweep(
     todo = [c for c in configs if force or not _is_done(
         _result_path(run_dir, c), settings, cache_configs[c].spec, want_needle)]
     _measure([(settings, c) for c in todo], len(configs) - len(todo), out, cache_configs,
-             lambda _: evaluate, progress=progress)
+             lambda _: evaluate, progress=progress, devices=devices)
     rows = [json.loads(_result_path(run_dir, c).read_text()) for c in configs]
     return rows, run_dir
 
@@ -347,6 +418,7 @@ def run_seeds(
     *,
     force: bool = False,
     progress: bool = True,
+    devices: Sequence[jax.Device] | None = None,
 ) -> tuple[dict[int, list[dict]], Path]:
     """:func:`run_sweep` over ``seeds``: returns every seed's rows and the folder of the
     report over the seeds (``out/`` :meth:`Settings.seeds_name`, created).
@@ -359,7 +431,8 @@ def run_seeds(
     for every seed. Rows carry ``seeded`` (True for the former). ``build(settings)``
     returns the evaluator of a seed's settings; it is called only for a seed with
     something to measure (:func:`lazy_evaluator`). Measurements go seed by seed under
-    one progress bar; configurations are validated before anything runs.
+    one progress bar; configurations are validated before anything runs. ``devices``: as
+    :func:`run_sweep`'s.
     """
     seeds = sorted(set(seeds))
     if not seeds:
@@ -384,7 +457,8 @@ def run_seeds(
     evaluators: dict = {}
     by_seed = {s: lazy_evaluator(run, evaluators, build) for s, run in runs.items()}
     _measure([(runs[s], c) for s, c in todo], len(plan) - len(todo), out, cache_configs,
-             lambda run: by_seed[run.seed], progress=progress, show_seed=True)
+             lambda run: by_seed[run.seed], progress=progress, show_seed=True,
+             devices=devices)
 
     def row(seed: int, config: str) -> dict:
         at = seed if seeded[config] else measured_at[config]
@@ -642,10 +716,12 @@ def lazy_evaluator(settings: Settings, cache: dict,
     only in their cache clauses (the seed draws the codecs' parameters inside the
     evaluator: a new seed is a new evaluator, and a ``build`` that keeps its loaded
     models, such as ``models.evaluate.sweep_builder()``, loads a model once for every
-    seed)."""
-    key = dataclasses.replace(settings, cache_options="")
+    seed). Called under ``jax.default_device`` (a sweep over several devices), it builds
+    one evaluator per device, under that device."""
+    plain = dataclasses.replace(settings, cache_options="")
 
     def evaluate(name: str, cache_config: CacheConfig, with_needle: bool) -> dict:
+        key = (plain, jax.config.jax_default_device)
         if key not in cache:
             cache[key] = build(settings)
         return cache[key](name, cache_config, with_needle)

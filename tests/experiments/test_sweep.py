@@ -96,6 +96,7 @@ def test_needle_results_join_the_sweep(tmp_path, capsys):
     (["--codec", "int:4 window=8", "--cache-options", "window=32"], "given twice"),
     (["--cache-options", "int:4"], "cache options"),
     (["--windows", "0"], "--windows"),
+    (["--devices", "99"], "a sweep over 99 devices needs 1..8"),
 ])
 def test_bad_input_exits_2_before_any_evaluation(tmp_path, capsys, args, message):
     code, evaluate = run(tmp_path, *args)
@@ -105,9 +106,11 @@ def test_bad_input_exits_2_before_any_evaluation(tmp_path, capsys, args, message
 
 
 def test_real_model_sweep_smoke(tmp_path, capsys):
-    """The default evaluator: the embedded model on Shakespeare, tiny windows."""
+    """The default evaluator: the embedded model on Shakespeare, tiny windows, the two
+    configurations measured at once on two of the suite's virtual devices (each with its
+    copy of the model)."""
     args = ["--codec", "int:4", "--windows", "1", "--window-len", "32",
-            "--out", str(tmp_path), "--no-progress"]
+            "--out", str(tmp_path), "--no-progress", "--devices", "2"]
     assert sweep.main(args) == 0
     run_dir = tmp_path / "smollm2_135m-shakespeare-1x32-seed0"
     rows = {json.loads(p.read_text())["config"]: json.loads(p.read_text())

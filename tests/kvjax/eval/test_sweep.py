@@ -238,6 +238,11 @@ def test_lazy_evaluator_loads_once_per_seed():
     assert built == []   # nothing loads before a configuration needs measuring
     assert [fn("x", None, False)["seed"] for fn in runs] == [0, 1, 0]
     assert built == [0, 1]
+    import jax
+
+    with jax.default_device(jax.devices()[1]):   # a sweep's thread on another device
+        runs[0]("x", None, False)
+    assert built == [0, 1, 0]
 
 
 def test_seed_rows_and_table():
@@ -444,3 +449,62 @@ def test_is_seeded_looks_at_every_codec_of_the_cache():
     assert not sweep.seed_dependent("int:4", SETTINGS)
     assert sweep.seed_dependent("int:4", dataclasses.replace(
         SETTINGS, cache_options="layers[0]:k=turboquant:b3"))
+
+
+class DeviceEvaluate:
+    """A real computation on the thread's default device: the codec's round-trip error
+    of fixed K, and where it ran; a config named in ``fail`` raises."""
+
+    def __init__(self, fail=()):
+        self.devices, self.fail = [], fail
+
+    def __call__(self, config, cache_config, with_needle):
+        import jax
+        import jax.numpy as jnp
+
+        if config in self.fail:
+            raise RuntimeError(f"{config} failed")
+        codec = cache_config.k
+        x = jax.random.normal(jax.random.key(0), (codec.block_tokens, 64))
+        params = codec.init(jax.random.key(1), 64)
+        error = jax.jit(lambda p, x: jnp.mean((codec.decode(p, codec.encode(p, x)) - x) ** 2)
+                        )(params, x)
+        self.devices.append(next(iter(error.devices())))
+        bits = codec.bits_per_element(64)
+        return {"ppl": float(error) + 1.0, "nll": 0.0, "tokens": 1, "bits_per_element": bits,
+                "k_bits_per_element": bits, "v_bits_per_element": bits, "seconds": 0.0}
+
+
+CONFIGS = ["int:4", "int:2", "kivi:4,g32", "int:8"]
+
+
+def test_a_sweep_over_devices_gives_the_serial_results(tmp_path):
+    import jax
+
+    serial = DeviceEvaluate()
+    rows, _ = sweep.run_sweep(CONFIGS, SETTINGS, tmp_path / "serial", serial, progress=False)
+    assert set(serial.devices) == {jax.devices()[0]}
+    spread = DeviceEvaluate()
+    devices = sweep.sweep_devices(3)
+    got, _ = sweep.run_sweep(CONFIGS, SETTINGS, tmp_path / "spread", spread, progress=False,
+                             devices=devices)
+    assert [r["ppl"] for r in got] == [r["ppl"] for r in rows]
+    assert set(spread.devices) <= set(devices) and len(set(spread.devices)) > 1
+    with pytest.raises(ValueError, match=r"a sweep over 99 devices needs 1\.\.8"):
+        sweep.sweep_devices(99)
+    assert sweep.sweep_devices(1) is None and sweep.sweep_devices(None) is None
+
+
+def test_a_failure_on_one_device_keeps_what_finished_and_the_rerun_resumes(tmp_path):
+    devices = sweep.sweep_devices(2)
+    with pytest.raises(RuntimeError, match="int:2 failed"):
+        sweep.run_sweep(CONFIGS, SETTINGS, tmp_path, DeviceEvaluate(fail=("int:2",)),
+                        progress=False, devices=devices)
+    finished = {json.loads(p.read_text())["config"]
+                for p in (tmp_path / SETTINGS.run_name() / "configs").glob("*.json")}
+    assert "int:2" not in finished and "bf16" in finished
+    again = DeviceEvaluate()
+    rows, _ = sweep.run_sweep(CONFIGS, SETTINGS, tmp_path, again, progress=False,
+                              devices=devices)
+    assert len(again.devices) == len(CONFIGS) + 1 - len(finished)
+    assert [r["config"] for r in rows] == ["bf16", *CONFIGS]
