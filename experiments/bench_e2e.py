@@ -45,13 +45,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.eval.memory import MODEL_SHAPES, cache_bytes
+from kvjax.eval.memory import MODEL_SHAPES, cache_bytes, device_cache_bytes
 from kvjax.eval.provenance import provenance
 from kvjax.eval.sweep import write_json
+from kvjax.sharding import DATA, MeshError, make_mesh, parse_mesh
+from kvjax.sharding import describe as describe_mesh
 from kvjax.spec import CacheConfig, parse_cache
 from models.config import ModelConfig
 from models.generate import generate
-from models.llama import decode_layout, init_params, unstack_layers
+from models.llama import decode_layout, init_params, shard_params, unstack_layers
 
 #: ``--weights``: how the random stacked weights are laid out for the run
 WEIGHT_LAYOUTS = {"decode": decode_layout, "per-layer": unstack_layers,
@@ -75,22 +77,40 @@ def weights_bytes(params) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def row_bytes(config: ModelConfig, cache_config: CacheConfig, context: int) -> tuple[int, int]:
+def row_bytes(config: ModelConfig, cache_config: CacheConfig, context: int,
+              mesh: str | None = None) -> tuple[int, int]:
     """(bytes of one row's cache of ``context`` tokens, bytes a cache holds whatever its
-    batch: codec parameters), from the cache's own arrays."""
+    batch: codec parameters), from the cache's own arrays; over a mesh of shape ``mesh``
+    (``data=D,model=M``), what each device holds: of one more row on every device (``D``
+    more rows in all) and of the parameters of its heads."""
+    rows = parse_mesh(mesh)[DATA]
+
     def size(batch):
-        return cache_bytes(cache_config, context=context, num_layers=config.num_layers,
-                           num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                           batch=batch)
+        if mesh is None:
+            return cache_bytes(cache_config, context=context, num_layers=config.num_layers,
+                               num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                               batch=batch)
+        return device_cache_bytes(cache_config, mesh=mesh, context=context,
+                                  num_layers=config.num_layers,
+                                  num_kv_heads=config.num_kv_heads,
+                                  head_dim=config.head_dim, batch=batch * rows)
 
     per_row = size(2) - size(1)
     return per_row, size(1) - per_row
 
 
-def capacity(config: ModelConfig, cache_config: CacheConfig, context: int, free: float) -> int:
-    """The largest batch whose caches of ``context`` tokens fit in ``free`` bytes."""
-    per_row, fixed = row_bytes(config, cache_config, context)
-    return max(0, int((free - fixed) // per_row))
+def capacity(config: ModelConfig, cache_config: CacheConfig, context: int, free: float,
+             mesh: str | None = None) -> int:
+    """The largest batch whose caches of ``context`` tokens fit in ``free`` bytes (of
+    each device, over a mesh of shape ``mesh``: a multiple of its data axis)."""
+    per_row, fixed = row_bytes(config, cache_config, context, mesh)
+    return parse_mesh(mesh)[DATA] * max(0, int((free - fixed) // per_row))
+
+
+def device_bytes(tree, device) -> int:
+    """Bytes of ``tree``'s arrays that ``device`` holds."""
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
+               for shard in leaf.addressable_shards if shard.device == device)
 
 
 def program_temps(params, config: ModelConfig, cache_config: CacheConfig, *, batch: int,
@@ -169,6 +189,10 @@ def main(argv=None) -> int:
                    help="memory bandwidth of the floor, GB/s (H200: 4240)")
     p.add_argument("--weights", choices=list(WEIGHT_LAYOUTS), default="decode",
                    help="the weights' layout (default: models.llama.decode_layout)")
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="run over D x M devices: rows over data, heads tensor-parallel "
+                        "over model (fused projections split back); capacity and floor "
+                        "per device")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     window = {} if args.window is None else {"residual_window": args.window}
@@ -179,6 +203,10 @@ def main(argv=None) -> int:
         points = points or [(batch, args.context) for batch in args.batch]
         cache_configs = {spec: parse_cache(spec, **window)
                          for spec in args.cache or ["bf16", "int:4", "saw"]}
+        mesh = None if args.mesh is None else make_mesh(args.mesh)
+        if mesh is not None and args.check_programs:
+            raise MeshError("--check-programs compiles one device's programs: not with "
+                            "--mesh")
     except ValueError as err:
         print(f"bench_e2e: error: {err}", file=sys.stderr)
         return 2
@@ -197,16 +225,27 @@ def main(argv=None) -> int:
     params = init_params(jax.random.key(0), config, jnp.bfloat16)
     params = WEIGHT_LAYOUTS[args.weights](params)  # a stacked copy is freed here
     weights = args.weights
+    first = jax.devices()[0]
+    mesh_shape = None if mesh is None else describe_mesh(mesh)
+    if mesh is not None:
+        try:
+            params = shard_params(params, config, mesh)
+        except MeshError as err:
+            print(f"bench_e2e: error: {err}", file=sys.stderr)
+            return 2
+        first = mesh.devices.flat[0]
+    # what one device holds and reads every step: all of it, or its share over a mesh
+    held = weights_bytes(params) if mesh is None else device_bytes(params, first)
     source = provenance()
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = first.memory_stats() or {}
     limit = stats.get("bytes_limit") or (args.device_gb or 0) * 1e9
-    free_total = limit - weights_bytes(params)
+    free_total = limit - held
     free = free_total - args.reserve_gb * 1e9
     rows, checked = [], {}
     rng = np.random.default_rng(0)
     for spec, cache_config in cache_configs.items():
-        max_batch = {context: capacity(config, cache_config, context, free) if free > 0
-                     else None for context in contexts}
+        max_batch = {context: capacity(config, cache_config, context, free, mesh_shape)
+                     if free > 0 else None for context in contexts}
         if args.check_programs and free_total > 0:
             checked[spec] = capacity_with_programs(
                 params, config, cache_config, context=contexts[-1],
@@ -222,7 +261,8 @@ def main(argv=None) -> int:
         for batch, context, chunk in runs:
             run = functools.partial(generate, params, config, cache_config=cache_config,
                                     max_new_tokens=args.new_tokens, eos_token_ids=(),
-                                    max_len=context + args.new_tokens, prefill_chunk=chunk)
+                                    max_len=context + args.new_tokens, prefill_chunk=chunk,
+                                    mesh=mesh)
             # the same programs run once on a prompt of one chunk first: compiled there,
             # and the first run's one-time costs (module loads, buffers) not timed
             # (only its compile times are kept: its cache would not fit beside the next one)
@@ -237,8 +277,10 @@ def main(argv=None) -> int:
                 "codec": spec, "cache": cache_config.spec, "batch": batch,
                 "context": context, "weights": weights,
                 "decode_tok_per_s": result.decode_tok_per_s,
-                "floor_tok_per_s": floor_tok_per_s(weights_bytes(params), result.cache_bytes,
-                                                   batch, args.peak_gbs),
+                "floor_tok_per_s": floor_tok_per_s(
+                    held, result.cache_bytes if mesh is None
+                    else device_bytes(result.cache, first), batch, args.peak_gbs),
+                "mesh": describe_mesh(mesh),
                 "step_ms": 1e3 * result.decode_s / args.new_tokens,
                 "prefill_s": result.prefill_s,
                 **compile_s, "cache_bytes": result.cache_bytes,
@@ -255,8 +297,8 @@ def main(argv=None) -> int:
             if r["codec"] == "bf16"}
     print("| codec | batch | context | decode tok/s | ms/step | of floor | vs bf16 | "
           "prefill s | compile s (prefill + decode) | cache GiB | max batch at the context | "
-          "checked with programs | weights | git (code digest) | device |")
-    print("|---" * 15 + "|")
+          "checked with programs | weights | mesh | git (code digest) | device |")
+    print("|---" * 16 + "|")
     for r in rows:
         key = (r["batch"], r["context"])
         ratio = r["decode_tok_per_s"] / base[key] if key in base else float("nan")
@@ -267,7 +309,8 @@ def main(argv=None) -> int:
               f"{r['cache_bytes'] / 2**30:.2f} | "
               f"{r['max_batch'] if r['max_batch'] is not None else '-'} | "
               f"{r['max_batch_checked'] if r['max_batch_checked'] is not None else '-'} | "
-              f"{r['weights']} | {short_sha(r['git'])} ({r['code'][:8]}) | {r['device']} |")
+              f"{r['weights']} | {r['mesh']} | {short_sha(r['git'])} ({r['code'][:8]}) | "
+              f"{r['device']} |")
     if args.json:
         write_json(args.json, {"rows": rows}, source=source)
     return 0

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -167,16 +168,38 @@ def check_cache(mesh: Mesh | None, cache: KVCache) -> None:
     check_split(mesh, rows=int(raw.shape[1]), kv_heads=int(raw.shape[2]))
 
 
-def shardings(mesh: Mesh, specs: Any) -> Any:
-    """A :class:`~jax.sharding.NamedSharding` on ``mesh`` per PartitionSpec leaf."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def _empty(leaf) -> bool:
+    return math.prod(leaf.shape) == 0
+
+
+def leaf_specs(specs: Any, tree: Any) -> list[P]:
+    """``specs`` (a PartitionSpec per leaf or per subtree: a prefix of ``tree``, as
+    ``shard_map`` takes them) as one spec per leaf of ``tree``, in leaf order."""
+    per_leaf = jax.tree.map(lambda spec, sub: [spec] * len(jax.tree.leaves(sub)), specs,
+                            tree, is_leaf=lambda x: _is_spec(x) or x is None)
+    return [spec for group in jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, list))
+            for spec in group]
+
+
+def shardings(mesh: Mesh, specs: Any, tree: Any) -> Any:
+    """A :class:`~jax.sharding.NamedSharding` on ``mesh`` per leaf of ``tree``, from its
+    spec; a zero-size leaf (an empty code leaf, a raw window of no tokens) is whole on
+    every device, as JAX returns such arrays from any jitted function, so a cache placed
+    here and one a jitted step returns are laid out alike."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [
+        NamedSharding(mesh, P() if _empty(leaf) else spec)
+        for leaf, spec in zip(leaves, leaf_specs(specs, tree), strict=True)])
 
 
 def place_cache(mesh: Mesh, cache: KVCache) -> KVCache:
     """``cache`` moved onto ``mesh``, each device given its rows' codes of its heads."""
     check_cache(mesh, cache)
-    return jax.device_put(cache, shardings(mesh, cache_specs(cache)))
+    return jax.device_put(cache, shardings(mesh, cache_specs(cache), cache))
 
 
 def new_sharded_cache(mesh: Mesh, make: Callable[[], KVCache]) -> KVCache:
@@ -185,20 +208,42 @@ def new_sharded_cache(mesh: Mesh, make: Callable[[], KVCache]) -> KVCache:
     cache larger than one device's memory can be made."""
     shape = jax.eval_shape(make)
     check_cache(mesh, shape)
-    return jax.jit(make, out_shardings=shardings(mesh, cache_specs(shape)))()
+    return jax.jit(make, out_shardings=shardings(mesh, cache_specs(shape), shape))()
 
 
-def per_shard(fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
-    """``fn`` run on each device's block of its arguments (:func:`jax.shard_map`):
-    inside it a cache is an ordinary one of the device's rows and heads. Specs as
-    :func:`cache_specs` gives them; values the blocks must agree on are the caller's to
-    reduce (``jax.lax.psum`` over :data:`MODEL`)."""
-    # Pallas kernels carry no varying-axis types, so the check is off; the specs above
-    # place every array, and the callers reduce what is split explicitly. Jitted: run
-    # eagerly, shard_map hands back a zero-size output (an empty code leaf) whole on
-    # every device, which then cannot be read
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                 check_vma=False))
+def _local_shape(shape: tuple[int, ...], spec: P, sizes: dict[str, int]) -> tuple[int, ...]:
+    axes = (*spec, *[None] * (len(shape) - len(spec)))
+    return tuple(n if axis is None else n // sizes[axis]
+                 for n, axis in zip(shape, axes, strict=True))
+
+
+def per_shard(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs: Any) -> Callable:
+    """``fn`` run on each device's block of its arguments (:func:`jax.shard_map`,
+    jitted): inside it a cache is an ordinary one of the device's rows and heads.
+    ``in_specs``: one spec (or spec prefix) per argument, as :func:`cache_specs` gives
+    them; values the blocks must agree on are the caller's to reduce
+    (``jax.lax.psum`` over :data:`MODEL`)."""
+    sizes = axis_sizes(mesh)
+
+    @jax.jit
+    def call(*args):
+        leaves, treedef = jax.tree.flatten(args)
+        specs = leaf_specs(tuple(in_specs), args)
+        # a zero-size leaf comes whole on every device (shardings): each device gets an
+        # empty array of its block's shape instead, which holds the same nothing
+        blocks = [jnp.zeros(_local_shape(leaf.shape, spec, sizes), leaf.dtype)
+                  if _empty(leaf) else leaf for leaf, spec in zip(leaves, specs, strict=True)]
+        specs = [P() if _empty(leaf) else spec for leaf, spec in zip(leaves, specs, strict=True)]
+
+        def local(*block):
+            return fn(*jax.tree.unflatten(treedef, block))
+
+        # Pallas kernels carry no varying-axis types, so the check is off; the specs
+        # place every array, and the callers reduce what is split explicitly
+        return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs,
+                             check_vma=False)(*blocks)
+
+    return call
 
 
 def sharded_evict_into(mesh: Mesh, prompts: KVCache, mass: jax.Array | None,
@@ -214,17 +259,24 @@ def sharded_evict_into(mesh: Mesh, prompts: KVCache, mass: jax.Array | None,
                      specs)(prompts, mass, target)
 
 
-def bytes_per_device(mesh_shape: str | Mapping[str, int] | None, cache: KVCache) -> int:
-    """Bytes each device holds of ``cache`` (arrays or ``jax.eval_shape`` structs) when
-    split over a mesh of ``mesh_shape``: every leaf's bytes over the product of the axes
-    it is split along (a replicated leaf counts whole)."""
+def tree_bytes_per_device(mesh_shape: str | Mapping[str, int] | None, tree: Any,
+                          specs: Any) -> int:
+    """Bytes each device holds of ``tree`` (arrays or ``jax.eval_shape`` structs) placed
+    by ``specs`` (a PartitionSpec per leaf) on a mesh of ``mesh_shape``: every leaf's
+    bytes over the sizes of the axes it is split along, rounded up per axis (a
+    replicated leaf counts whole)."""
     sizes = parse_mesh(mesh_shape)
-    specs = jax.tree.leaves(cache_specs(cache), is_leaf=lambda x: isinstance(x, P))
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     total = 0
-    for leaf, spec in zip(jax.tree.leaves(cache), specs, strict=True):
-        # an axis that does not divide leaves some devices a block more (ceil)
+    for leaf, spec in zip(jax.tree.leaves(tree), spec_leaves, strict=True):
         axes = (*spec, *[None] * (len(leaf.shape) - len(spec)))
         shape = [-(-n // sizes[axis]) if axis is not None else n
                  for n, axis in zip(leaf.shape, axes, strict=True)]
         total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+def bytes_per_device(mesh_shape: str | Mapping[str, int] | None, cache: KVCache) -> int:
+    """Bytes each device holds of ``cache`` (arrays or ``jax.eval_shape`` structs) split
+    over a mesh of ``mesh_shape`` (:func:`tree_bytes_per_device`, :func:`cache_specs`)."""
+    return tree_bytes_per_device(mesh_shape, cache, cache_specs(cache))

@@ -307,7 +307,7 @@ def shard_params(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
     specs = param_specs(params)
     if config.vocab_size % axis_sizes(mesh)[MODEL] and "lm_head" in params:
         specs = {**specs, "lm_head": P()}
-    return jax.device_put(params, shardings(mesh, specs))
+    return jax.device_put(params, shardings(mesh, specs, params))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

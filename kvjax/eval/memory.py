@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import init_cache
+from kvjax.sharding import bytes_per_device
 from kvjax.spec import CacheConfig, parse_cache
 
 
@@ -123,11 +124,17 @@ def _sizes(config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: in
     Cached: a table asks for the same cache at several figures (a bf16 reference per
     model, the per-token step that :func:`max_context` starts from).
     """
-    cache = jax.eval_shape(lambda: init_cache(
-        jax.random.key(0), config, num_layers=num_layers, batch=batch,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, max_len=capacity, dtype=dtype))
+    cache = _shape(config, num_layers, num_kv_heads, head_dim, capacity, batch, dtype)
     return (_nbytes(cache), sum(_nbytes(seg.k) for seg in cache.segments),
             sum(_nbytes(seg.v) for seg in cache.segments))
+
+
+@functools.lru_cache(maxsize=256)
+def _shape(config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+           capacity: int, batch: int, dtype: np.dtype) -> Any:
+    return jax.eval_shape(lambda: init_cache(
+        jax.random.key(0), config, num_layers=num_layers, batch=batch,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, max_len=capacity, dtype=dtype))
 
 
 def _checked(config: CacheConfig | str, num_layers, num_kv_heads, head_dim,
@@ -143,6 +150,41 @@ def _whole_blocks(config: CacheConfig, num_layers: int) -> int:
     capacity that many tokens longer holds exactly that many more tokens as codes."""
     codecs = {codec for pair in config.layer_codecs(num_layers) for codec in pair}
     return math.lcm(*(codec.block_tokens for codec in codecs))
+
+
+def cache_shape(
+    config: CacheConfig | str,
+    *,
+    context: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    batch: int = 1,
+    dtype: Any = jnp.bfloat16,
+) -> Any:
+    """The cache :func:`kvjax.cache.init_cache` makes for ``batch`` rows of ``context``
+    tokens, as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
+    config, dims, batch = _checked(config, num_layers, num_kv_heads, head_dim, batch)
+    return _shape(config, *dims, _positive("context", context), batch, jnp.dtype(dtype))
+
+
+def device_cache_bytes(
+    config: CacheConfig | str,
+    *,
+    mesh: str | dict | None,
+    context: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    batch: int = 1,
+    dtype: Any = jnp.bfloat16,
+) -> int:
+    """Bytes each device holds of that cache split over a mesh of shape ``mesh``
+    (``"data=2,model=4"``: rows over data, kv heads over model;
+    :func:`kvjax.sharding.bytes_per_device`); :func:`cache_bytes` for one device."""
+    return bytes_per_device(mesh, cache_shape(
+        config, context=context, num_layers=num_layers, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, batch=batch, dtype=dtype))
 
 
 def cache_bytes(

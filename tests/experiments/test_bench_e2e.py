@@ -44,6 +44,23 @@ def test_capacity_from_measured_bytes():
     saw = bench_e2e.capacity(config, parse_cache("saw"), context, free)
     # int:4 at D = 128 stores 4.25 bits per element instead of 16
     assert int4 == saw and 38 <= int4 <= 39
+    # over 2 rows of devices, 4 heads each: 10 rows per device's quarter of a row each
+    assert bench_e2e.capacity(config, parse_cache("bf16"), context, free / 4,
+                              "data=2,model=4") == 20
+
+
+def test_smoke_run_over_a_mesh(capsys, monkeypatch):
+    """TINY's 2 kv heads over 2 devices, 2 rows over 2: the weights and the cache each
+    device reads set the floor."""
+    monkeypatch.setitem(MODEL_SHAPES, "tiny", TINY)
+    args = ["--shape", "tiny", "--context", "40", "--batch", "2", "--new-tokens", "2",
+            "--prefill-chunk", "16", "--codec", "int:4", "--device-gb", "1", "--layers",
+            "1", "--mesh", "data=2,model=2"]
+    assert bench_e2e.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("| int:4 | 2 | 40 |") and " | data=2,model=2 | " in out[2]
+    assert bench_e2e.main([*args[:-1], "model=4"]) == 2
+    assert "2 kv heads do not split over model=4" in capsys.readouterr().err
 
 
 def test_smoke_run_prints_the_table(capsys, monkeypatch, tmp_path):
