@@ -280,7 +280,7 @@ def main(argv=None) -> int:
                 "floor_tok_per_s": floor_tok_per_s(
                     held, result.cache_bytes if mesh is None
                     else device_bytes(result.cache, first), batch, args.peak_gbs),
-                "mesh": describe_mesh(mesh),
+                "mesh": "-" if mesh is None else describe_mesh(mesh),
                 "step_ms": 1e3 * result.decode_s / args.new_tokens,
                 "prefill_s": result.prefill_s,
                 **compile_s, "cache_bytes": result.cache_bytes,

@@ -511,14 +511,17 @@ def _sharded_hidden_states(params, config, tokens, cache, valid, observe, mesh):
     make_step(cache, num_tokens, valid)
     if valid is None:
         valid = jnp.full((batch,), num_tokens, jnp.int32)
-    local = shard_config(config, axis_sizes(mesh)[MODEL])
+    split = axis_sizes(mesh)[MODEL]
+    local = shard_config(config, split)
+    # one device along the model axis: nothing to add up
+    axis = MODEL if split > 1 else None
     # the head stays outside: its vocabulary split is XLA's (lm_logits)
     inner = {name: params[name] for name in ("embed", "layers", "final_norm")}
     in_specs = (param_specs(inner), P(DATA), cache_specs(cache), P(DATA))
     out_specs = (P(DATA), in_specs[2])
     if observe is None:
         def run(p, t, c, v):
-            return _hidden_states(p, local, t, c, v, None, MODEL)
+            return _hidden_states(p, local, t, c, v, None, axis)
 
         return per_shard(run, mesh, in_specs, out_specs)(inner, tokens, cache, valid)
 
@@ -531,7 +534,7 @@ def _sharded_hidden_states(params, config, tokens, cache, valid, observe, mesh):
     def observed(p, t, c, v, start, inputs):
         local_observer = dataclasses.replace(observer, inputs=inputs)
         h, c, seen = _hidden_states(p, local, t, c, v,
-                                    (local_observer, jnp.zeros_like(start)), MODEL)
+                                    (local_observer, jnp.zeros_like(start)), axis)
         return h, c, start + (jax.lax.psum(seen, summed) if summed else seen)
 
     return per_shard(
