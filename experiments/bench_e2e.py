@@ -45,7 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.eval.memory import MODEL_SHAPES, cache_bytes, device_cache_bytes
+from kvjax.eval.memory import MODEL_SHAPES
+from kvjax.eval.memory import row_bytes as memory_row_bytes
 from kvjax.eval.provenance import provenance
 from kvjax.eval.sweep import write_json
 from kvjax.sharding import DATA, MeshError, make_mesh, parse_mesh
@@ -80,23 +81,10 @@ def weights_bytes(params) -> int:
 def row_bytes(config: ModelConfig, cache_config: CacheConfig, context: int,
               mesh: str | None = None) -> tuple[int, int]:
     """(bytes of one row's cache of ``context`` tokens, bytes a cache holds whatever its
-    batch: codec parameters), from the cache's own arrays; over a mesh of shape ``mesh``
-    (``data=D,model=M``), what each device holds: of one more row on every device (``D``
-    more rows in all) and of the parameters of its heads."""
-    rows = parse_mesh(mesh)[DATA]
-
-    def size(batch):
-        if mesh is None:
-            return cache_bytes(cache_config, context=context, num_layers=config.num_layers,
-                               num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                               batch=batch)
-        return device_cache_bytes(cache_config, mesh=mesh, context=context,
-                                  num_layers=config.num_layers,
-                                  num_kv_heads=config.num_kv_heads,
-                                  head_dim=config.head_dim, batch=batch * rows)
-
-    per_row = size(2) - size(1)
-    return per_row, size(1) - per_row
+    batch), per device over a mesh of shape ``mesh`` (:func:`kvjax.eval.memory.row_bytes`)."""
+    return memory_row_bytes(cache_config, context=context, num_layers=config.num_layers,
+                            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                            mesh=mesh)
 
 
 def capacity(config: ModelConfig, cache_config: CacheConfig, context: int, free: float,

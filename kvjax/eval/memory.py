@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import init_cache
-from kvjax.sharding import bytes_per_device
+from kvjax.sharding import DATA, bytes_per_device, parse_mesh
 from kvjax.spec import CacheConfig, parse_cache
 
 
@@ -185,6 +185,32 @@ def device_cache_bytes(
     return bytes_per_device(mesh, cache_shape(
         config, context=context, num_layers=num_layers, num_kv_heads=num_kv_heads,
         head_dim=head_dim, batch=batch, dtype=dtype))
+
+
+def row_bytes(
+    config: CacheConfig | str,
+    *,
+    context: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    mesh: str | dict | None = None,
+    dtype: Any = jnp.bfloat16,
+) -> tuple[int, int]:
+    """``(per_row, fixed)``: the bytes one more row of ``context`` tokens adds to a cache
+    and the bytes it holds whatever its rows (codec parameters, bookkeeping), from its
+    own arrays. Over a mesh of shape ``mesh`` (``"data=D,model=M"``) what each device
+    holds: of one more row on every device (``D`` rows in all) and of its heads'
+    parameters; ``fixed + n * per_row`` bytes then serve ``n * D`` rows."""
+    rows = parse_mesh(mesh)[DATA]
+
+    def size(batch: int) -> int:
+        return device_cache_bytes(config, mesh=mesh, context=context, num_layers=num_layers,
+                                  num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  batch=batch * rows, dtype=dtype)
+
+    per_row = size(2) - size(1)
+    return per_row, size(1) - per_row
 
 
 def cache_bytes(
