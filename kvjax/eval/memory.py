@@ -152,41 +152,6 @@ def _whole_blocks(config: CacheConfig, num_layers: int) -> int:
     return math.lcm(*(codec.block_tokens for codec in codecs))
 
 
-def cache_shape(
-    config: CacheConfig | str,
-    *,
-    context: int,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    batch: int = 1,
-    dtype: Any = jnp.bfloat16,
-) -> Any:
-    """The cache :func:`kvjax.cache.init_cache` makes for ``batch`` rows of ``context``
-    tokens, as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
-    config, dims, batch = _checked(config, num_layers, num_kv_heads, head_dim, batch)
-    return _shape(config, *dims, _positive("context", context), batch, jnp.dtype(dtype))
-
-
-def device_cache_bytes(
-    config: CacheConfig | str,
-    *,
-    mesh: str | dict | None,
-    context: int,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    batch: int = 1,
-    dtype: Any = jnp.bfloat16,
-) -> int:
-    """Bytes each device holds of that cache split over a mesh of shape ``mesh``
-    (``"data=2,model=4"``: rows over data, kv heads over model;
-    :func:`kvjax.sharding.bytes_per_device`); :func:`cache_bytes` for one device."""
-    return bytes_per_device(mesh, cache_shape(
-        config, context=context, num_layers=num_layers, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, batch=batch, dtype=dtype))
-
-
 def row_bytes(
     config: CacheConfig | str,
     *,
@@ -205,9 +170,9 @@ def row_bytes(
     rows = parse_mesh(mesh)[DATA]
 
     def size(batch: int) -> int:
-        return device_cache_bytes(config, mesh=mesh, context=context, num_layers=num_layers,
-                                  num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                  batch=batch * rows, dtype=dtype)
+        return cache_bytes(config, context=context, num_layers=num_layers,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, batch=batch * rows,
+                           dtype=dtype, mesh=mesh)
 
     per_row = size(2) - size(1)
     return per_row, size(1) - per_row
@@ -222,17 +187,22 @@ def cache_bytes(
     head_dim: int,
     batch: int = 1,
     dtype: Any = jnp.bfloat16,
+    mesh: str | dict | None = None,
 ) -> int:
     """Bytes of the cache that :func:`kvjax.cache.init_cache` allocates for ``batch`` rows
     of ``context`` tokens: every array, codes, raw sinks and window, raw layers, codec
     parameters and bookkeeping, read from ``jax.eval_shape`` of it. ``dtype`` is the
-    raw tokens' type. Equals :func:`kvjax.cache.memory_bytes` of that cache.
+    raw tokens' type. Equals :func:`kvjax.cache.memory_bytes` of that cache. ``mesh``
+    (``"data=2,model=4"``): what each device holds of it split over a mesh of that shape,
+    rows over data and kv heads over model (:func:`kvjax.sharding.bytes_per_device`).
     """
     config, dims, batch = _checked(config, num_layers, num_kv_heads, head_dim, batch)
     context = _positive("context", context)
     if config.sink_tokens > context:
         raise ValueError(f"sink_tokens={config.sink_tokens} exceeds the context of "
                          f"{context} tokens")
+    if mesh is not None:
+        return bytes_per_device(mesh, _shape(config, *dims, context, batch, jnp.dtype(dtype)))
     return _sizes(config, *dims, context, batch, jnp.dtype(dtype))[0]
 
 

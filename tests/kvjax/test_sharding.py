@@ -125,7 +125,6 @@ def _equal(a, b):
     ("bf16", "xla"),
     ("k=saw:h32 v=int:4", "int_decode"),
     ("k=turboquant:b3,qjl v=kivi:3,g32,token", "codebook_decode"),
-    ("hqmq:s96,r4,med2,mb16,mp5,mpool", "hqmq_decode"),
 ])
 def test_attention_per_device_equals_one_device(spec, impl):
     """A decode step's attention, each device over its rows and heads (fused kernels in

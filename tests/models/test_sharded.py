@@ -14,7 +14,7 @@ from kvjax.sharding import MeshError, make_mesh
 from kvjax.spec import parse_cache
 from models import llama
 from models.config import ModelConfig
-from models.evaluate import cache_continuation, cache_perplexity
+from models.evaluate import cache_perplexity
 from models.generate import decode, generate, load_prompt_cache, prefill, save_prompt_cache
 
 #: 8 query heads over 4 kv heads (GQA 2), MLP units and vocabulary that split by 2, 4, 8
@@ -48,8 +48,7 @@ def _equal_caches(a, b):
     jax.tree.map(same, a, b)
 
 
-@pytest.mark.parametrize("mesh_shape", ["data=2,model=2", "model=4", "data=4",
-                                        "data=2,model=4"])
+@pytest.mark.parametrize("mesh_shape", ["data=4", "data=2,model=4"])
 def test_sharded_prefill_equals_one_device(params, mesh_shape):
     cc = parse_cache("int:4 window=4 sinks=2")
     tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 20), 0, CONFIG.vocab_size)
@@ -72,7 +71,6 @@ def test_sharded_prefill_equals_one_device(params, mesh_shape):
 
 
 @pytest.mark.parametrize("spec,mesh_shape", [
-    ("int:4 window=4", "data=2,model=2"),
     ("hqmq:s24,r3 window=4 sinks=2", "data=4,model=2"),      # outliers in a pool per row
     ("turboquant:b3 center=first layers[0]:k=bf16", "data=2,model=4"),
     ("bf16 evict=h2o:16", "data=2,model=2"),   # observed prefill, eviction per device
@@ -89,8 +87,7 @@ def test_sharded_generation_gives_the_same_tokens(params, spec, mesh_shape):
     np.testing.assert_array_equal(got.cache.lengths, want.cache.lengths)
 
 
-@pytest.mark.parametrize("num_kv_heads,mesh_shape", [(2, "model=2"), (8, "data=2,model=4"),
-                                                     (1, "data=4")])
+@pytest.mark.parametrize("num_kv_heads,mesh_shape", [(2, "model=2"), (8, "data=2,model=4")])
 def test_gqa_ratios_that_split(num_kv_heads, mesh_shape):
     config = ModelConfig(**{**CONFIG.__dict__, "num_kv_heads": num_kv_heads})
     p = llama.init_params(jax.random.PRNGKey(2), config)
@@ -155,12 +152,6 @@ def test_sharded_perplexity_equals_one_device(params):
     np.testing.assert_allclose(got.ppl, want.ppl, rtol=1e-6)
     np.testing.assert_allclose(got.kl_mean, want.kl_mean, rtol=1e-4, atol=1e-9)
     assert got.top1_agreement == want.top1_agreement
-    evicting = parse_cache("bf16 evict=h2o:12")
-    want = cache_continuation(params, CONFIG, evicting, windows, context=16,
-                              cache_dtype=jnp.float32)
-    got = cache_continuation(params, CONFIG, evicting, windows, context=16,
-                             cache_dtype=jnp.float32, mesh=mesh)
-    np.testing.assert_allclose(got.ppl, want.ppl, rtol=1e-6)
 
 
 def test_observers_sum_over_the_axes_their_state_is_not_split_along(params):

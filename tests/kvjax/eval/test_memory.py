@@ -16,6 +16,7 @@ from kvjax.eval.memory import (
     cache_bytes,
     max_context,
     model_shape,
+    row_bytes,
 )
 from kvjax.probe import BASELINE_CODECS
 from kvjax.spec import CacheConfig, parse_cache
@@ -110,6 +111,22 @@ def test_cache_bytes_is_tokens_times_bytes_per_token_plus_bookkeeping():
     per_token = bytes_per_token("kivi:2,g32", **shape)["bytes"]
     spare = 4 * 2 * 31 * 32 * 2  # layers * heads * (G - 1) bf16 tokens of 32 elements
     assert cache_bytes("kivi:2,g32", context=128, **shape) == 128 * per_token + spare + 16 + 10
+
+
+def test_a_row_over_a_mesh_costs_each_device_its_heads_share():
+    shape = dict(num_layers=4, num_kv_heads=8, head_dim=32)
+    per_row, fixed = row_bytes("turboquant:b3", context=100, **shape)
+    assert per_row == cache_bytes("turboquant:b3", context=100, batch=2, **shape) - \
+        cache_bytes("turboquant:b3", context=100, **shape)
+    # codes split over 4 devices' heads, the rotations too; a row's flags (nonfinite and
+    # saturated per role and layer) and counters (length, two flags, evicted) are whole
+    # on each device of its data index
+    bookkeeping = 2 * 2 * 4 + 10
+    split, split_fixed = row_bytes("turboquant:b3", context=100, mesh="data=2,model=4",
+                                   **shape)
+    assert split == (per_row - bookkeeping) // 4 + bookkeeping and 0 < split_fixed < fixed
+    assert cache_bytes("turboquant:b3", context=100, batch=2, mesh="data=2,model=4",
+                       **shape) == split + split_fixed
 
 
 def test_max_context_is_the_largest_that_fits():
