@@ -211,6 +211,13 @@ def new_sharded_cache(mesh: Mesh, make: Callable[[], KVCache]) -> KVCache:
     return jax.jit(make, out_shardings=shardings(mesh, cache_specs(shape), shape))()
 
 
+def sharded_zeros(mesh: Mesh, shape: tuple[int, ...], dtype: Any, spec: P) -> jax.Array:
+    """Zeros of ``shape`` created split over ``mesh`` by ``spec``, each device making its
+    block only."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype),
+                   out_shardings=NamedSharding(mesh, spec))()
+
+
 def _local_shape(shape: tuple[int, ...], spec: P, sizes: dict[str, int]) -> tuple[int, ...]:
     axes = (*spec, *[None] * (len(shape) - len(spec)))
     return tuple(n if axis is None else n // sizes[axis]

@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from kvjax.cache import KVCache, check, evict_into, memory_bytes
 from kvjax.checkpoint import CheckpointError, disk_bytes, load_cache, save_cache
-from kvjax.sharding import place_cache, sharded_evict_into
+from kvjax.sharding import DATA, MODEL, place_cache, sharded_evict_into, sharded_zeros
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig
 from models.llama import (
@@ -280,8 +281,12 @@ def prefill(
         cache = new_cache(config, exact, batch=batch, max_len=width, dtype=cache_dtype,
                           mesh=mesh)
     observe = policy is not None and policy.observes
-    mass = (jnp.zeros((config.num_layers, batch, config.num_kv_heads, width), jnp.float32)
-            if observe else None)
+    mass = None
+    if observe:
+        shape = (config.num_layers, batch, config.num_kv_heads, width)
+        # on a mesh made split as the cache is: no device holds every row's scores
+        mass = (jnp.zeros(shape, jnp.float32) if mesh is None
+                else sharded_zeros(mesh, shape, jnp.float32, P(None, DATA, MODEL)))
 
     def arguments(start):
         piece = tokens[:, start:start + chunk]
