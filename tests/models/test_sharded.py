@@ -147,12 +147,11 @@ def test_sharded_perplexity_equals_one_device(params):
     windows = jax.random.randint(jax.random.PRNGKey(3), (4, 24), 0, CONFIG.vocab_size)
     cc = parse_cache("turboquant:b3 window=4")
     mesh = make_mesh("data=2,model=2")
-    kw = {"chunk": 8, "cache_dtype": jnp.float32, "reference": cc.reference()}
+    kw = {"chunk": 8, "cache_dtype": jnp.float32}
     want = cache_perplexity(params, CONFIG, cc, windows, **kw)
     got = cache_perplexity(params, CONFIG, cc, windows, mesh=mesh, **kw)
     np.testing.assert_allclose(got.ppl, want.ppl, rtol=1e-6)
-    np.testing.assert_allclose(got.kl_mean, want.kl_mean, rtol=1e-4, atol=1e-9)
-    assert got.top1_agreement == want.top1_agreement
+    assert got.bits_per_element == want.bits_per_element
 
 
 def test_observers_sum_over_the_axes_their_state_is_not_split_along(params):

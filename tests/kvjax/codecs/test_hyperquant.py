@@ -362,7 +362,9 @@ def test_bits_formula_equals_measured(spec, d):
 @pytest.mark.parametrize("spec", SPECS)
 def test_jit_vmap_eager_agree_and_seeds_decide(spec):
     codec, params, x, codes = _round_trip(spec, D)
-    if spec in SPECS[:2]:  # eager dispatch compiles op by op: two specs suffice
+    # eager dispatch compiles op by op: one spec here (E8's Rice path runs eagerly in the
+    # conformance suite's test_jit_matches_eager, at 2 bits per scalar)
+    if spec == SPECS[1]:
         eager = codec.encode(params, x[0])
         for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(codes), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[0])
