@@ -48,7 +48,7 @@ GIB = 2**30
 def weight_bytes_per_device(config: ModelConfig, gpus: int) -> int:
     """Bytes of the bf16 weights each of ``gpus`` tensor-parallel devices holds."""
     shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), config, jnp.bfloat16))
-    return tree_bytes_per_device(f"model={gpus}", shapes, param_specs(shapes))
+    return tree_bytes_per_device(f"model={gpus}", shapes, param_specs(shapes, gpus))
 
 
 def floor_step_s(*, weights: int, per_row: int, fixed: int, batch: int, hidden: int,

@@ -20,6 +20,7 @@ codes. One device, or no mesh, is the plain path: nothing here is used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -129,8 +130,9 @@ def check_split(mesh: Mesh | None, *, rows: int | None = None,
 
 # -- where each array of a cache goes -----------------------------------------------------
 
-#: rows and kv heads on the two axes after the layer axis
-_ROWS_HEADS = P(None, DATA, MODEL)
+#: rows and kv heads on the two axes after the layer axis (codes, raw tokens, and any
+#: per-(layer, row, kv head) array such as eviction's attention scores)
+ROWS_HEADS = P(None, DATA, MODEL)
 
 
 def _store_specs(store: Store) -> Store:
@@ -139,11 +141,11 @@ def _store_specs(store: Store) -> Store:
 
     return dataclasses.replace(
         store,
-        codes=spread(store.codes, _ROWS_HEADS),
+        codes=spread(store.codes, ROWS_HEADS),
         params=spread(store.params, P(None, MODEL)),
-        raw=_ROWS_HEADS, sink=_ROWS_HEADS,
+        raw=ROWS_HEADS, sink=ROWS_HEADS,
         nonfinite=P(None, DATA), saturated=P(None, DATA),
-        shift=spread(store.shift, _ROWS_HEADS), scale=spread(store.scale, _ROWS_HEADS),
+        shift=spread(store.shift, ROWS_HEADS), scale=spread(store.scale, ROWS_HEADS),
         layer=None,
     )
 
@@ -258,11 +260,17 @@ def sharded_evict_into(mesh: Mesh, prompts: KVCache, mass: jax.Array | None,
     """:func:`kvjax.cache.evict_into` of caches split over ``mesh``, on each device's
     rows and heads: a policy picks tokens per (row, kv head), so no device reads
     another's. ``mass`` ``[L, B, K, S]`` is split as the caches are."""
+    return _sharded_evict_into(mesh, prompts, mass, target)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _sharded_evict_into(mesh, prompts, mass, target):
+    # jitted here, so one compiled program serves every prefill of the same shapes
     specs = cache_specs(target)
     if mass is None:
         return per_shard(lambda p, t: evict_into(p, None, t), mesh,
                          (cache_specs(prompts), specs), specs)(prompts, target)
-    return per_shard(evict_into, mesh, (cache_specs(prompts), _ROWS_HEADS, specs),
+    return per_shard(evict_into, mesh, (cache_specs(prompts), ROWS_HEADS, specs),
                      specs)(prompts, mass, target)
 
 

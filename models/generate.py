@@ -28,17 +28,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from kvjax.cache import KVCache, check, evict_into, memory_bytes
 from kvjax.checkpoint import CheckpointError, disk_bytes, load_cache, save_cache
-from kvjax.sharding import DATA, MODEL, place_cache, sharded_evict_into, sharded_zeros
+from kvjax.sharding import (
+    ROWS_HEADS,
+    check_split,
+    place_cache,
+    sharded_evict_into,
+    sharded_zeros,
+)
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig
 from models.llama import (
     Params,
     attention_observer,
-    check_mesh,
     hidden_states,
     lm_logits,
     new_cache,
@@ -256,8 +260,8 @@ def prefill(
     axis.
     """
     batch = len(prompts)
-    if mesh is not None:
-        check_mesh(config, mesh, rows=batch)
+    if mesh is not None:  # shard_params checks the heads
+        check_split(mesh, rows=batch)
         params = shard_params(params, config, mesh)
     # prompts are padded to a multiple of PREFILL_BUCKET so that prompt sets of similar
     # lengths share one compiled prefill; `valid` keeps the padding out of the cache
@@ -286,7 +290,7 @@ def prefill(
         shape = (config.num_layers, batch, config.num_kv_heads, width)
         # on a mesh made split as the cache is: no device holds every row's scores
         mass = (jnp.zeros(shape, jnp.float32) if mesh is None
-                else sharded_zeros(mesh, shape, jnp.float32, P(None, DATA, MODEL)))
+                else sharded_zeros(mesh, shape, jnp.float32, ROWS_HEADS))
 
     def arguments(start):
         piece = tokens[:, start:start + chunk]
@@ -406,7 +410,7 @@ def decode(
     cache = pre.cache
     logits = pre.logits
     if mesh is not None:
-        check_mesh(config, mesh, rows=cache.batch)
+        check_split(mesh, rows=cache.batch)
         params = shard_params(params, config, mesh)
         cache = place_cache(mesh, cache)
     longest = int(jnp.max(cache.lengths))

@@ -51,6 +51,7 @@ from kvjax.eviction import attention_mass
 from kvjax.sharding import (
     DATA,
     MODEL,
+    ROWS_HEADS,
     axis_sizes,
     cache_specs,
     check_split,
@@ -124,20 +125,23 @@ def fuse_projections(params: Params) -> Params:
     return {**params, "layers": fuse(layers)}
 
 
+def fused_cuts(config: ModelConfig, name: str) -> list[int]:
+    """Where the fused leaf ``name``'s output axis splits into its parts (:data:`FUSED`)."""
+    widths = [layer_shapes(config)[part][-1] for part in FUSED[name]]
+    return np.cumsum(widths)[:-1].tolist()
+
+
 def unfuse_projections(params: Params, config: ModelConfig) -> Params:
     """Inverse of :func:`fuse_projections`: each fused leaf split back into its parts."""
     if not is_fused(params):
         return params
-    widths = {part: shape[-1] for part, shape in layer_shapes(config).items()}
-
     def split(layer):
         layer = dict(layer)
         for name, parts in FUSED.items():
             if name in layer:
-                cuts = np.cumsum([widths[part] for part in parts])[:-1].tolist()
                 lib = np if isinstance(layer[name], np.ndarray) else jnp
-                layer.update(zip(parts, lib.split(layer.pop(name), cuts, axis=-1),
-                                 strict=True))
+                layer.update(zip(parts, lib.split(layer.pop(name), fused_cuts(config, name),
+                                                  axis=-1), strict=True))
         return layer
 
     layers = params["layers"]
@@ -281,13 +285,14 @@ def shard_config(config: ModelConfig, model: int) -> ModelConfig:
                                intermediate_size=config.intermediate_size // model)
 
 
-def param_specs(params: Params) -> Any:
+def param_specs(params: Params, model: int = 1) -> Any:
     """A :class:`~jax.sharding.PartitionSpec` per leaf of ``params`` (stacked or per
-    layer; :data:`SPLIT`); ``lm_head`` splits over the vocabulary."""
+    layer; :data:`SPLIT`); ``lm_head`` splits over the vocabulary where a ``model``-wide
+    axis divides it, and is whole on every device where not."""
     def spec(path, leaf):
         name = path[-1].key
         split = SPLIT.get(name, ())
-        if name == "lm_head":
+        if name == "lm_head" and leaf.shape[-1] % model == 0:
             split = (None, MODEL)
         # stacked layer leaves carry a leading layer axis
         lead = (None,) * (leaf.ndim - len(split)) if split else ()
@@ -304,9 +309,7 @@ def shard_params(params: Params, config: ModelConfig, mesh: Mesh) -> Params:
     check_mesh(config, mesh)
     if is_fused(params):
         params = unfuse_projections(params, config)
-    specs = param_specs(params)
-    if config.vocab_size % axis_sizes(mesh)[MODEL] and "lm_head" in params:
-        specs = {**specs, "lm_head": P()}
+    specs = param_specs(params, axis_sizes(mesh)[MODEL])
     return jax.device_put(params, shardings(mesh, specs, params))
 
 
@@ -387,8 +390,7 @@ class DecoderLayer(nn.Module):
             y = x @ self._p(name)
             if bias is not None:
                 y = y + self._p(bias)
-            widths = [layer_shapes(self.config)[part][-1] for part in FUSED[name]]
-            return tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
+            return tuple(jnp.split(y, fused_cuts(self.config, name), axis=-1))
         ys = tuple(x @ self._p(part) for part in FUSED[name])
         if bias is not None:
             ys = tuple(y + self._p(b) for y, b in zip(ys, FUSED[bias], strict=True))
@@ -555,7 +557,7 @@ def attention_observer(config: ModelConfig, weights: jax.Array) -> Observer:
                               config.head_dim ** -0.5)
         return mass.at[i].add(seen)
 
-    return Observer(observe, P(None, DATA, MODEL), weights, P(DATA))
+    return Observer(observe, ROWS_HEADS, weights, P(DATA))
 
 
 def query_moment_observer(config: ModelConfig) -> Observer:
