@@ -1,10 +1,17 @@
 """What every decode kernel of :mod:`pallas_kernels` shares: the flash-decoding loop over
 one slice of the cache, the matmul helpers, and the grid's blocking.
 
-A kernel's grid is ``(B, K, splits)``: one program per (row, kv head, slice of the cache)
-holds *all* query rows of its kv head (GQA: every code byte is read once), walks its
-slice in blocks of ``block_s`` tokens with an online softmax (:func:`split_softmax`) and
-writes a partial ``(o, m, l)`` (:mod:`pallas_kernels.partial`). What differs between
+A kernel's grid is ``(B, K, query blocks * splits)``: one program per (row, kv head,
+block of query rows, slice of the cache) holds the query rows of its kv head (a decode's
+*all* of them, GQA: every code byte is read once; a prefill chunk's ``G * T`` rows in
+blocks of :data:`BLOCK_ROWS`), walks its slice in blocks of ``block_s`` tokens with an
+online softmax (:func:`split_softmax`) and writes a partial ``(o, m, l)``
+(:mod:`pallas_kernels.partial`). Every query row sees its own count of the coded tokens
+(the entries' ``lengths [B]``, or ``[B, G]`` per row: a causal chunk's rows see the
+tokens before them), so one loop serves decodes and chunks alike, reading the codes in
+place tile by tile: nothing is ever decoded to memory. The token addresses a program
+loads are computed from the slice and block (:func:`_loader`), the one place a block
+table would enter. What differs between
 kernels is only how a block's codes become logits and how the probabilities meet its
 values: the two callbacks of :func:`split_softmax`. No value is ever sliced, gathered or
 concatenated inside a kernel (the Triton lowering supports none of these): operands are
@@ -55,15 +62,23 @@ def default_blocking(block_s: int | None, num_stages: int | None,
     return block_s or block, num_stages or 3
 
 
+#: at most this many splits for a chunk's query blocks: each split holds a partial of
+#: every row, so the partials' memory is this many times the chunk's output (a decode's
+#: few rows may split more)
+CHUNK_SPLITS = 4
+
+
 def default_splits(batch: int, heads: int, slots: int, block_s: int,
-                   num_warps: int = NUM_WARPS) -> int:
+                   num_warps: int = NUM_WARPS, most: int | None = None) -> int:
     """Splits of the cache length so the ``batch * heads * splits`` programs fill whole
     waves of the GPU: a last, partial wave runs at the speed of a full one (with 768
     programs, 1.45 waves, Nsight Compute estimated half the time lost to the tail). The
-    fewest splits whose waves are at least ``GOOD_WAVES`` full, else the fullest."""
+    fewest splits whose waves are at least ``GOOD_WAVES`` full, else the fullest; at
+    most ``most``."""
     rows = batch * heads
     wave = SMS * WARPS_PER_SM // num_warps
-    most = max(1, min(math.ceil(slots / block_s), MAX_WAVES * wave // rows))
+    most = max(1, min(math.ceil(slots / block_s), MAX_WAVES * wave // rows,
+                      most or slots))
 
     def fill(splits: int) -> float:
         programs = rows * splits
@@ -75,12 +90,16 @@ def default_splits(batch: int, heads: int, slots: int, block_s: int,
 
 def schedule(batch: int, heads: int, slots: int, *, block_s: int | None,
              num_stages: int | None, splits: int | None, num_warps: int,
-             interpret: bool | None, block: int = BLOCK_S) -> tuple[int, int, int, bool]:
+             interpret: bool | None, block: int = BLOCK_S, group: int = 1
+             ) -> tuple[int, int, int, bool]:
     """An entry's ``(block_s, num_stages, splits, interpret)``, each None replaced by the
     library's choice (:func:`default_blocking` with the kernel's ``block``,
-    :func:`default_splits`, interpret mode off a GPU)."""
+    :func:`default_splits` counting the programs of ``group`` query rows per kv head,
+    interpret mode off a GPU)."""
     block_s, num_stages = default_blocking(block_s, num_stages, block)
-    splits = splits or default_splits(batch, heads, slots, block_s, num_warps)
+    blocks = -(-group // BLOCK_ROWS)
+    splits = splits or default_splits(batch * blocks, heads, slots, block_s, num_warps,
+                                      most=CHUNK_SPLITS if blocks > 1 else None)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     return block_s, num_stages, splits, interpret
@@ -121,18 +140,57 @@ def layer_arrays(arrays, layer):
             for a in arrays]
 
 
+#: query rows per program at most: a chunk's ``G * T`` rows are blocked into programs of
+#: this many (a decode's ``G`` rows are one block)
+BLOCK_ROWS = 64
+
+
 def query_rows(group: int, width: int) -> int:
-    """Rows of a program's query block for ``group`` real rows: a power of two, at least
+    """Rows of an entry's padded query for ``group`` real rows: a power of two, at least
     16 when its matmul operands are ``width >= 16`` columns wide (the smallest
-    matrix-instruction tile), else just the next power of two (broadcast path)."""
+    matrix-instruction tile), else just the next power of two (broadcast path); past
+    :data:`BLOCK_ROWS`, whole blocks of it (:func:`row_block`)."""
+    if group > BLOCK_ROWS:
+        return -(-group // BLOCK_ROWS) * BLOCK_ROWS
     rows = max(MIN_DOT, group) if width >= MIN_DOT else group
     return 1 << (rows - 1).bit_length()
+
+
+def row_block(rows: int) -> int:
+    """Query rows per program for a padded query of ``rows`` rows (:func:`query_rows`)."""
+    return min(rows, BLOCK_ROWS)
 
 
 def pad_query_rows(q: jax.Array, width: int) -> jax.Array:
     """``q [B, K, G, D]`` zero-padded to :func:`query_rows` rows."""
     group = q.shape[2]
     return jnp.pad(q, ((0, 0), (0, 0), (0, query_rows(group, width) - group), (0, 0)))
+
+
+def visible_slots(lengths: jax.Array, slots: int) -> jax.Array:
+    """Which of ``slots`` coded tokens each query row sees: ``lengths [B]`` (every row of
+    a batch row sees its first ``lengths[b]``) gives ``[B, S]``, per-row ``lengths [B,
+    G]`` (a causal chunk's rows see different prefixes) ``[B, G, S]``."""
+    return jnp.arange(slots)[(None,) * lengths.ndim] < lengths[..., None]
+
+
+def check_lengths(lengths: jax.Array, batch: int, group: int) -> None:
+    """``ValueError`` unless ``lengths`` are integers ``[B]`` (tokens every query row of
+    a batch row sees) or ``[B, G]`` (tokens each query row sees)."""
+    if (lengths.shape not in ((batch,), (batch, group))
+            or not jnp.issubdtype(lengths.dtype, jnp.integer)):
+        raise ValueError(f"lengths must be integers of shape {(batch,)} or {(batch, group)} "
+                         f"(per query row), got {lengths.shape} {lengths.dtype.name}")
+
+
+def row_limits(lengths: jax.Array, rows: int) -> jax.Array:
+    """``[B, rows]`` int32 token counts per padded query row from ``lengths [B]`` or
+    ``[B, G]``: padding rows repeat the last real row's count, so that they widen no
+    program's walk and mask no block that the real rows see whole."""
+    lengths = lengths.astype(jnp.int32)
+    if lengths.ndim == 1:
+        return jnp.broadcast_to(lengths[:, None], (lengths.shape[0], rows))
+    return jnp.pad(lengths, ((0, 0), (0, rows - lengths.shape[1])), mode="edge")
 
 
 def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -230,35 +288,46 @@ def split_softmax(
     slots: int,
     block_s: int,
     split_len: int,
+    splits: int,
     scores: Callable[[Load], jax.Array],
     accumulate: Callable[[Any, jax.Array, jax.Array, Load], Any],
     init: Any,
 ) -> tuple[Any, jax.Array, jax.Array]:
     """The online softmax of one program over its slice of the coded tokens.
 
-    ``n_ref[0]`` counts the row's coded tokens, ``layer_ref[0]`` is the layer of the
-    stacked refs to read, ``pl.program_id(2)`` the slice (``split_len`` tokens, a multiple
-    of ``block_s``; ``slots`` the refs' token axis). Per block, ``scores(load)`` gives
-    the logits ``[rows, block_s]`` (sm_scale applied) and ``accumulate(acc, p,
-    correction, load)`` the accumulator after the block, from the un-normalized
-    probabilities ``p [rows, block_s]`` and the factor ``correction [rows]`` that rescales
-    the old accumulator to the new maximum. Returns ``(acc, m, l)``; a slice with no
-    token returns ``(init, NEG, 0)``. Whole blocks run without masks, the partial last
-    block with them.
+    ``n_ref [rows]`` counts the coded tokens each query row sees (the first ones: a
+    decode's rows all see the row's every token, a causal chunk's row the tokens before
+    its position), ``layer_ref[0]`` is the layer of the stacked refs to read; the grid's
+    third axis enumerates (query block, slice) pairs, the slice ``pl.program_id(2) %
+    splits`` of ``split_len`` tokens (a multiple of ``block_s``; ``slots`` the refs'
+    token axis). Per block, ``scores(load)`` gives the logits ``[rows, block_s]``
+    (sm_scale applied) and ``accumulate(acc, p, correction, load)`` the accumulator
+    after the block, from the un-normalized probabilities ``p [rows, block_s]`` and the
+    factor ``correction [rows]`` that rescales the old accumulator to the new maximum.
+    Returns ``(acc, m, l)``; a slice with no token returns ``(init, NEG, 0)``. Blocks
+    every row sees whole run without masks; the blocks some rows see only in part (the
+    causal diagonal, the row's last partial block) with them, and load nothing past the
+    last token any row sees.
     """
-    n = n_ref[0]
+    limits = n_ref[...]
     layer = layer_ref[0]
-    start = pl.program_id(2) * split_len
-    stop = jnp.minimum(start + split_len, n)
-    full = jnp.maximum(stop - start, 0) // block_s
+    start = (pl.program_id(2) % splits) * split_len
+    end = start + split_len
+    stop = jnp.minimum(end, jnp.max(limits))
+    # whole blocks from the slice's start that every row sees
+    full = jnp.maximum(jnp.minimum(end, jnp.min(limits)) - start, 0) // block_s
 
     def body(i, carry, masked):
         acc, m_prev, l_prev = carry
         t0 = start + i * block_s
-        ok = (t0 + jnp.arange(block_s)) < stop if masked else None
+        ok, seen = None, None
+        if masked:
+            tokens = t0 + jnp.arange(block_s)
+            ok = tokens < stop
+            # the slice's tokens that each row sees (none past the slice: the next one's)
+            seen = ok[None, :] & (tokens[None, :] < limits[:, None])
         load = _loader(layer, pl.ds(t0, block_s), ok)
-        p, correction, m_next, l_next = softmax_step(
-            scores(load), m_prev, l_prev, None if ok is None else ok[None, :])
+        p, correction, m_next, l_next = softmax_step(scores(load), m_prev, l_prev, seen)
         return accumulate(acc, p, correction, load), m_next, l_next
 
     carry = (init, jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
@@ -267,7 +336,7 @@ def split_softmax(
         carry = jax.lax.fori_loop(0, full, functools.partial(body, masked=False), carry)
     else:
         full = jnp.zeros_like(full)
-    tail = full + (start + full * block_s < stop).astype(full.dtype)
+    tail = jnp.maximum(pl.cdiv(stop - start, block_s), full)
     return jax.lax.fori_loop(full, tail, functools.partial(body, masked=True), carry)
 
 
@@ -288,18 +357,30 @@ def stacked_spec(layers: int, slots: int, *trailing: int, heads: int | None = No
                         lambda b, h, j: (0, b, h, 0, *zeros))
 
 
-def leading_inputs(n_comp: jax.Array, layer, q: jax.Array):
-    """``(args, in_specs)`` of every decode kernel's first three inputs: the per-row
-    token counts ``[B]``, the layer index ``[1]`` and the query rows ``[B, K, R, D]``
-    (float32; one ``[R, D]`` block per program), or ``[B, K / H, H, R, D]`` for programs
-    that serve ``H`` kv heads (:func:`group_heads`; one ``[H, R, D]`` block)."""
-    inner = q.shape[2:]
-    zeros = (0,) * len(inner)
-    args = [n_comp.astype(jnp.int32), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
+def leading_inputs(n_comp: jax.Array, layer, q: jax.Array, splits: int):
+    """``(args, in_specs)`` of every decode kernel's first three inputs: the token counts
+    of each query row ``[B, R]`` (from ``n_comp [B]`` or per row ``[B, G]``:
+    :func:`row_limits`), the layer index ``[1]`` and the query rows ``[B, K, R, D]``
+    (float32), or ``[B, K / H, H, R, D]`` for programs that serve ``H`` kv heads
+    (:func:`group_heads`). A program reads one block of :func:`row_block` rows: block
+    ``j // splits`` of the grid's third axis (:func:`row_spec`)."""
+    rows = q.shape[-2]
+    args = [row_limits(n_comp, rows), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
             q.astype(jnp.float32)]
-    specs = [pl.BlockSpec((1,), lambda b, h, j: (b,)), pl.BlockSpec((1,), lambda b, h, j: (0,)),
-             pl.BlockSpec((None, None, *inner), lambda b, h, j: (b, h, *zeros))]
+    block = row_block(rows)
+    specs = [pl.BlockSpec((None, block), lambda b, h, j: (b, j // splits)),
+             pl.BlockSpec((1,), lambda b, h, j: (0,)),
+             row_spec(q.shape[2:], splits)]
     return args, specs
+
+
+def row_spec(inner: tuple[int, ...], splits: int) -> pl.BlockSpec:
+    """The block of a ``[B, K, ..., R, C]`` per-query-row input (``inner`` its shape past
+    ``B, K``) that program ``(b, h, j)`` reads: query block ``j // splits`` of
+    :func:`row_block` rows."""
+    block = (*inner[:-2], row_block(inner[-2]), inner[-1])
+    zeros = (0,) * (len(inner) - 2)
+    return pl.BlockSpec((None, None, *block), lambda b, h, j: (b, h, *zeros, j // splits, 0))
 
 
 def group_heads(q: jax.Array, heads: int, rows: int) -> jax.Array:
@@ -330,29 +411,32 @@ def ungroup_rows(a: jax.Array, heads: int, group: int) -> jax.Array:
 def decode_call(kernel, args, in_specs, *, batch: int, heads: int, splits: int, rows: int,
                 head_dim: int, num_warps: int, num_stages: int, interpret: bool, name: str,
                 scratch: jax.ShapeDtypeStruct | None = None):
-    """The ``pallas_call`` of a decode kernel on the grid ``(B, K, splits)``; returns its
+    """The ``pallas_call`` of a decode kernel on the grid ``(B, K, query blocks *
+    splits)`` (``rows`` padded query rows in blocks of :func:`row_block`); returns its
     per-split partials ``o [B, K, splits, R, D]``, ``m, l [B, K, splits, R]`` (float32).
     ``scratch``: a block of that shape per program, the kernel's last ref (an output in
     memory the program writes and reads back; discarded)."""
+    block = row_block(rows)
+    programs = rows // block * splits
     out_shape = [
-        jax.ShapeDtypeStruct((batch, heads, splits, rows, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((batch, heads, splits, rows), jnp.float32),
-        jax.ShapeDtypeStruct((batch, heads, splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, programs, block, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, programs, block), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, programs, block), jnp.float32),
     ]
     out_specs = [
-        pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, j: (b, h, j, 0, 0)),
-        pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
-        pl.BlockSpec((None, None, None, rows), lambda b, h, j: (b, h, j, 0)),
+        pl.BlockSpec((None, None, None, block, head_dim), lambda b, h, j: (b, h, j, 0, 0)),
+        pl.BlockSpec((None, None, None, block), lambda b, h, j: (b, h, j, 0)),
+        pl.BlockSpec((None, None, None, block), lambda b, h, j: (b, h, j, 0)),
     ]
     if scratch is not None:
-        out_shape.append(jax.ShapeDtypeStruct((batch, heads, splits, *scratch.shape),
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, programs, *scratch.shape),
                                               scratch.dtype))
         zeros = (0,) * len(scratch.shape)
         out_specs.append(pl.BlockSpec((None, None, None, *scratch.shape),
                                       lambda b, h, j: (b, h, j, *zeros)))
     out = pl.pallas_call(
         kernel,
-        grid=(batch, heads, splits),
+        grid=(batch, heads, programs),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -360,4 +444,12 @@ def decode_call(kernel, args, in_specs, *, batch: int, heads: int, splits: int, 
         interpret=interpret,
         name=name,
     )(*args)
-    return out[:3]
+    return tuple(_rows_of_blocks(a, splits) for a in out[:3])
+
+
+def _rows_of_blocks(a: jax.Array, splits: int) -> jax.Array:
+    """``[B, K, blocks * splits, block, ...]`` partials as ``[B, K, splits, blocks *
+    block, ...]``."""
+    batch, heads, programs, block, *rest = a.shape
+    a = a.reshape(batch, heads, programs // splits, splits, block, *rest)
+    return jnp.moveaxis(a, 2, 3).reshape(batch, heads, splits, -1, *rest)

@@ -23,7 +23,8 @@ options, then the same value, scale and schedule arguments (:data:`STATIC_ARGNAM
   the entry's layout; ``k_norm [B, K, S]`` (``[L, ...]``) fp16: each key's norm;
 - ``v_codes`` uint32 ``[B, K, S, Wv]``: value codes, planar (split at 3 bits);
   ``v_scale``, ``v_zero`` ``[B, K, S, n]`` fp16: one per channel group;
-- ``lengths`` int32 ``[B]``: coded tokens per row, the first ``lengths[b]`` of ``S``;
+- ``lengths`` int32 ``[B]``: coded tokens per row, the first ``lengths[b]`` of ``S``
+  (or ``[B, G]``: the tokens each query row sees, a causal chunk's);
 - ``layer`` int32 ``[]`` (None: unstacked codes): the layer of stacked codes;
 - ``k_signs [K, D]`` ``+-1``: keys stored as ``H(s * k / |k|)``;
 - QJL, all three or none: ``k_qjl`` uint32 ``[B, K, S, D / 32]`` (``sign(G r)``),
@@ -64,16 +65,19 @@ from pallas_kernels import group_values
 from pallas_kernels.flash import (
     OPERAND,
     Load,
+    check_lengths,
     check_stack,
     decode_call,
     dot_nt,
     layer_arrays,
     leading_inputs,
     pad_query_rows,
+    row_spec,
     schedule,
     split_len,
     split_softmax,
     stacked_spec,
+    visible_slots,
 )
 from pallas_kernels.partial import EXACT, empty_partial, logits_partial, merge_partials
 from pallas_kernels.units import code_layout, sign_plane, unit_view
@@ -154,7 +158,8 @@ def check_arrays(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero
         raise ValueError(f"k_codes must be {described}, got {k_codes.dtype}")
     group_values.check_arrays(v_codes, v_scale, v_zero, tokens, head_dim, value_bits,
                               value_group)
-    shapes = [("k_norm", k_norm, tokens), ("lengths", lengths, (batch,))]
+    check_lengths(lengths, batch, q.shape[2])
+    shapes = [("k_norm", k_norm, tokens)]
     qjl = [k_qjl is None, k_residual_norm is None, qjl_sketch is None]
     if any(qjl) and not all(qjl):
         raise ValueError("k_qjl, k_residual_norm and qjl_sketch come together")
@@ -215,7 +220,7 @@ def decode(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero, leng
         return empty_partial(q)
     block_s, num_stages, splits, interpret = schedule(
         batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
-        num_warps=num_warps, interpret=interpret)
+        num_warps=num_warps, interpret=interpret, group=q.shape[2])
     q_rot, gq = query_sides(q, k_signs, qjl_sketch)
     width = max(reader.width, group_values.plane_width(head_dim, value_bits))
     q_rot = kernel_query(pad_query_rows(q_rot, width), reader.columns)
@@ -299,15 +304,15 @@ def logits(refs: KernelRefs, *, sm_scale: float,
     return scale
 
 
-def _kernel(*refs, scores, keys, qjl, value_bits, value_group, block_s, split_len, sm_scale,
-            asm):
+def _kernel(*refs, scores, keys, qjl, value_bits, value_group, block_s, split_len, splits,
+            sm_scale, asm):
     refs = KernelRefs.of(refs, keys=keys, qjl=qjl)
     rows, head_dim = refs.q.shape[0], refs.o.shape[-1]
     values = group_values.Accumulator(refs.values, rows=rows, head_dim=head_dim,
                                       value_bits=value_bits, value_group=value_group, asm=asm)
     o, m, l = split_softmax(
         refs.counts, refs.layer, rows=rows, slots=refs.norm.shape[1], block_s=block_s,
-        split_len=split_len, scores=scores(refs, sm_scale=sm_scale, asm=asm),
+        split_len=split_len, splits=splits, scores=scores(refs, sm_scale=sm_scale, asm=asm),
         accumulate=values.accumulate, init=values.init)
     values.store(refs.o, o)
     refs.m[...] = m
@@ -364,13 +369,12 @@ def codes_partial(
     kernel = functools.partial(
         _kernel, scores=reader.scores, keys=len(key_inputs), qjl=qjl, value_bits=value_bits,
         value_group=value_group, block_s=block_s, split_len=split_len(slots, splits, block_s),
-        sm_scale=sm_scale, asm=asm and not interpret)
-    args, in_specs = leading_inputs(lengths, layer, q)
+        splits=splits, sm_scale=sm_scale, asm=asm and not interpret)
+    args, in_specs = leading_inputs(lengths, layer, q, splits)
     if qjl:
         # G q: one [R, D] block per program, like the query
         args.append(gq.astype(jnp.float32))
-        in_specs.append(pl.BlockSpec((None, None, rows, head_dim),
-                                     lambda b, h, j: (b, h, 0, 0)))
+        in_specs.append(row_spec(gq.shape[2:], splits))
     args += [*key_inputs, k_norm]
     in_specs += [*(stacked_spec(layers, slots, a.shape[-1]) for a in key_inputs),
                  stacked_spec(layers, slots)]
@@ -425,7 +429,7 @@ def reference(reader: KeyReader, vectors: Callable[..., jax.Array], q, k_codes, 
         s = s + qjl_scores(gq, k_qjl, k_residual_norm)
     values = group_values.dequantize(v_codes, v_scale, v_zero, value_bits, value_group,
                                      head_dim)
-    valid = jnp.arange(k_codes.shape[2])[None, :] < lengths[:, None]
+    valid = visible_slots(lengths, k_codes.shape[2])
     return logits_partial(s * sm_scale, values, valid)
 
 

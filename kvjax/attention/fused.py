@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.dispatch import REGISTRY, Call, Impl
+from kvjax.attention.reference import group_queries, ungroup_output
 from kvjax.cache import Segment
 from kvjax.codec import (
     Codec,
@@ -44,32 +45,67 @@ from pallas_kernels.partial import dense_partial, merge_partials, normalize
 
 #: a kernel's array-level entry, e.g. :func:`pallas_kernels.int_decode.api.int_decode`
 Entry = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
-#: ``(qg [B, K, G, D], coded tokens per row [B]) -> partial over the coded tokens``
+#: ``(qg [B, K, R, D], coded tokens each query row sees [B] or [B, R]) -> partial over
+#: the coded tokens``
 CodedPartial = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def merged_attention(q: jax.Array, layer: Segment, lengths: jax.Array, scale: float,
+                     coded: CodedPartial, positions: jax.Array | None = None) -> jax.Array:
+    """Attention over a layer view whose coded region ``coded`` attends; the raw sinks
+    and the residual window (with the unfinished block) are attended here and every
+    partial merged exactly.
+
+    ``q [B, N, D] -> [B, N, D]``: one decode query per row, after the row's every stored
+    token; ``q [B, T, N, D] -> [B, T, N, D]`` with ``positions [B, T]``: a chunk's
+    queries, each seeing the stored tokens at or before its position (causal), the
+    coded ones through per-row token counts that the kernel walks tile by tile (so no
+    layer is ever decoded whole). Float32 out. ``lengths [B]`` counts each row's stored
+    tokens, the chunk's own included (append, then attend). K and V must hold their
+    tokens in the same regions (equal blocks).
+    """
+    chunk = q.ndim == 4
+    if chunk and positions is None:
+        raise ValueError("a chunk's queries [B, T, N, D] need their positions [B, T]")
+    if not chunk:
+        q = q[:, None]
+    batch, num_tokens, num_heads, _ = q.shape
+    k_store, v_store = layer.k, layer.v
+    heads = k_store.raw.shape[1]
+    qg = group_queries(q.astype(jnp.float32), heads)  # rows ordered g * T + t
+    n_sink, n_comp, n_raw = k_store.counts(lengths)
+    if chunk:
+        rows_pos = jnp.tile(positions.astype(jnp.int32), (1, num_heads // heads))  # [B, R]
+        # a row sees the coded tokens up to its position: slot s holds position sinks + s
+        limits = jnp.clip(rows_pos - k_store.sinks + 1, 0, n_comp[:, None])
+    else:
+        limits = n_comp
+
+    def seen(pos: jax.Array, stored: jax.Array) -> jax.Array:
+        """Which tokens at ``pos [B, n]`` (``stored [B, n]``) each query row sees:
+        ``[B, n]`` for a decode, ``[B, R, n]`` (causal) for a chunk."""
+        if not chunk:
+            return stored
+        return stored[:, None, :] & (pos[:, None, :] <= rows_pos[:, :, None])
+
+    parts = [coded(qg, limits)]
+    if k_store.sinks:
+        pos = jnp.broadcast_to(jnp.arange(k_store.sinks, dtype=jnp.int32), (batch, k_store.sinks))
+        ok = seen(pos, pos < n_sink[:, None])
+        parts.append(dense_partial(qg, k_store.sink, v_store.sink, ok, sm_scale=scale))
+    if k_store.raw_capacity:
+        slot = jnp.arange(k_store.raw_capacity, dtype=jnp.int32)[None, :]
+        ok = seen(k_store.sinks + n_comp[:, None] + slot, slot < n_raw[:, None])
+        parts.append(dense_partial(qg, k_store.raw, v_store.raw, ok, sm_scale=scale))
+    out = ungroup_output(normalize(*merge_partials(parts)), num_tokens)
+    return out if chunk else out[:, 0]
 
 
 def merged_decode(q: jax.Array, layer: Segment, lengths: jax.Array, scale: float,
                   coded: CodedPartial) -> jax.Array:
-    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose
-    coded region ``coded`` attends; the raw sinks and the residual window (with the
-    unfinished block) are attended here and every partial merged exactly.
-
-    ``lengths [B]`` counts each row's stored tokens, the query's own included (append,
-    then attend). K and V must hold their tokens in the same regions (equal blocks).
-    """
-    batch, num_heads, head_dim = q.shape
-    k_store, v_store = layer.k, layer.v
-    heads = k_store.raw.shape[1]
-    qg = q.astype(jnp.float32).reshape(batch, heads, num_heads // heads, head_dim)
-    n_sink, n_comp, n_raw = k_store.counts(lengths)
-    parts = [coded(qg, n_comp)]
-    if k_store.sinks:
-        ok = jnp.arange(k_store.sinks)[None, :] < n_sink[:, None]
-        parts.append(dense_partial(qg, k_store.sink, v_store.sink, ok, sm_scale=scale))
-    if k_store.raw_capacity:
-        ok = jnp.arange(k_store.raw_capacity)[None, :] < n_raw[:, None]
-        parts.append(dense_partial(qg, k_store.raw, v_store.raw, ok, sm_scale=scale))
-    return normalize(*merge_partials(parts)).reshape(batch, num_heads, head_dim)
+    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose coded
+    region ``coded`` attends (:func:`merged_attention` of one query per row)."""
+    return merged_attention(q, layer, lengths, scale, coded)
 
 
 def kernel_format(codec: Codec, kind: type[KernelFormat]) -> KernelFormat | None:
@@ -91,13 +127,16 @@ def role_formats(k_codec: Codec, v_codec: Codec, kind: type[KernelFormat], missi
 
 
 def decode_reason(call: Call) -> str | None:
-    """Why a one-token decode kernel cannot serve ``call`` whatever its codecs (None:
-    it may)."""
-    if call.num_tokens != 1:
-        return f"it decodes one query token per row, got {call.num_tokens}"
+    """Why a fused kernel over codes cannot serve ``call`` whatever its codecs (None: it
+    may): a decode, or a chunk of several tokens, without a sliding window."""
     if call.sliding_window is not None:
         return "it has no sliding window"
     return None
+
+
+#: warps per program of a chunk's call: its programs hold :data:`~pallas_kernels.flash.
+#: BLOCK_ROWS` query rows, four times a decode's (whose programs run 2)
+CHUNK_WARPS = 4
 
 
 # -- kernels over IntFormat codes --------------------------------------------------------
@@ -116,8 +155,10 @@ def _rotations(fmt: IntFormat, params, head_dim: int) -> jax.Array | None:
 
 
 def int_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
-                     scale: float | None = None, **options) -> jax.Array:
-    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
+                     scale: float | None = None,
+                     positions: jax.Array | None = None, **options) -> jax.Array:
+    """Attention ``q [B, N, D] -> [B, N, D]`` (a decode; or a chunk's ``[B, T, N, D]`` at
+    ``positions [B, T]``: :func:`merged_attention`), float32, over a layer view whose K
     and V offer :class:`~kvjax.codec.IntFormat` codes, with ``entry`` (a kernel's
     array-level entry, or its reference) over the coded region. ``options`` go to
     ``entry`` (blocking, ``interpret``)."""
@@ -133,7 +174,7 @@ def int_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry:
                      _rotations(v_fmt, v_store.params, head_dim),
                      bits=k_fmt.bits, offset=k_fmt.offset, sm_scale=scale, **options)
 
-    return merged_decode(q, layer, lengths, scale, coded)
+    return merged_attention(q, layer, lengths, scale, coded, positions)
 
 
 def int_formats(k_codec: Codec, v_codec: Codec) -> tuple[IntFormat, IntFormat] | str:
@@ -176,8 +217,10 @@ class KernelImpl(Impl):
 
 def kernel_impl(name: str, entry: Entry, reads: Callable[[Codec, Codec, int], tuple | str],
                 decode: Callable[..., jax.Array], auto: bool = True) -> KernelImpl:
-    """The registry entry of a fused one-token decode kernel: it serves a call whose
-    codecs it ``reads`` and runs ``decode(q [B, N, D], layer, lengths, scale=...)``."""
+    """The registry entry of a fused kernel over codes: it serves a call whose codecs it
+    ``reads``, a decode (``decode(q [B, N, D], layer, lengths, scale=...)``) or a
+    chunk's queries (``q [B, T, N, D]`` with ``positions=``), walking the coded tokens in
+    place tile by tile either way."""
 
     def supports(call: Call) -> str | None:
         reason = decode_reason(call)
@@ -187,7 +230,10 @@ def kernel_impl(name: str, entry: Entry, reads: Callable[[Codec, Codec, int], tu
         return reason
 
     def run(call: Call) -> jax.Array:
-        return decode(call.q[:, 0], call.layer, call.lengths, scale=call.scale)[:, None]
+        if call.num_tokens == 1:
+            return decode(call.q[:, 0], call.layer, call.lengths, scale=call.scale)[:, None]
+        return decode(call.q, call.layer, call.lengths, scale=call.scale,
+                      positions=call.step.positions(call.num_tokens), num_warps=CHUNK_WARPS)
 
     return KernelImpl(name=name, supports=supports, run=run, fused=True, auto=auto,
                       entry=entry, reads=reads)
@@ -230,8 +276,9 @@ def rotated_options(k_fmt: RotatedKeyFormat, v_fmt: GroupIntFormat, head_dim: in
 
 def rotated_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
                          key_format: type[RotatedKeyFormat], scale: float | None = None,
-                         **options) -> jax.Array:
-    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
+                         positions: jax.Array | None = None, **options) -> jax.Array:
+    """Attention ``q [B, N, D] -> [B, N, D]`` (a decode; or a chunk's ``[B, T, N, D]`` at
+    ``positions [B, T]``: :func:`merged_attention`), float32, over a layer view whose K
     offers ``key_format`` codes and V :class:`~kvjax.codec.GroupIntFormat` codes, with
     ``entry`` (a kernel's array-level entry, or its reference; the signature of
     :func:`pallas_kernels.codebook_decode.api.codebook_decode`) over the coded region.
@@ -248,7 +295,7 @@ def rotated_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, en
                      k_store.params["signs"], k_qjl, residual_norm, sketch, **static,
                      **options)
 
-    return merged_decode(q, layer, lengths, static["sm_scale"], coded)
+    return merged_attention(q, layer, lengths, static["sm_scale"], coded, positions)
 
 
 def rotated_reads(k_codec: Codec, v_codec: Codec, head_dim: int, *,
@@ -327,8 +374,10 @@ def hqmq_outliers(k_fmt: HqmqFormat, k_codes, v_fmt: HqmqFormat, v_codes) -> dic
 
 
 def hqmq_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
-                      scale: float | None = None, **options) -> jax.Array:
-    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
+                      scale: float | None = None,
+                      positions: jax.Array | None = None, **options) -> jax.Array:
+    """Attention ``q [B, N, D] -> [B, N, D]`` (a decode; or a chunk's ``[B, T, N, D]`` at
+    ``positions [B, T]``: :func:`merged_attention`), float32, over a layer view whose K
     and V offer :class:`~kvjax.codec.HqmqFormat` codes, with ``entry`` (the signature of
     :func:`pallas_kernels.hqmq_decode.api.hqmq_decode`) over the coded region."""
     k_store, v_store = layer.k, layer.v
@@ -343,7 +392,7 @@ def hqmq_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry
                      k_store.layer, **hqmq_outliers(k_fmt, k_store.codes, v_fmt, v_store.codes),
                      layout=k_fmt.layout(head_dim), sm_scale=scale, **options)
 
-    return merged_decode(q, layer, lengths, scale, coded)
+    return merged_attention(q, layer, lengths, scale, coded, positions)
 
 
 def hqmq_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],
@@ -384,8 +433,10 @@ def rice_entry(q: jax.Array, k_params, v_params, *arrays, entry: Entry, k_fmt: R
 
 
 def rice_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
-                      scale: float | None = None, **options) -> jax.Array:
-    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
+                      scale: float | None = None,
+                      positions: jax.Array | None = None, **options) -> jax.Array:
+    """Attention ``q [B, N, D] -> [B, N, D]`` (a decode; or a chunk's ``[B, T, N, D]`` at
+    ``positions [B, T]``: :func:`merged_attention`), float32, over a layer view whose K
     and V offer :class:`~kvjax.codec.RiceFormat` blocks, with ``entry`` (the signature
     of :func:`pallas_kernels.rice_decode.api.rice_decode`) over the coded region."""
     k_store, v_store = layer.k, layer.v
@@ -400,7 +451,7 @@ def rice_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry
                           k_fmt=k_fmt, v_fmt=v_fmt, layout=k_fmt.layout(head_dim),
                           sm_scale=scale, **options)
 
-    return merged_decode(q, layer, lengths, scale, coded)
+    return merged_attention(q, layer, lengths, scale, coded, positions)
 
 
 def rice_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],
@@ -433,8 +484,10 @@ def dense_reads(k_codec: Codec, v_codec: Codec, head_dim: int,
 
 
 def dense_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry: Entry,
-                       scale: float | None = None, **options) -> jax.Array:
-    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose K
+                       scale: float | None = None,
+                       positions: jax.Array | None = None, **options) -> jax.Array:
+    """Attention ``q [B, N, D] -> [B, N, D]`` (a decode; or a chunk's ``[B, T, N, D]`` at
+    ``positions [B, T]``: :func:`merged_attention`), float32, over a layer view whose K
     and V offer :class:`~kvjax.codec.DenseFormat` values, with ``entry`` over the coded
     region: the segment's whole stack and the layer's index, read in place."""
     k_store, v_store = layer.k, layer.v
@@ -446,7 +499,7 @@ def dense_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entr
         return entry(qg, k_fmt.values(k_store.codes), v_fmt.values(v_store.codes), n_comp,
                      k_store.layer, sm_scale=scale, **options)
 
-    return merged_decode(q, layer, lengths, scale, coded)
+    return merged_attention(q, layer, lengths, scale, coded, positions)
 
 
 def dense_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],

@@ -44,9 +44,10 @@ register(rotated_kernel("polar_decode", polar_decode.polar_decode, PolarFormat,
                         polar_decode.unsupported))
 register(hqmq_kernel("hqmq_decode", hqmq_decode.hqmq_decode, hqmq_decode.unsupported))
 register(rice_kernel("rice_decode", rice_decode.rice_decode, rice_decode.unsupported))
+# chunks over a 16-bit cache read in place, before "dense_decode" (which serves them too,
+# and a raw window beside them): 8 x 32k tokens prefill in 15.2 s against "xla"'s 31.2 s
+# (docs/kernels.md)
+register(Impl(name="chunk_flash", supports=prefill.supports, run=prefill.run, fused=True))
 # before "xla": in the models' loop a bf16 cache's layer is a slice of its stack, which
 # cuDNN needs copied (B=8, S=32k: 13.7 ms per step against 29.4, docs/kernels.md)
 register(dense_kernel("dense_decode", dense_decode.dense_decode, dense_decode.unsupported))
-# chunks only (the decode kernels above take one token): 8 x 32k tokens prefill in 15.2 s
-# against "xla"'s 31.2 s (docs/kernels.md)
-register(Impl(name="chunk_flash", supports=prefill.supports, run=prefill.run, fused=True))

@@ -20,6 +20,7 @@ from pallas_kernels.dense_decode.kernel import values_partial
 from pallas_kernels.flash import (
     MIN_DOT,
     NUM_WARPS,
+    check_lengths,
     check_query,
     check_stack,
     pad_query_rows,
@@ -50,8 +51,7 @@ def check_arrays(q, keys, values, lengths, layer) -> None:
     if values.shape != keys.shape or values.dtype != keys.dtype:
         raise ValueError(f"values must match keys ({keys.shape} {keys.dtype.name}), got "
                          f"{values.shape} {values.dtype.name}")
-    if lengths.shape != (batch,):
-        raise ValueError(f"lengths must have shape {(batch,)}, got {lengths.shape}")
+    check_lengths(lengths, batch, q.shape[2])
 
 
 @functools.partial(
@@ -63,7 +63,7 @@ def dense_decode(
     q: jax.Array,        # [B, K, G, D] float: the query rows that read kv head k
     keys: jax.Array,     # [B, K, S, D] ([L, B, K, S, D] with layer) bfloat16 or float16
     values: jax.Array,   # like keys
-    lengths: jax.Array,  # int32 [B]: tokens per row, the first lengths[b] of S
+    lengths: jax.Array,  # int32 [B], or [B, G] per query row: tokens seen, the first of S
     layer: jax.Array | None = None,  # int32 []: the layer of the stacks to read
     *,
     sm_scale: float,     # logits are sm_scale * q . k
@@ -86,7 +86,7 @@ def dense_decode(
         return empty_partial(q)
     block_s, num_stages, splits, interpret = schedule(
         batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
-        num_warps=num_warps, interpret=interpret)
+        num_warps=num_warps, interpret=interpret, group=q.shape[2])
     rows = pad_query_rows(q.astype(jnp.float32), head_dim)
     o, m, l = values_partial(rows, keys, values, lengths, layer, sm_scale=sm_scale,
                              block_s=block_s, splits=splits, num_warps=num_warps,

@@ -29,7 +29,7 @@ from pallas_kernels.flash import (
 
 
 def _kernel(n_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_s,
-            split_len, sm_scale):
+            split_len, splits, sm_scale):
     rows, head_dim = q_ref.shape
     dtype = k_ref.dtype
     q = q_ref[...].astype(dtype)
@@ -42,7 +42,7 @@ def _kernel(n_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block
 
     acc, m, l = split_softmax(
         n_ref, layer_ref, rows=rows, slots=k_ref.shape[1], block_s=block_s,
-        split_len=split_len, scores=scores, accumulate=accumulate,
+        split_len=split_len, splits=splits, scores=scores, accumulate=accumulate,
         init=jnp.zeros((rows, head_dim), jnp.float32))
     o_ref[...] = acc
     m_ref[...] = m
@@ -65,8 +65,9 @@ def values_partial(q, keys, values, n_comp, layer=None, *, sm_scale: float, bloc
         keys, values, layer = keys[None], values[None], 0
     layers, slots = keys.shape[0], keys.shape[3]
     kernel = functools.partial(_kernel, block_s=block_s,
-                               split_len=split_len(slots, splits, block_s), sm_scale=sm_scale)
-    args, in_specs = leading_inputs(n_comp, layer, q)
+                               split_len=split_len(slots, splits, block_s), splits=splits,
+                               sm_scale=sm_scale)
+    args, in_specs = leading_inputs(n_comp, layer, q, splits)
     args += [keys, values]
     in_specs += [stacked_spec(layers, slots, head_dim)] * 2
     return decode_call(kernel, args, in_specs, batch=batch, heads=heads, splits=splits,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dense_decode.api import check_arrays
-from pallas_kernels.flash import NUM_WARPS, layer_arrays
+from pallas_kernels.flash import NUM_WARPS, layer_arrays, visible_slots
 from pallas_kernels.partial import dense_partial
 
 
@@ -43,5 +43,5 @@ def dense_decode(
     del block_s, splits, num_warps, num_stages, interpret
     check_arrays(q, keys, values, lengths, layer)
     keys, values = (a.astype(jnp.float32) for a in layer_arrays((keys, values), layer))
-    valid = jnp.arange(keys.shape[2])[None, :] < lengths[:, None]
+    valid = visible_slots(lengths, keys.shape[2])
     return dense_partial(q.astype(jnp.float32), keys, values, valid, sm_scale=sm_scale)

@@ -21,6 +21,7 @@ from kvjax.primitives.quaternion import HqmqLayout
 from pallas_kernels.flash import (
     MIN_DOT,
     NUM_WARPS,
+    check_lengths,
     check_query,
     check_stack,
     pad_query_rows,
@@ -98,9 +99,10 @@ def check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_tabl
                 f"H = {layout.size} bytes", axes="S, H")
     shape = k_stream.shape
     for name, a, want in (("v_stream", v_stream, shape), ("k_scale", k_scale, shape[:-1]),
-                          ("v_scale", v_scale, shape[:-1]), ("lengths", lengths, (batch,))):
+                          ("v_scale", v_scale, shape[:-1])):
         if a.shape != want:
             raise ValueError(f"{name} must have shape {want}, got {a.shape}")
+    check_lengths(lengths, batch, q.shape[2])
     for name, a in (("k_stream", k_stream), ("v_stream", v_stream)):
         if a.dtype != jnp.uint8:
             raise ValueError(f"{name} must be uint8 bytes, got {a.dtype}")
@@ -145,7 +147,7 @@ def hqmq_decode(
     k_scale: jax.Array,   # [B, K, S] ([L, ...]) fp16: the largest chunk radius
     v_stream: jax.Array,  # like k_stream
     v_scale: jax.Array,   # like k_scale
-    lengths: jax.Array,   # int32 [B]: coded tokens per row, the first lengths[b] of S
+    lengths: jax.Array,   # int32 [B], or [B, G] per query row: coded tokens seen, the first of S
     k_table: jax.Array,   # [K, 4, N]: codeword components by joint index, per kv head
     v_table: jax.Array,   # like k_table, the values' codewords
     layer: jax.Array | None = None,  # int32 []: the layer of stacked codes to read
@@ -194,7 +196,7 @@ def hqmq_decode(
     block_s, num_stages, splits, interpret = schedule(
         batch, heads, slots, block_s=block_s,
         num_stages=num_stages or (OUTLIER_STAGES if block else None), splits=splits,
-        num_warps=num_warps, interpret=interpret, block=block or BLOCK_S)
+        num_warps=num_warps, interpret=interpret, group=q.shape[2], block=block or BLOCK_S)
     # a head dim short of whole chunks: the codec zero-pads the last chunk, so the
     # query's padded columns are zero too and the output's are dropped
     width = COMPONENTS * layout.chunks

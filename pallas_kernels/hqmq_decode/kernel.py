@@ -161,7 +161,7 @@ def _outlier_tiles(load, flags_ref, chunks_ref, start_ref=None, *, block: int,
 
 
 def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_ref, vt_ref,
-            *refs, layout, block_s, split_len, sm_scale, lookup, k_outliers, v_outliers):
+            *refs, layout, block_s, split_len, splits, sm_scale, lookup, k_outliers, v_outliers):
     o_ref, m_ref, l_ref = refs[-3:]
     extra = list(refs[:-3])
     k_med = [extra.pop(0) for _ in range(k_outliers)] or None
@@ -201,7 +201,7 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
     init = tuple(jnp.zeros((rows, chunks), jnp.float32) for _ in range(COMPONENTS))
     acc, m, l = split_softmax(
         n_ref, layer_ref, rows=rows, slots=ks_ref.shape[1], block_s=block_s,
-        split_len=split_len, scores=scores, accumulate=accumulate, init=init)
+        split_len=split_len, splits=splits, scores=scores, accumulate=accumulate, init=init)
     for c in range(COMPONENTS):
         o_ref[:, pl.ds(c * chunks, chunks)] = acc[c]
     m_ref[...] = m
@@ -236,12 +236,13 @@ def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_ta
     layers, slots = k_stream.shape[0], k_stream.shape[3]
     perm = query_columns(layout.chunks)
     kernel = functools.partial(_kernel, layout=layout, block_s=block_s,
-                               split_len=split_len(slots, splits, block_s), sm_scale=sm_scale,
+                               split_len=split_len(slots, splits, block_s), splits=splits,
+                               sm_scale=sm_scale,
                                lookup=lookup, k_outliers=len(k_outliers or ()),
                                v_outliers=len(v_outliers or ()))
     if lookup == "product":  # codeword 24 s is q_s times the unit 1
         k_table, v_table = k_table[..., ::NUM_HURWITZ], v_table[..., ::NUM_HURWITZ]
-    args, in_specs = leading_inputs(n_comp, layer, q[..., perm])
+    args, in_specs = leading_inputs(n_comp, layer, q[..., perm], splits)
     stream_spec = stacked_spec(layers, slots, k_stream.shape[4])
     scale_spec = stacked_spec(layers, slots)
     table_spec = pl.BlockSpec((None, COMPONENTS, k_table.shape[-1]), lambda b, h, j: (h, 0, 0))

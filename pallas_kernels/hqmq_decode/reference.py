@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.primitives.quaternion import HqmqLayout, replace_outliers
-from pallas_kernels.flash import NUM_WARPS, layer_arrays
+from pallas_kernels.flash import NUM_WARPS, layer_arrays, visible_slots
 from pallas_kernels.hqmq_decode.api import check_arrays, pairs
 from pallas_kernels.hqmq_decode.kernel import COMPONENTS
 from pallas_kernels.partial import dense_partial
@@ -100,5 +100,5 @@ def hqmq_decode(
         keys = with_outliers(keys, layer_arrays(k_med, layer), block)
     if v_med is not None:
         values = with_outliers(values, layer_arrays(v_med, layer), block)
-    valid = jnp.arange(k_stream.shape[2])[None, :] < lengths[:, None]
+    valid = visible_slots(lengths, k_stream.shape[2])
     return dense_partial(q.astype(jnp.float32), keys, values, valid, sm_scale=sm_scale)

@@ -25,6 +25,7 @@ from kvjax.primitives.rotations import block_hadamard, random_signs
 from pallas_kernels.flash import (
     MIN_DOT,
     NUM_WARPS,
+    check_lengths,
     check_query,
     check_stack,
     schedule,
@@ -66,10 +67,10 @@ def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
                            ("k_scale", k_scale, codes_shape[:-1]),
                            ("k_zero", k_zero, codes_shape[:-1]),
                            ("v_scale", v_scale, codes_shape[:-1]),
-                           ("v_zero", v_zero, codes_shape[:-1]),
-                           ("lengths", lengths, (batch,))):
+                           ("v_zero", v_zero, codes_shape[:-1])):
         if a is not None and a.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    check_lengths(lengths, batch, q.shape[2])
     for name, a in (("k_codes", k_codes), ("v_codes", v_codes)):
         if a.dtype != jnp.uint32:
             raise ValueError(f"{name} must be uint32 packed words, got {a.dtype}")
@@ -92,7 +93,7 @@ def int_decode(
     v_codes: jax.Array,  # uint32, like k_codes
     v_scale: jax.Array,  # like k_scale
     v_zero: jax.Array | None,  # like k_zero
-    lengths: jax.Array,  # int32 [B]: coded tokens per row, the first lengths[b] of S
+    lengths: jax.Array,  # int32 [B], or [B, G] per query row: coded tokens seen, the first of S
     layer: jax.Array | None = None,       # int32 []: the layer of stacked codes to read
     q_rotation: jax.Array | None = None,  # [K, D, D]: keys stored as R k; reads R q
     v_rotation: jax.Array | None = None,  # [K, D, D]: values stored as R v; R^T o out
@@ -128,12 +129,15 @@ def int_decode(
         # no code slot at all (a residual window as long as the cache)
         return empty_partial(q)
     research = research or Research()
+    if research.heads > 1 and lengths.ndim > 1:
+        raise ValueError("programs of several kv heads read one decode query per row: "
+                         "per-row lengths need Research(heads=1)")
     if heads % research.heads:
         raise ValueError(f"{heads} kv heads do not split into programs of "
                          f"{research.heads}")
     block_s, num_stages, splits, interpret = schedule(
         batch, heads // research.heads, slots, block_s=block_s, num_stages=num_stages,
-        splits=splits, num_warps=num_warps, interpret=interpret)
+        splits=splits, num_warps=num_warps, interpret=interpret, group=q.shape[2])
     o, m, l = codes_partial(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, q_rotation, layer,
         bits=bits, offset=offset, sm_scale=sm_scale, block_s=block_s, splits=splits,

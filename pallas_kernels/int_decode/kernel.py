@@ -101,7 +101,7 @@ class Research:
                              "kv head")
 
 
-def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_scale,
+def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, splits, sm_scale,
             rotated, offset, asm, biased, group):
     refs = list(refs)
     rot_ref = refs.pop(0) if rotated else None
@@ -187,7 +187,7 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, sm_
     init = (tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(planes)), zeros, zeros)
     (o_slots, o_zero, pv_sum), m, l = split_softmax(
         n_ref, layer_ref, rows=rows, slots=kc_ref.shape[2], block_s=block_s,
-        split_len=split_len, scores=scores, accumulate=accumulate, init=init)
+        split_len=split_len, splits=splits, scores=scores, accumulate=accumulate, init=init)
     # every value is zero + scale * code: the zeros' share is the same in every column
     for j in range(planes):
         shift = biases[j] + (0.0 if offset is None else float(offset))
@@ -264,12 +264,12 @@ def codes_partial(
     rows = query_rows(heads * group, width)
     kernel = functools.partial(
         _kernel, bits=bits, width=width, block_s=block_s,
-        split_len=split_len(slots_total, splits, block_s),
+        split_len=split_len(slots_total, splits, block_s), splits=splits,
         sm_scale=sm_scale, rotated=rotated, offset=offset,
         asm=not interpret and research.asm, biased=research.biased and layout == "halves",
         group=group,
     )
-    args, in_specs = leading_inputs(n_comp, layer, group_heads(q, heads, rows))
+    args, in_specs = leading_inputs(n_comp, layer, group_heads(q, heads, rows), splits)
     if rotated:
         in_specs.append(pl.BlockSpec((None, head_dim, head_dim), lambda b, h, j: (h, 0, 0)))
         args.append(rotation.astype(OPERAND))

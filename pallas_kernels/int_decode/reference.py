@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.primitives.packing import unpack_codes
-from pallas_kernels.flash import layer_arrays
+from pallas_kernels.flash import layer_arrays, visible_slots
 from pallas_kernels.int_decode.api import NUM_WARPS, check_arrays
 from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.partial import EXACT, dense_partial, unrotate_output
@@ -45,7 +45,7 @@ def int_decode(
     v_codes: jax.Array,  # uint32, like k_codes
     v_scale: jax.Array,  # like k_scale
     v_zero: jax.Array | None,  # like k_zero
-    lengths: jax.Array,  # int32 [B]: coded tokens per row, the first lengths[b] of S
+    lengths: jax.Array,  # int32 [B], or [B, G] per query row: coded tokens seen, the first of S
     layer: jax.Array | None = None,       # int32 []: the layer of stacked codes to read
     q_rotation: jax.Array | None = None,  # [K, D, D]: keys stored as R k; reads R q
     v_rotation: jax.Array | None = None,  # [K, D, D]: values stored as R v; R^T o out
@@ -75,7 +75,7 @@ def int_decode(
         q = jnp.einsum("bkgd,ked->bkge", q, q_rotation.astype(jnp.float32), precision=EXACT)
     keys = dequantize(k_codes, k_scale, k_zero, bits, head_dim, offset)
     values = dequantize(v_codes, v_scale, v_zero, bits, head_dim, offset)
-    valid = jnp.arange(k_codes.shape[2])[None, :] < lengths[:, None]
+    valid = visible_slots(lengths, k_codes.shape[2])
     o, m, l = dense_partial(q, keys, values, valid, sm_scale=sm_scale)
     if v_rotation is not None:
         o = unrotate_output(o, v_rotation)

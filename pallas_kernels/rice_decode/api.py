@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.flash import (
     MIN_DOT,
+    check_lengths,
     check_query,
     check_stack,
     pad_query_rows,
@@ -77,8 +78,7 @@ def check_arrays(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, length
             raise ValueError(f"{name} must have shape {want}, got {a.shape}")
         if dtype is not None and a.dtype != dtype:
             raise ValueError(f"{name} must be {jnp.dtype(dtype).name}, got {a.dtype}")
-    if lengths.shape != (batch,):
-        raise ValueError(f"lengths must have shape {(batch,)}, got {lengths.shape}")
+    check_lengths(lengths, batch, q.shape[2])
     if head_dim % GROUP:
         raise NotImplementedError(f"rice_decode: head_dim {head_dim} is not whole E8 points")
 
@@ -96,7 +96,7 @@ def rice_decode(
     v_stream: jax.Array,  # like k_stream
     v_index: jax.Array,   # like k_index
     v_norm: jax.Array,    # like k_norm
-    lengths: jax.Array,   # int32 [B]: coded tokens per row, the first lengths[b]
+    lengths: jax.Array,   # int32 [B], or [B, G] per query row: coded tokens seen
     layer: jax.Array | None = None,  # int32 []: the layer of stacked codes to read
     *,
     layout,               # kvjax.primitives.rice_blocks.RiceLayout of the blocks
@@ -125,7 +125,7 @@ def rice_decode(
         return empty_partial(q)
     block_s, num_stages, splits, interpret = schedule(
         batch, heads, slots, block_s=block_s, num_stages=num_stages or NUM_STAGES,
-        splits=splits, num_warps=num_warps, interpret=interpret, block=BLOCK_S)
+        splits=splits, num_warps=num_warps, interpret=interpret, group=q.shape[2], block=BLOCK_S)
     rows = pad_query_rows(q.astype(jnp.float32), layout.head_dim)
     o, m, l = codes_partial(
         rows, k_stream, k_index, k_norm, v_stream, v_index, v_norm, lengths, layer,

@@ -228,7 +228,7 @@ def _sign_scales(load, stream_ref, layout, t: jax.Array) -> jax.Array:
 
 
 def _kernel(n_ref, layer_ref, q_ref, ks_ref, ki_ref, kn_ref, vs_ref, vi_ref, vn_ref,
-            o_ref, m_ref, l_ref, scratch_ref, *, layout, block_s, split_len, sm_scale,
+            o_ref, m_ref, l_ref, scratch_ref, *, layout, block_s, split_len, splits, sm_scale,
             interpret):
     rows = q_ref.shape[0]
     # interpret mode runs a program's lanes in lockstep: nothing to wait for
@@ -248,7 +248,7 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, ki_ref, kn_ref, vs_ref, vi_ref, vn_
 
     acc, m, l = split_softmax(
         n_ref, layer_ref, rows=rows, slots=ks_ref.shape[1] * layout.block, block_s=block_s,
-        split_len=split_len, scores=scores, accumulate=accumulate,
+        split_len=split_len, splits=splits, scores=scores, accumulate=accumulate,
         init=jnp.zeros((rows, layout.head_dim), jnp.float32))
     o_ref[...] = acc
     m_ref[...] = m
@@ -275,9 +275,10 @@ def codes_partial(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, n_com
     layers, blocks = arrays[0].shape[0], arrays[0].shape[3]
     slots = blocks * layout.block
     kernel = functools.partial(_kernel, layout=layout, block_s=block_s,
-                               split_len=split_len(slots, splits, block_s), sm_scale=sm_scale,
+                               split_len=split_len(slots, splits, block_s), splits=splits,
+                               sm_scale=sm_scale,
                                interpret=interpret)
-    args, in_specs = leading_inputs(n_comp, layer, q)
+    args, in_specs = leading_inputs(n_comp, layer, q, splits)
     args += list(arrays)
     in_specs += [stacked_spec(layers, blocks, a.shape[4]) for a in arrays]
     o, m, l = decode_call(

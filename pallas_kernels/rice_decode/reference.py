@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.primitives.rice_blocks import rotated_tokens
-from pallas_kernels.flash import NUM_WARPS, layer_arrays
+from pallas_kernels.flash import NUM_WARPS, layer_arrays, visible_slots
 from pallas_kernels.partial import dense_partial
 from pallas_kernels.rice_decode.api import check_arrays
 
@@ -58,5 +58,5 @@ def rice_decode(
         return x.reshape(*x.shape[:-3], -1, layout.head_dim)
 
     keys, values = tokens(*arrays[:3]), tokens(*arrays[3:])
-    valid = jnp.arange(keys.shape[2])[None, :] < lengths[:, None]
+    valid = visible_slots(lengths, keys.shape[2])
     return dense_partial(q.astype(jnp.float32), keys, values, valid, sm_scale=sm_scale)

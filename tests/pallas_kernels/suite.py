@@ -18,6 +18,12 @@ A kernel's test module subclasses :class:`KernelSuite` as ``Test<Kernel>`` and s
   specs it serves, for the whole-cache case through the attention adapter: a needle key
   at the first, middle and last coded position of ragged rows of up to ~2000 tokens (one
   kv head each) must dominate the output, as in the reference attention.
+
+Every kernel also serves a chunk's queries: ``lengths [B, R]`` per query row (each row
+its own causal prefix of the coded tokens), rows blocked into programs of
+:data:`~pallas_kernels.flash.BLOCK_ROWS`; checked on the ``DROP`` case's arrays against
+the reference, and through the attention adapter for the first ``NEEDLE_SPECS`` on a
+cache holding a history before the chunk.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import pytest
 from kvjax import cache as kc
 from kvjax.attention import attend
 from kvjax.spec import parse_cache
+from pallas_kernels.flash import BLOCK_ROWS
 
 #: ragged rows of the whole-cache case, up to a couple of thousand tokens
 NEEDLE_LENGTHS = (1999, 1234, 77)
@@ -129,6 +136,35 @@ class KernelSuite:
         short = normalized(self.reference(**kw))
         assert np.max(np.abs(full - short)) > 10 * self.TOLERANCE["out"]
 
+    def test_rows_with_their_own_lengths_match_reference(self):
+        case = self.DROP[0]
+        kw = self.inputs(case)
+        q = kw["q"]
+        batch, heads, group, _ = q.shape
+        rows = BLOCK_ROWS + 6  # two programs' blocks, the second padded
+        kw["q"] = jnp.tile(q, (1, 1, -(-rows // group), 1))[:, :, :rows]
+        slots = int(max(self.lengths(case)))
+        lengths = np.random.default_rng(0).integers(0, slots + 1, (batch, rows))
+        lengths[:, :3] = (0, 1, slots)
+        kw["lengths"] = jnp.asarray(lengths, jnp.int32)
+        got, want = self.entry(**kw), self.reference(**kw)
+        out, ref = normalized(got), normalized(want)
+        np.testing.assert_allclose(out, ref, atol=self.tolerance(case)["out"])
+        seen = np.broadcast_to((lengths > 0)[:, None], (batch, heads, rows))
+        lse, ref_lse = (np.asarray(p[1])[seen] + np.log(np.asarray(p[2])[seen])
+                        for p in (got, want))
+        np.testing.assert_allclose(lse, ref_lse, atol=self.tolerance(case)["lse"])
+        assert np.all(out[~seen] == 0) and np.all(np.asarray(got[2])[~seen] == 0)
+
+    def test_chunk_through_the_attention_adapter(self):
+        config = parse_cache(self.NEEDLE_SPECS[0])
+        view, step, q = _chunk_cache(config)
+        got = np.asarray(attend(q, view, step, impl=self.IMPL))
+        want = np.asarray(attend(q, view, step, impl="reference"))
+        for row, valid in enumerate(np.asarray(step.valid)):
+            np.testing.assert_allclose(got[row, :valid], want[row, :valid],
+                                       atol=self.TOLERANCE["out"])
+
     def test_needle_dominates_through_the_attention_adapter(self, needle_spec):
         config = parse_cache(needle_spec)
         heads, group, head_dim = 3, 4, 64
@@ -182,3 +218,23 @@ def _needle_cache(config, heads, group, head_dim, seed=0):
     values = kc.dense(view.v, step.start + step.valid)  # [B, K, T, D]
     stored = values[rows, kv_heads, positions]
     return view, step, q, stored, positions
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _chunk_cache(config, seed=0):
+    """A one-layer cache (2 kv heads of 3 query heads, head dim 64) holding ragged
+    histories (150 and 97 tokens) and then a chunk of 70 (41 real in the second row)
+    appended; returns ``(view, step, q [B, 70, 6, 64])`` of that chunk."""
+    batch, heads, group, head_dim, history, chunk = 2, 2, 3, 64, 150, 70
+    cache = kc.init_cache(jax.random.key(seed), config, num_layers=1, batch=batch,
+                          num_kv_heads=heads, head_dim=head_dim, max_len=history + chunk,
+                          dtype=jnp.bfloat16)
+    keys = jax.random.split(jax.random.key(seed + 1), 5)
+    kv = jax.random.normal(keys[0], (2, batch, history + chunk, heads, head_dim))
+    step = kc.make_step(cache, history, jnp.asarray([history, 97], jnp.int32))
+    view = kc.append(cache.layer(0), kv[0, :, :history], kv[1, :, :history], step)
+    cache = kc.commit(cache.with_layer(0, view), step)
+    step = kc.make_step(cache, chunk, jnp.asarray([chunk, 41], jnp.int32))
+    view = kc.append(cache.layer(0), kv[0, :, history:], kv[1, :, history:], step)
+    q = jax.random.normal(keys[1], (batch, chunk, heads * group, head_dim))
+    return view, step, q

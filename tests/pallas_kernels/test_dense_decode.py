@@ -89,7 +89,7 @@ class TestDenseDecode(KernelSuite):
                 ("keys", kw["keys"][..., :-1], "keys must be"),
                 ("values", kw["values"][:, :, :-1], "values must match keys"),
                 ("values", kw["values"].astype(jnp.float16), "values must match keys"),
-                ("lengths", kw["lengths"][:2], "lengths must have shape"),
+                ("lengths", kw["lengths"][:2], "lengths must be integers of shape"),
                 ("q", kw["q"][0], "q must be")):
             with pytest.raises(ValueError, match=match):
                 api.dense_decode(**{**kw, name: bad})

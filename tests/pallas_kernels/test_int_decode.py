@@ -223,7 +223,7 @@ class TestIntDecode(KernelSuite):
         for name, bad, match in (
                 ("k_codes", kw["k_codes"][..., :-1], "k_codes must be"),
                 ("v_scale", kw["v_scale"][:, :, :-1], "v_scale must have shape"),
-                ("lengths", kw["lengths"][:1], "lengths must have shape"),
+                ("lengths", kw["lengths"][:1], "lengths must be integers of shape"),
                 ("q", kw["q"][0], "q must be"),
                 ("q_rotation", jnp.eye(64), "q_rotation must be")):
             with pytest.raises(ValueError, match=match):

@@ -26,7 +26,7 @@ INTERPRET = jax.default_backend() != "gpu"
 def test_registry_and_auto():
     assert registered()[:4] == ("reference", "xla", "int_decode", "codebook_decode")
     fused = ("int_decode", "codebook_decode", "octopus_decode", "polar_decode", "hqmq_decode",
-             "rice_decode", "dense_decode", "chunk_flash")
+             "rice_decode", "chunk_flash", "dense_decode")
     assert auto_names("gpu") == (*fused, "xla", "reference")
     assert auto_names("cpu") == ("reference",)
     assert resolve("auto", "gpu") == (*fused, "xla", "reference")

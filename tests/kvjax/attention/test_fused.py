@@ -2,6 +2,7 @@
 offer, the arrays it takes out of a view, the raw sinks and window it merges, and a
 model's decode step through the kernel."""
 
+import dataclasses
 import functools
 import re
 
@@ -139,7 +140,7 @@ def test_merged_decode_hands_the_coded_region_to_the_kernel():
     ("int:4", "int:8", 128, {}, "bit widths differ"),
     ("int:3", "int:3", 128, {}, "not planar-packed"),
     ("int:4", "int:4", 80, {}, "power of two"),
-    ("int:4", "int:4", 128, {"num_queries": 2}, "one query token"),
+    ("int:4", "int:4", 128, {"num_queries": 2, "sliding_window": 8}, "sliding window"),
     ("int:4", "int:4", 128, {"sliding_window": 8}, "sliding window"),
     ("hyperquant:e8,4bps,dither,int8", "int:8", 128, {},
      "K 'hyperquant:e8,4bps,dither,int8' offers no int-codes kernel format"),
@@ -170,8 +171,9 @@ def test_why_the_kernel_does_not_apply(spec_k, spec_v, head_dim, kw, reason):
 ])
 def test_model_decode_step_through_the_kernel(k, v, kernel):
     """A decode step of a tiny llama (two layers scanned over stacked codes): kernel vs
-    reference logits, chosen by the cache config's attention list (the prefill falls
-    back, as listed)."""
+    reference logits, chosen by the cache config's attention list, after one prefill
+    through the reference (a prefill through the kernel: the kernel suites' chunk
+    cases)."""
     from models import llama
     from models.config import ModelConfig
 
@@ -181,11 +183,12 @@ def test_model_decode_step_through_the_kernel(k, v, kernel):
     params = llama.init_params(jax.random.key(0), config)
     prompt = jax.random.randint(jax.random.key(1), (2, 21), 0, config.vocab_size)
     logits = {}
+    cache_config = kc.CacheConfig(k=k, v=v, residual_window=4, attention=("reference",))
+    cache = llama.new_cache(config, cache_config, batch=2, max_len=32, dtype=jnp.float32)
+    _, prompted = llama.jit_forward(params, config, prompt, cache, jnp.array([21, 13]))
     for impl in (("reference",), (kernel, "reference")):
-        cache_config = kc.CacheConfig(k=k, v=v, residual_window=4, attention=impl)
-        cache = llama.new_cache(config, cache_config, batch=2, max_len=32,
-                                dtype=jnp.float32)
-        _, cache = llama.jit_forward(params, config, prompt, cache, jnp.array([21, 13]))
+        cache = dataclasses.replace(prompted, config=dataclasses.replace(cache_config,
+                                                                         attention=impl))
         step_logits, _ = llama.jit_forward(params, config, prompt[:, :1], cache, None)
         logits[impl[0]] = np.asarray(step_logits)
     scale = np.max(np.abs(logits["reference"]))

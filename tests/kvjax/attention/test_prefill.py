@@ -1,6 +1,8 @@
-"""``"chunk_flash"``: a chunk's attention through the fused chunk-attention kernel
-(compiled on a GPU, Pallas interpret mode elsewhere) against the float32 reference, over
-caches it reads in place and caches whose history it decodes first.
+"""A chunk's attention through the fused kernels (compiled on a GPU, Pallas interpret
+mode elsewhere) against the float32 reference: ``"chunk_flash"`` over a 16-bit cache it
+reads in place, the kernels over codes (``"int_decode"``, ``"dense_decode"`` with raw
+sinks and window beside the codes) walking the stored codes tile by tile, and ``"xla"``'s
+windows where no kernel serves (a sliding window over codes).
 
 Tolerance: that of ``impl="xla"`` (tests/kvjax/attention/test_attention.py), whose
 operand types are the same, 3e-2. Rounding the probabilities to bfloat16 (relative
@@ -35,14 +37,14 @@ def _data(batch, total, layers=1, seed=0):
     return jax.random.normal(k1, shape), jax.random.normal(k2, shape), q
 
 
-@pytest.mark.parametrize("spec,sliding,in_place", [
-    ("bf16", None, True),                       # one dense bf16 region: read in place
-    ("bf16", 7, True),
-    ("int:4", None, False),                     # codes: decoded to bf16 first
-    ("bf16 sinks=2 window=3", None, False),     # raw sinks and window beside the codes
-    ("int:4 sinks=3 window=4", 6, False),
+@pytest.mark.parametrize("spec,sliding,impl", [
+    ("bf16", None, "chunk_flash"),              # one dense bf16 region: read in place
+    ("bf16", 7, "chunk_flash"),
+    ("int:4", None, "int_decode"),              # codes, read where they are
+    ("bf16 sinks=2 window=3", None, "dense_decode"),  # raw sinks and window beside them
+    ("int:4 sinks=3 window=4", 6, "xla"),       # no kernel has a sliding window
 ])
-def test_chunks_match_the_reference(spec, sliding, in_place):
+def test_chunks_match_the_reference(spec, sliding, impl):
     config = parse_cache(spec)
     batch, total = 2, sum(n for n, _ in CHUNKS)
     k, v, q = _data(batch, total)
@@ -52,9 +54,9 @@ def test_chunks_match_the_reference(spec, sliding, in_place):
     for n, valid in CHUNKS:
         step = kc.make_step(cache, n, jnp.array(valid))
         view = kc.append(cache.layer(0), k[0, :, pos:pos + n], v[0, :, pos:pos + n], step)
-        assert (in_place_reason(view, HEAD_DIM) is None) == in_place
+        assert (in_place_reason(view, HEAD_DIM) is None) == (impl == "chunk_flash")
         chunk = q[:, pos:pos + n]
-        got = attend(chunk, view, step, sliding_window=sliding, impl="chunk_flash")
+        got = attend(chunk, view, step, sliding_window=sliding, impl=impl)
         want = attend(chunk, view, step, sliding_window=sliding)
         assert got.shape == chunk.shape
         # the chunk's padding queries too: both see every stored key up to their position
@@ -88,7 +90,8 @@ def test_registered_in_auto_on_a_gpu_only():
     assert "chunk_flash" in registered()
     impl = REGISTRY["chunk_flash"]
     assert impl.fused and impl.auto
-    assert auto_names("gpu")[-3:] == ("chunk_flash", "xla", "reference")
+    # before "dense_decode", which serves a bf16 cache's chunks too
+    assert auto_names("gpu")[-4:] == ("chunk_flash", "dense_decode", "xla", "reference")
     assert "chunk_flash" not in auto_names("cpu")
     assert registered()[:4] == ("reference", "xla", "int_decode", "codebook_decode")
 
@@ -105,8 +108,8 @@ def _call(spec, tokens, head_dim=HEAD_DIM):
 
 @pytest.mark.parametrize("spec,tokens,head_dim,reason", [
     ("bf16", 4, 32, None),
-    ("int:4", 4, 32, None),
-    ("f32", 4, 32, None),          # decoded to bfloat16 first
+    ("int:4", 4, 32, "does not store its vectors as they are"),  # the kernels over codes'
+    ("f32", 4, 32, "it reads bfloat16 or float16"),
     ("bf16", 1, 32, "got one (a decode)"),
     ("bf16", 4, 48, "head_dim 48"),
 ])
@@ -126,7 +129,9 @@ def test_estimator_scores_are_left_to_others():
     call = _call("int:4", 4)
     view = call.layer
     view = dataclasses.replace(view, k=dataclasses.replace(view.k, codec=Estimating(bits=4)))
-    assert "estimator of its own" in supports(dataclasses.replace(call, layer=view))
+    layer_call = dataclasses.replace(call, layer=view)
+    assert "estimator of its own" in REGISTRY["int_decode"].supports(layer_call)
+    assert supports(layer_call) is not None
 
 
 @pytest.mark.parametrize("spec,reason", [
