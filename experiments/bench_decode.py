@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import compile_cache
 from kvjax.attention import fused
 from kvjax.eval.memory import model_shape
 from kvjax.eval.timing import timed
@@ -248,7 +249,9 @@ def main(argv=None) -> int:
     p.add_argument("--codec", action="append", metavar="SPEC",
                    help="cache specs read by a fused kernel "
                         f"(default: {', '.join(CODECS)})")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     shapes = args.shape or list(SHAPES)
     try:
         for name in shapes:

@@ -31,6 +31,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from kvjax import compile_cache
 from kvjax.eval.memory import MODEL_SHAPES
 from kvjax.spec import parse_cache
 from models.config import ModelConfig
@@ -127,7 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hlo", type=Path, metavar="DIR",
                    help="write each compiled program's optimized HLO here")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     try:
         runs = []
         for text in args.run or ["bf16:1:256", "int:4:8:32768"]:

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import compile_cache
 from kvjax.eval.memory import MODEL_SHAPES
 from kvjax.eval.memory import row_bytes as memory_row_bytes
 from kvjax.eval.provenance import provenance
@@ -182,7 +183,9 @@ def main(argv=None) -> int:
                         "over model (fused projections split back); capacity and floor "
                         "per device")
     p.add_argument("--json", type=Path)
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     window = {} if args.window is None else {"residual_window": args.window}
     try:
         points = [tuple(int(x) for x in text.split(":")) for text in args.point or ()]

@@ -26,6 +26,7 @@ import torch
 import transformers
 
 import models
+from kvjax import compile_cache
 from kvjax.eval.sweep import write_json
 from kvjax.spec import parse_cache
 from models.generate import generate
@@ -115,7 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json", help="also write the rows to this JSON file")
+    compile_cache.add_argument(ap)
     args = ap.parse_args(argv)
+    compile_cache.from_args(args)
 
     config, params, tokenizer = models.load(args.model, dtype=jnp.dtype(args.dtype))
     ids = tokenizer.encode(PROMPT_TEXT * 20)[: args.prompt_tokens]

@@ -4,6 +4,7 @@ in one run.
 
     python experiments/bench_prefill.py                        # Llama-3-8B shape (GPU)
     python experiments/bench_prefill.py --point 8:1024:31744 --variant 128:64:8:3
+    python experiments/bench_prefill.py --point 8:1024:31744 --cache int:4 --cache bf16
     python experiments/bench_prefill.py --shape smollm2-135m --point 1:32:32 \\
         --inner 1 --repeats 1                                  # a CPU smoke run
 
@@ -22,6 +23,13 @@ with the default's (``max diff``, which must stay at bfloat16 rounding). ``cudnn
 only where ``S = 0`` (its causal mask is aligned at the first query; a chunk after a
 history needs it aligned at the last).
 
+``--cache SPEC`` (repeatable) also times the chunk over one layer of that cache holding
+the ``S`` tokens before it (random keys and values, encoded as a prefill stores them),
+through the cache's attention list as a model's layer calls it (``"auto"``: on a GPU the
+fused kernel over its codes, which reads the history in place; the row names the
+implementation that served): what a compressed prefill pays per layer and chunk, beside
+``chunk_flash`` over bfloat16.
+
 Timing as in ``bench_decode.py`` (:func:`kvjax.eval.timing.timed`): compile apart, the
 median of ``--repeats`` samples of ``--inner`` dependent calls. ``TFLOP/s`` counts the
 two matmuls over the keys each query row sees (``4 D`` flops per visible key), so
@@ -39,9 +47,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import cache as kc
+from kvjax import compile_cache
+from kvjax.attention import REGISTRY, Call, attend, resolve
 from kvjax.eval.memory import MODEL_SHAPES, model_shape
 from kvjax.eval.sweep import write_json
 from kvjax.eval.timing import timed
+from kvjax.spec import parse_cache
 from pallas_kernels.chunk_attention.api import chunk_attention
 from pallas_kernels.chunk_attention.kernel import ORDERS
 
@@ -138,6 +150,65 @@ def bench_point(shape, batch, tokens, history, variants, inner, repeats, peak_tf
     return rows
 
 
+def chunk_view(cache_config, shape, batch, tokens, history, seed=0):
+    """``(view, step, q [B, T, N, D])``: a one-layer cache of ``cache_config`` holding
+    ``history`` random tokens per row (encoded as a prefill stores them), the chunk of
+    ``tokens`` appended after them, and the chunk's queries (bfloat16)."""
+    heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
+
+    @jax.jit
+    def build():
+        cache = kc.init_cache(kp, cache_config, num_layers=1, batch=batch,
+                              num_kv_heads=kv_heads, head_dim=head_dim,
+                              max_len=history + tokens, dtype=jnp.bfloat16)
+        dims = (batch, history + tokens, kv_heads, head_dim)
+        keys = jax.random.normal(kk, dims, jnp.bfloat16)
+        values = jax.random.normal(kv, dims, jnp.bfloat16)
+        if history:
+            step = kc.make_step(cache, history)
+            view = kc.append(cache.layer(0), keys[:, :history], values[:, :history], step)
+            cache = kc.commit(cache.with_layer(0, view), step)
+        step = kc.make_step(cache, tokens)
+        view = kc.append(cache.layer(0), keys[:, history:], values[:, history:], step)
+        q = jax.random.normal(kq, (batch, tokens, heads, head_dim), jnp.bfloat16)
+        return view, step, q
+
+    return build()
+
+
+def serving(names, view, step, q) -> str:
+    """The implementation of ``names`` that serves the chunk (the first whose
+    ``supports`` passes, as :func:`kvjax.attention.attend` picks)."""
+    call = Call(q=q, layer=view, step=step, lengths=step.start + step.valid,
+                scale=q.shape[-1] ** -0.5, sliding_window=None)
+    return next(name for name in resolve(names) if REGISTRY[name].supports(call) is None)
+
+
+def cache_rows(shape, batch, tokens, history, specs, inner, repeats, peak_tflops):
+    """One row per cache spec: the chunk's attention over a layer of that cache holding
+    ``history`` tokens, through its attention list (``"auto"``: the fused kernel over
+    its codes on a GPU), timed as the kernel rows are."""
+    flops = 4 * shape.head_dim * shape.num_heads * batch * visible_keys(tokens, history)
+    rows = []
+    for spec in specs:
+        cache_config = parse_cache(spec)
+        view, step, q = chunk_view(cache_config, shape, batch, tokens, history)
+        names = cache_config.attention
+
+        def run(q, view, step, names=names):
+            return attend(q, view, step, impl=names)
+
+        compile_s, seconds = timed(run, (q, view, step), inner, repeats)
+        rows.append({"batch": batch, "tokens": tokens, "history": history,
+                     "path": f"{spec} ({serving(names, view, step, q)})",
+                     "compile_s": compile_s, "ms": 1e3 * seconds,
+                     "tflops": flops / seconds / 1e12,
+                     "of_peak": flops / seconds / 1e12 / peak_tflops, "max_diff": None})
+        del view, step, q
+    return rows
+
+
 def table(rows) -> str:
     """The markdown table of the rows, each path against the default kernel's time."""
     lines = ["| B | T | S | path | ms | TFLOP/s | of peak | vs chunk_flash | max diff | "
@@ -162,15 +233,22 @@ def main(argv=None) -> int:
                    + ", ".join(":".join(map(str, pt)) for pt in DEFAULT_POINTS) + ")")
     p.add_argument("--variant", action="append", default=[],
                    metavar="BLOCK_Q:BLOCK_K:WARPS:STAGES[:ORDER]")
+    p.add_argument("--cache", action="append", default=[], metavar="SPEC",
+                   help="also time the chunk over a layer of this cache holding the "
+                   "history, through its attention list (repeatable; e.g. int:4)")
     p.add_argument("--inner", type=int, default=5)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="dense bfloat16 matmul peak, TFLOP/s (H200: 989)")
     p.add_argument("--json", type=Path)
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     try:
         points = [parse_point(t) for t in args.point] if args.point else DEFAULT_POINTS
         variants = {text: parse_variant(text) for text in args.variant}
+        for spec in args.cache:
+            parse_cache(spec)
         if args.inner < 1 or args.repeats < 1:
             raise ValueError("--inner and --repeats must be >= 1")
     except ValueError as err:
@@ -181,6 +259,8 @@ def main(argv=None) -> int:
     for batch, tokens, history in points:
         rows += bench_point(shape, batch, tokens, history, variants, args.inner,
                             args.repeats, args.peak_tflops)
+        rows += cache_rows(shape, batch, tokens, history, args.cache, args.inner,
+                           args.repeats, args.peak_tflops)
         print(rows[-1], file=sys.stderr, flush=True)
     print(table(rows))
     if args.json:

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvjax import compile_cache
 from kvjax.eval import calibrated
 from kvjax.eval.retrieval import run_suite
 from kvjax.spec import parse_cache
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("results") / "calibration")
     p.add_argument("--force", action="store_true", help="redo finished points")
     p.add_argument("--no-progress", action="store_true")
+    compile_cache.add_argument(p)
     return p
 
 
@@ -58,6 +60,7 @@ def main(argv: Sequence[str] | None = None, build=None) -> int:
     """Run both directions and print the table. ``build(settings, fits_dir, progress) ->
     measure`` replaces the model (tests); by default it loads when first needed."""
     args = build_parser().parse_args(argv)
+    compile_cache.from_args(args)
     try:
         configs = calibrated.default_configs(args.bits, args.centroids, large=args.large,
                                              hqmq=args.hqmq)

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvjax import compile_cache
 from kvjax.eval import retrieval as rt
 from kvjax.eval import tradeoff
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("results") / "eviction")
     p.add_argument("--force", action="store_true", help="redo finished points")
     p.add_argument("--no-progress", action="store_true")
+    compile_cache.add_argument(p)
     return p
 
 
@@ -56,6 +58,7 @@ def main(argv: Sequence[str] | None = None, build=None) -> int:
     """Run the grid and print its table. ``build(continuation, retrieval) -> (measure,
     answer)`` replaces the model (tests); by default it loads once, when first needed."""
     args = build_parser().parse_args(argv)
+    compile_cache.from_args(args)
     try:
         pairs = [tuple(c.split("+", 1)) for c in args.combined]
         if any(len(p) != 2 for p in pairs):

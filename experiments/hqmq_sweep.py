@@ -34,6 +34,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import compile_cache
 from kvjax.cache import dense
 from kvjax.eval import sweep as sw
 from kvjax.spec import CacheConfig, parse_codec
@@ -178,7 +179,9 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
     p = sw.protocol_parser(__doc__.split("\n\n")[0], PARTS, "hqmq",
                            window_len=256, summary="hqmq.json",
                            published="docs/hqmq")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     parts = args.part or list(PARTS)
     try:
         options = sw.canonical_options(args.cache_options)

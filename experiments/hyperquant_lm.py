@@ -31,6 +31,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from kvjax import compile_cache
 from kvjax.eval import sweep as sw
 from models.evaluate import sweep_evaluator
 
@@ -128,7 +129,9 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
                            published="docs/hyperquant")
     p.add_argument("--residual", type=int, nargs="+", default=[0, 32],
                    help="raw residual windows (tokens) to run every part at")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     parts = args.part or list(PARTS)
     models: dict = {}
 

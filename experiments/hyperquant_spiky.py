@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import compile_cache
 from kvjax.spec import parse_codec
 
 SPECS = ("hyperquant:d4,2bps", "hyperquant:e8,1.5bps", "hyperquant:z,1.5bps",
@@ -62,7 +63,9 @@ def encode_ms(codec, params, x, repeats: int = 30) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--spec", action="append", help=f"codec spec, repeatable (default: {SPECS})")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     data = batches()
     kinds = list(data)
     print("| spec | " + " | ".join(kinds) + " | encode ms |")

@@ -66,6 +66,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvjax import compile_cache
 from kvjax.codecs.hyperquant import MAX_RATE, MIN_RATE, SUBSTREAM, calibration
 from kvjax.eval.lattice_rates import (
     BLOCK_TOKENS,
@@ -364,7 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--docs", type=Path, default=Path("results/hyperquant_tables"))
     p.add_argument("--no-progress", action="store_true")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     progress = not args.no_progress
     head_dims = _ints(args.head_dims)
     if not head_dims:

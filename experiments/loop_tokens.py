@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import models
+from kvjax import compile_cache
 from kvjax.eval.sweep import write_json
 from kvjax.spec import parse_cache
 from models.generate import generate
@@ -96,7 +97,9 @@ def main(argv=None) -> int:
                    help="token ids of the prompts (a list of lists, or a --json file) in "
                    "place of tokenizing PROMPTS: the model loads without its tokenizer, "
                    "so neither transformers nor tokenizers need be installed")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     specs = args.cache or ["bf16", "int:4"]
     try:
         for spec in specs:

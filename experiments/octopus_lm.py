@@ -31,6 +31,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from kvjax import compile_cache
 from kvjax.eval import sweep as sw
 from models.evaluate import sweep_evaluator
 
@@ -80,7 +81,9 @@ def main(argv: Sequence[str] | None = None, evaluate=None) -> int:
     p = sw.protocol_parser(__doc__.split("\n\n")[0], PARTS, "octopus_lm",
                            window_len=512, summary="lm.json",
                            published="docs/octopus", cache_options="window=32")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     parts = args.part or list(PARTS)
     models: dict = {}
 

@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax import compile_cache
 from kvjax.eval.rotation_probes import (
     BITS,
     DELTAS,
@@ -413,7 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--docs", type=Path, help="write synthetic.md/.json/.png here")
     p.add_argument("--no-progress", action="store_true")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     parts = _list(args.parts)
     unknown = set(parts) - set(PARTS)
     if unknown:

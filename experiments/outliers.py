@@ -33,6 +33,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvjax import compile_cache
 from kvjax.eval import sweep as sw
 
 #: per family: a ~4-bit and a ~3-bit operating point (bits per element at D = 64 in
@@ -238,7 +239,9 @@ def main(argv: Sequence[str] | None = None, build=None) -> int:
     p.add_argument("--out", type=Path, default=Path("results") / "outliers")
     p.add_argument("--docs", type=Path, default=Path("results") / "outliers" / "docs")
     p.add_argument("--no-progress", action="store_true")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     args.configs = tuple(args.configs or CONFIGS)
     args.build = build
     args.docs.mkdir(parents=True, exist_ok=True)

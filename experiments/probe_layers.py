@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import cache as kc
+from kvjax import compile_cache
 from kvjax.attention import attend
 from kvjax.spec import parse_cache
 
@@ -127,7 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--hlo", type=float, default=0,
                    help="print optimized-HLO values of at least this many MiB")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     print("| codec | layers | mode | ms/step | GB/s of cache | XLA temp MiB |")
     print("|---|---|---|---|---|---|")
     for spec in args.codec or ["bf16", "int:4"]:

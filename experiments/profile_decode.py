@@ -19,6 +19,7 @@ import sys
 
 import jax
 
+from kvjax import compile_cache
 from kvjax.attention import fused
 from kvjax.eval.memory import model_shape
 from kvjax.spec import parse_cache
@@ -54,7 +55,9 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--codec", metavar="SPEC",
                    help="a cache spec read by a fused kernel (e.g. turboquant:b3)")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     try:
         shape = model_shape(args.shape)
         research = Research(layout=args.layout)

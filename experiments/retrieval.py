@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvjax import compile_cache
 from kvjax.eval import retrieval as rt
 
 DEFAULT_LENGTHS = (2048, 4096, 8192)
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write every answer here")
     p.add_argument("--force", action="store_true", help="redo finished configurations")
     p.add_argument("--no-progress", action="store_true")
+    compile_cache.add_argument(p)
     return p
 
 
@@ -55,6 +57,7 @@ def main(argv: Sequence[str] | None = None, build=None) -> int:
     cache_config)`` replaces the model (tests); by default the model and corpus load
     once, on the first configuration that needs answering."""
     args = build_parser().parse_args(argv)
+    compile_cache.from_args(args)
     settings = rt.SuiteSettings(model=args.model, corpus=args.corpus, tasks=args.tasks,
                                 lengths=args.lengths, depths=args.depths,
                                 trials=args.trials, seed=args.seed)

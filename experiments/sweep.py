@@ -42,6 +42,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvjax import compile_cache
 from kvjax.eval import sweep as sw
 
 #: named lists of configurations; ``demo`` is what ``make demo`` runs
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("results") / "sweep")
     p.add_argument("--force", action="store_true", help="redo finished configurations")
     p.add_argument("--no-progress", action="store_true")
+    compile_cache.add_argument(p)
     return p
 
 
@@ -128,6 +130,7 @@ def main(argv: Sequence[str] | None = None, evaluate: sw.Evaluate | None = None,
     measuring. Returns 2 with a one-line reason on bad input.
     """
     args = build_parser().parse_args(argv)
+    compile_cache.from_args(args)
     try:
         for name in ("windows", "window_len"):
             if getattr(args, name) < 1:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvjax import compile_cache
 from kvjax.eval.sweep import write_json
 from kvjax.eval.synthetic import needle, reconstruction
 from kvjax.probe import BASELINE_CODECS
@@ -77,7 +78,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/synthetic", help="output directory")
+    compile_cache.add_argument(parser)
     args = parser.parse_args(argv)
+    compile_cache.from_args(args)
 
     start = time.perf_counter()
     rows = run(args.codec or BASELINE_CODECS, head_dim=args.head_dim, seeds=args.seeds,

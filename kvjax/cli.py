@@ -16,6 +16,11 @@ bad input: numbers out of range, a cache window or sinks longer than the context
 or corrupt model and data files (:class:`models.files.ModelFileError`), values a codec
 cannot store (:class:`kvjax.codec.CodecError`): one line on stderr, never a traceback.
 
+Every command reuses the XLA programs earlier runs compiled, from JAX's persistent
+compilation cache (:mod:`kvjax.compile_cache`: ``~/.cache/kvjax/jax-compile`` unless
+``$KVJAX_COMPILE_CACHE`` names another directory); ``--no-compile-cache`` (before or after
+the command) or ``KVJAX_COMPILE_CACHE=off`` compiles everything anew.
+
 ``--json`` prints strict JSON (RFC 8259) on stdout: a number that is not finite (a
 metric with nothing to measure, or one that overflowed) is ``null``, never ``NaN``.
 
@@ -35,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax import compile_cache
 from kvjax.attention import check_names
 from kvjax.eval.corpus import CorpusDownloadError
 from kvjax.probe import BASELINE_CODECS
@@ -184,6 +190,7 @@ def needle_caches(tested: Sequence[CacheConfig]) -> list[CacheConfig]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m kvjax``."""
     parser = _Parser(prog="kvjax", description="KV-cache compression for LLMs in JAX")
+    compile_cache.add_argument(parser)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     sub.add_parser("codecs", help="list registered codecs and their spec grammar")
@@ -300,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="key statistics for calib clauses (python -m kvjax calibrate)"
                              + ("; default: the windows after the evaluated ones"
                                 if sp is q else ""))
+    for sp in sub.choices.values():  # the global flag, also after the command
+        compile_cache.add_argument(sp, default=argparse.SUPPRESS)
     return parser
 
 
@@ -652,6 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # argparse: --help, or a usage error already printed
         return int(exit_.code or 0)
+    compile_cache.from_args(args)
     try:
         if args.command == "codecs":
             return _cmd_codecs()

@@ -24,6 +24,10 @@ os.environ.setdefault(
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={TEST_DEVICES}"
 
+# the suite compiles anew in every run: the CLI and the experiments it calls leave JAX's
+# persistent compilation cache off (tests/kvjax/test_compile_cache.py turns it on itself)
+os.environ["KVJAX_COMPILE_CACHE"] = "off"
+
 # designed codebooks go to a fresh folder, not the user's cache
 if "KVJAX_CODEBOOKS" not in os.environ:
     import tempfile

@@ -36,6 +36,7 @@ RANKS = (
     ("models", 7),
     ("kvjax.cli", 8),
     ("kvjax.__main__", 8),
+    ("kvjax.compile_cache", 0),  # JAX's settings only
     ("kvjax", 0),  # the package's own __init__: version only
     ("experiments", 9),
 )
@@ -200,3 +201,21 @@ def test_no_sys_path_edits(package):
         if "sys.path" in path.read_text()
     ]
     assert edits == []
+
+
+#: experiment scripts with no program worth keeping: shapes from jax.eval_shape (and one
+#: `iota` of a few milliseconds)
+COMPILES_NOTHING = ("experiments.memory_table", "experiments.sharding_model")
+
+
+def test_every_experiment_that_compiles_takes_the_compile_cache():
+    """``--no-compile-cache`` and the call that turns the cache on, from the library."""
+    missing = sorted(
+        f"{module} lacks {call}"
+        for module, path in MODULES.items()
+        if module.startswith("experiments.") and module not in COMPILES_NOTHING
+        and "def main(" in path.read_text()
+        for call in ("compile_cache.add_argument(", "compile_cache.from_args(")
+        if call not in path.read_text()
+    )
+    assert missing == []
