@@ -16,6 +16,9 @@ bad input: numbers out of range, a cache window or sinks longer than the context
 or corrupt model and data files (:class:`models.files.ModelFileError`), values a codec
 cannot store (:class:`kvjax.codec.CodecError`): one line on stderr, never a traceback.
 
+A run that does not fit in device memory (:class:`models.generate.OutOfMemoryError`) is one
+line too, naming the program, its sizes and what to try, with exit status 1.
+
 Every command reuses the XLA programs earlier runs compiled, from JAX's persistent
 compilation cache (:mod:`kvjax.compile_cache`: ``~/.cache/kvjax/jax-compile`` unless
 ``$KVJAX_COMPILE_CACHE`` names another directory); ``--no-compile-cache`` (before or after
@@ -679,6 +682,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, CorpusDownloadError) as err:
         print(f"kvjax: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    # models.generate.OutOfMemoryError: a program that does not fit in device memory
+    except MemoryError as err:
+        print(f"kvjax: error: {_one_line(err) or 'out of memory'}", file=sys.stderr)
+        return 1
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -11,6 +11,11 @@ static input (config, shapes, dtypes, cache structure, greedy or not), so the re
 ``prefill_s`` / ``decode_s`` exclude compilation (reported as ``compile_s``) and two
 calls with the same shapes compile once. ``TRACE_COUNTS`` counts how often each jitted
 function was traced (a Python side effect in the traced code; tests read it).
+
+A batch that does not fit in device memory (XLA's ``RESOURCE_EXHAUSTED``, while the cache
+is allocated or the prefill or decode program is compiled or run) raises
+:class:`OutOfMemoryError`: one line naming the program, the batch and context, the bytes
+it needed and the bytes free on the device, and what to try instead.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import re
 import time
 import warnings
 from collections.abc import Sequence
@@ -188,6 +194,166 @@ def _compiled(name, jitted, static, args, static_argnums):
     return _COMPILED[key]
 
 
+class OutOfMemoryError(MemoryError):
+    """A prefill or decode program that did not fit in device memory.
+
+    ``str(err)`` is one line: the program, the batch and context, the bytes it needed,
+    the bytes free on the device, and what to try. The same as attributes: ``program``
+    (``"prefill"`` or ``"decode"``), ``batch``, ``context`` (the cache's capacity in
+    tokens), ``requested`` (the bytes XLA failed to allocate, from its message),
+    ``program_bytes`` (the compiled program's ``argument`` / ``output`` / ``alias`` /
+    ``temp`` sizes) and ``free`` (bytes free on the device with the least free); each
+    None when unknown (a CPU reports no free memory; a program that failed to compile
+    has no sizes). The XLA error is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, program: str, batch: int, context: int,
+                 requested: int | None = None, program_bytes: dict[str, int] | None = None,
+                 free: int | None = None):
+        super().__init__(message)
+        self.program, self.batch, self.context = program, batch, context
+        self.requested, self.program_bytes, self.free = requested, program_bytes, free
+
+
+_EXHAUSTED = re.compile(r"\bRESOURCE_EXHAUSTED\b")
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SCALED = r"(\d+(?:\.\d+)?)\s*([KMGT])i?B\b"
+#: how XLA's allocators word the bytes they could not get, most exact first
+_REQUESTED = (
+    (re.compile(r"allocat\w*\s+(?:request for\s+)?(\d+)\s*bytes\b"), False),
+    (re.compile(r"\((\d+)\s*B\)"), False),  # 'request for 32.35GiB (34735783936B)'
+    (re.compile(r"rounded to (\d+)"), False),
+    (re.compile(r"allocat\w*\s+(?:request for\s+)?" + _SCALED), True),
+    (re.compile(r"(\d+)\s*bytes\b"), False),
+    (re.compile(_SCALED), True),
+)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is XLA running out of device memory (a runtime error whose message
+    carries ``RESOURCE_EXHAUSTED``: ``jax.errors.JaxRuntimeError``, or jaxlib's
+    ``XlaRuntimeError`` in older versions; both are ``RuntimeError``)."""
+    return isinstance(err, RuntimeError) and bool(_EXHAUSTED.search(str(err)))
+
+
+def requested_bytes(message: str) -> int | None:
+    """The bytes an XLA out-of-memory message says it could not allocate ('Out of memory
+    while trying to allocate 34735783936 bytes', 'Failed to allocate request for 32.35GiB
+    (34735783936B)', 'allocating 2.50GiB'), or None when it names none."""
+    for pattern, scaled in _REQUESTED:
+        found = pattern.search(message)
+        if found is not None:
+            if not scaled:
+                return int(found.group(1))
+            return round(float(found.group(1)) * _UNITS[found.group(2)])
+    return None
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes, exactly and (from 1 KiB) at a glance."""
+    return f"{n} bytes" if abs(n) < 2**10 else f"{n} bytes ({_size(n)})"
+
+
+def _program_bytes(compiled) -> dict[str, int] | None:
+    """A compiled program's argument, output, alias and temp bytes, or None."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # a backend without the analysis, or a stand-in program
+        return None
+    if isinstance(stats, list | tuple):
+        stats = stats[0] if stats else None
+    if stats is None:
+        return None
+    sizes = {}
+    for part in ("argument", "output", "alias", "temp"):
+        value = getattr(stats, f"{part}_size_in_bytes", None)
+        if not isinstance(value, int | np.integer):
+            return None
+        sizes[part] = int(value)
+    return sizes
+
+
+def free_bytes(devices: Sequence[Any]) -> tuple[int | None, Any]:
+    """The bytes free on the device of ``devices`` with the least free (its
+    ``memory_stats()``: ``bytes_limit - bytes_in_use``) and that device; ``(None,
+    None)`` when any of them does not say (a CPU)."""
+    least = None
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # a backend without memory statistics
+            stats = None
+        if not stats or "bytes_limit" not in stats:
+            return None, None
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        if least is None or free < least[0]:
+            least = (free, device)
+    return least if least is not None else (None, None)
+
+
+def out_of_memory(err: BaseException, program: str, *, batch: int, context: int,
+                  detail: str = "", compiled: Any = None,
+                  devices: Sequence[Any] = ()) -> OutOfMemoryError:
+    """The :class:`OutOfMemoryError` of XLA's out-of-memory error ``err`` in
+    ``program`` (``"prefill"`` or ``"decode"``) at ``batch`` rows and a cache of
+    ``context`` tokens: the bytes XLA asked for, the compiled program's sizes when it
+    got that far (``compiled``), the bytes free on ``devices`` and what to try."""
+    message = str(err)
+    requested = requested_bytes(message)
+    sizes = None if compiled is None else _program_bytes(compiled)
+    free, device = free_bytes(devices)
+    parts = [f"{program} does not fit in device memory at batch {batch}, context "
+             f"{context} tokens{detail}"]
+    if requested is not None:
+        parts.append(f"XLA could not allocate {_bytes(requested)}")
+    if sizes is not None:
+        beyond = sizes["output"] - sizes["alias"] + sizes["temp"]
+        parts.append(f"the program needs {_bytes(beyond)} beyond its "
+                     f"arguments (arguments {_size(sizes['argument'])}, outputs "
+                     f"{_size(sizes['output'])}, {_size(sizes['alias'])} of them in "
+                     f"place, temporaries {_size(sizes['temp'])})")
+    if requested is None and sizes is None:
+        parts.append("bytes needed: unknown")
+    parts.append("free on the device: unknown" if free is None
+                 else f"{_bytes(free)} free on {device}")
+    chunk = ", a smaller prefill chunk" if program == "prefill" else ""
+    parts.append(f"try a smaller batch, a shorter context{chunk} or a more compressed "
+                 "cache (e.g. int:4, kivi:2,g32)")
+    return OutOfMemoryError(" ".join("; ".join(parts).split()), program=program,
+                            batch=batch, context=context, requested=requested,
+                            program_bytes=sizes, free=free)
+
+
+class _MemoryBoundary:
+    """``with _MemoryBoundary(...) as boundary:`` turns XLA's out-of-memory errors
+    inside into :class:`OutOfMemoryError` (:func:`out_of_memory`); ``boundary.compiled``
+    is the program once compiled, for its sizes."""
+
+    def __init__(self, program: str, *, batch: int, context: int, mesh: Mesh | None,
+                 detail: str = ""):
+        self.program, self.batch, self.context, self.detail = program, batch, context, detail
+        self.mesh = mesh
+        self.compiled = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, traceback):
+        if err is None or not is_out_of_memory(err):
+            return False
+        devices = jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat)
+        raise out_of_memory(err, self.program, batch=self.batch, context=self.context,
+                            detail=self.detail, compiled=self.compiled,
+                            devices=devices) from err
+
+
 def _validate_sampling(max_new_tokens, temperature, top_p):
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -257,7 +423,8 @@ def prefill(
     ``key`` draws the codec parameters. ``mesh`` (:func:`kvjax.sharding.make_mesh`):
     the model runs tensor-parallel over it and the cache is split over its rows and kv
     heads (:func:`models.llama.hidden_states`); the prompts must split over its data
-    axis.
+    axis. A cache or program that does not fit in device memory raises
+    :class:`OutOfMemoryError`.
     """
     batch = len(prompts)
     if mesh is not None:  # shard_params checks the heads
@@ -277,51 +444,56 @@ def prefill(
     tokens = jnp.asarray(tokens)
     key = jax.random.PRNGKey(0) if key is None else key
     policy = cache_config.evict
-    if policy is None:
-        cache = new_cache(config, cache_config, batch=batch, max_len=max_len,
-                          dtype=cache_dtype, key=key, calibration=calibration, mesh=mesh)
-    else:
-        exact = CacheConfig(k="f32" if jnp.dtype(cache_dtype) == jnp.float32 else "bf16")
-        cache = new_cache(config, exact, batch=batch, max_len=width, dtype=cache_dtype,
-                          mesh=mesh)
-    observe = policy is not None and policy.observes
-    mass = None
-    if observe:
-        shape = (config.num_layers, batch, config.num_kv_heads, width)
-        # on a mesh made split as the cache is: no device holds every row's scores
-        mass = (jnp.zeros(shape, jnp.float32) if mesh is None
-                else sharded_zeros(mesh, shape, jnp.float32, ROWS_HEADS))
-
-    def arguments(start):
-        piece = tokens[:, start:start + chunk]
-        args = (params, config, mesh, piece, jnp.clip(valid - start, 0, chunk), cache)
-        if not observe:
-            return args
-        positions = start + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-        weights = policy.query_weights(jnp.broadcast_to(positions, piece.shape), valid)
-        return (*args, weights, mass)
-
-    name, jitted = (("prefill_observed", _observed_prefill_jit) if observe
-                    else ("prefill", _prefill_jit))
-    t0 = time.perf_counter()
-    compiled = _compiled(name, jitted, (config, mesh), arguments(0), (1, 2))
-    t1 = time.perf_counter()
-    logits = None
-    for start in range(0, width, chunk):
-        params_, _, _, *rest = arguments(start)
-        chunk_logits, cache, *observed = compiled(params_, *rest)
+    # the cache is allocated here too: where a batch that does not fit fails first
+    boundary = _MemoryBoundary("prefill", batch=batch, context=max_len, mesh=mesh,
+                               detail=f" (prompts of {width} tokens, {chunk} at a time)")
+    with boundary:
+        if policy is None:
+            cache = new_cache(config, cache_config, batch=batch, max_len=max_len,
+                              dtype=cache_dtype, key=key, calibration=calibration, mesh=mesh)
+        else:
+            exact = CacheConfig(k="f32" if jnp.dtype(cache_dtype) == jnp.float32 else "bf16")
+            cache = new_cache(config, exact, batch=batch, max_len=width, dtype=cache_dtype,
+                              mesh=mesh)
+        observe = policy is not None and policy.observes
+        mass = None
         if observe:
-            mass = observed[0]
-        # each row's next-token logits come from the chunk holding its last token
-        here = ((valid > start) & (valid <= start + chunk))[:, None]
-        logits = chunk_logits if logits is None else jnp.where(here, chunk_logits, logits)
-    if policy is not None:
-        target = new_cache(config, cache_config, batch=batch,
-                           max_len=policy.capacity(width) + room, dtype=cache_dtype, key=key,
-                           calibration=calibration, mesh=mesh)
-        cache = (evict_into(cache, mass, target) if mesh is None
-                 else sharded_evict_into(mesh, cache, mass, target))
-    jax.block_until_ready((logits, cache))
+            shape = (config.num_layers, batch, config.num_kv_heads, width)
+            # on a mesh made split as the cache is: no device holds every row's scores
+            mass = (jnp.zeros(shape, jnp.float32) if mesh is None
+                    else sharded_zeros(mesh, shape, jnp.float32, ROWS_HEADS))
+
+        def arguments(start):
+            piece = tokens[:, start:start + chunk]
+            args = (params, config, mesh, piece, jnp.clip(valid - start, 0, chunk), cache)
+            if not observe:
+                return args
+            positions = start + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+            weights = policy.query_weights(jnp.broadcast_to(positions, piece.shape), valid)
+            return (*args, weights, mass)
+
+        name, jitted = (("prefill_observed", _observed_prefill_jit) if observe
+                        else ("prefill", _prefill_jit))
+        t0 = time.perf_counter()
+        compiled = boundary.compiled = _compiled(name, jitted, (config, mesh), arguments(0),
+                                                 (1, 2))
+        t1 = time.perf_counter()
+        logits = None
+        for start in range(0, width, chunk):
+            params_, _, _, *rest = arguments(start)
+            chunk_logits, cache, *observed = compiled(params_, *rest)
+            if observe:
+                mass = observed[0]
+            # each row's next-token logits come from the chunk holding its last token
+            here = ((valid > start) & (valid <= start + chunk))[:, None]
+            logits = chunk_logits if logits is None else jnp.where(here, chunk_logits, logits)
+        if policy is not None:
+            target = new_cache(config, cache_config, batch=batch,
+                               max_len=policy.capacity(width) + room, dtype=cache_dtype, key=key,
+                               calibration=calibration, mesh=mesh)
+            cache = (evict_into(cache, mass, target) if mesh is None
+                     else sharded_evict_into(mesh, cache, mass, target))
+        jax.block_until_ready((logits, cache))
     return Prefill(logits=logits, cache=cache, seconds=time.perf_counter() - t1,
                    compile_s=t1 - t0)
 
@@ -357,7 +529,8 @@ def generate(
     prefill for all chunks): the reference attention's scores then take ``[B, N, chunk,
     max_len]`` instead of ``[B, N, prompt, max_len]``, which long prompts need. Raises
     ``ValueError`` for bad arguments and, after generation, for a cache whose flags
-    :func:`kvjax.cache.check` reports (overflow, non-finite or saturated K/V). The loop
+    :func:`kvjax.cache.check` reports (overflow, non-finite or saturated K/V), and
+    :class:`OutOfMemoryError` for a batch that does not fit in device memory. The loop
     checks whether every row is done once every :data:`CHECK_EVERY` steps, so after the
     last row's EOS up to ``CHECK_EVERY - 1`` steps may still run (recording nothing).
     ``calibration`` serves a cache spec's ``calib`` clauses
@@ -404,7 +577,8 @@ def decode(
     :func:`generate`'s sampling, seed and end-of-sequence rules; the same ``seed`` as the
     prefill's :func:`generate` call gives the same tokens. The prefill's cache is donated
     to the decode loop: use ``result.cache`` afterwards. Raises ``ValueError`` when the
-    cache has no room for the tokens or their positions pass the model's context.
+    cache has no room for the tokens or their positions pass the model's context, and
+    :class:`OutOfMemoryError` when the decode program does not fit in device memory.
     ``mesh``: as :func:`generate`'s (a prompt cache read from disk is split over it)."""
     _validate_sampling(max_new_tokens, temperature, top_p)
     cache = pre.cache
@@ -430,13 +604,16 @@ def decode(
     top_p_arr = jnp.float32(top_p)
     sample_key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
 
-    with warnings.catch_warnings():
+    boundary = _MemoryBoundary("decode", batch=cache.batch, context=cache.max_len, mesh=mesh,
+                               detail=f" ({longest} of them taken, {max_new_tokens} new)")
+    with warnings.catch_warnings(), boundary:
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         t2 = time.perf_counter()
         dec_args = (params, config, mesh, max_new_tokens, greedy, logits, cache, eos_arr,
                     sample_key, temperature_arr, top_p_arr)
-        compiled = _compiled("decode", _decode_jit, (config, mesh, max_new_tokens, greedy),
-                             dec_args, (1, 2, 3, 4))
+        compiled = boundary.compiled = _compiled(
+            "decode", _decode_jit, (config, mesh, max_new_tokens, greedy), dec_args,
+            (1, 2, 3, 4))
         t3 = time.perf_counter()
         out, cache = compiled(params, logits, cache, eos_arr, sample_key,
                               temperature_arr, top_p_arr)

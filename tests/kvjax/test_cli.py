@@ -191,6 +191,27 @@ def test_a_prompt_stored_by_one_process_continues_in_another(tmp_path, capsys):
     assert "room for 7 new tokens" in capsys.readouterr().err
 
 
+def test_a_generate_that_does_not_fit_is_one_line(capsys, monkeypatch):
+    """XLA out of device memory: the program, its sizes and what to try on one line, exit
+    status 1, no traceback."""
+    import jax
+
+    from models import generate as gen
+
+    def exhausted(name, *args):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 34735783936 bytes.")
+
+    monkeypatch.setattr(gen, "_compiled", exhausted)
+    assert main(["generate", "--prompt", "The capital of France is", "--max-new-tokens",
+                 "4", "--prefill-chunk", "4"]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == "" and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("kvjax: error: prefill does not fit in device memory at batch 1, ")
+    assert "34735783936 bytes" in err and "a smaller prefill chunk" in err
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--resume", "/no/such/dir", "--prompt", "hi"], "--prompt does not apply"),
     (["--resume", "/no/such/dir", "--cache", "int:4"], "--cache does not apply"),

@@ -376,3 +376,99 @@ def test_the_model_fingerprint_follows_the_weights_not_their_layout(params):
     assert gen.model_fingerprint(CONFIG, other) != print_
     wider = dataclasses.replace(CONFIG, max_position_embeddings=128)
     assert gen.model_fingerprint(wider, params) != print_
+
+
+# -- a batch that does not fit --------------------------------------------------------------
+
+EXHAUSTED = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 34735783936 bytes."
+
+
+class _Exhausted:
+    """A compiled program that XLA could not find the memory to run."""
+
+    def __init__(self, compiled, message=EXHAUSTED):
+        self.compiled, self.message = compiled, message
+
+    def memory_analysis(self):
+        return self.compiled.memory_analysis()
+
+    def __call__(self, *args):
+        raise jax.errors.JaxRuntimeError(self.message)
+
+
+@pytest.mark.parametrize("message,expected", [
+    (EXHAUSTED, 34735783936),
+    ("RESOURCE_EXHAUSTED: Failed to allocate request for 32.35GiB (34735783936B) on device "
+     "ordinal 0", 34735783936),
+    ("RESOURCE_EXHAUSTED: Out of memory allocating 2.50GiB", 5 * 2**29),
+    ("RESOURCE_EXHAUSTED: the device is busy", None),
+])
+def test_the_bytes_xla_asked_for_are_read_from_its_message(message, expected):
+    assert gen.requested_bytes(message) == expected
+
+
+def test_a_decode_that_does_not_fit_is_one_line(params, batch_result, monkeypatch):
+    real = gen._compiled
+
+    def compiled(name, *args):
+        program = real(name, *args)
+        return _Exhausted(program) if name == "decode" else program
+
+    monkeypatch.setattr(gen, "_compiled", compiled)
+    with pytest.raises(gen.OutOfMemoryError) as caught:
+        _generate(params, PROMPTS)
+    err = caught.value
+    message = str(err)
+    assert isinstance(err, MemoryError) and len(message.splitlines()) == 1
+    assert message.startswith(f"decode does not fit in device memory at batch 3, context "
+                              f"{MAX_LEN} tokens")
+    assert "XLA could not allocate 34735783936 bytes (32.35 GiB)" in message
+    # the compiled loop's own sizes: the donated cache comes back in place
+    sizes = err.program_bytes
+    assert sizes["temp"] > 0 and sizes["alias"] > 0
+    assert f"temporaries {gen._size(sizes['temp'])}" in message
+    assert "free on the device: unknown" in message and err.free is None  # a CPU
+    assert "try a smaller batch" in message and "prefill chunk" not in message
+    assert (err.program, err.batch, err.context, err.requested) == (
+        "decode", 3, MAX_LEN, 34735783936)
+    assert isinstance(err.__cause__, jax.errors.JaxRuntimeError)
+
+
+def test_a_prefill_that_does_not_compile_names_its_chunk(params, monkeypatch):
+    def compiled(name, *args):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Failed to allocate request for 1.50GiB (1610612736B)")
+
+    monkeypatch.setattr(gen, "_compiled", compiled)
+    with pytest.raises(gen.OutOfMemoryError, match=(
+            r"^prefill does not fit in device memory at batch 3, context 48 tokens \(prompts "
+            r"of 16 tokens, 8 at a time\); XLA could not allocate 1610612736 bytes "
+            r"\(1.50 GiB\); free on the device: unknown; try a smaller batch, a shorter "
+            r"context, a smaller prefill chunk or a more compressed cache")):
+        _generate(params, PROMPTS, prefill_chunk=8)
+    # another runtime error is not a memory error
+    monkeypatch.setattr(gen, "_compiled", lambda *args: _Exhausted(None, "INTERNAL: boom"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: boom"):
+        _generate(params, PROMPTS)
+
+
+class _Device:
+    def __init__(self, name, stats):
+        self.name, self.stats = name, stats
+
+    def memory_stats(self):
+        return self.stats
+
+    def __str__(self):
+        return self.name
+
+
+def test_the_free_bytes_are_the_least_free_devices():
+    tight = _Device("gpu:1", {"bytes_limit": 2**31, "bytes_in_use": 2**31 - 3 * 2**20})
+    roomy = _Device("gpu:0", {"bytes_limit": 2**31, "bytes_in_use": 2**20})
+    assert gen.free_bytes([roomy, tight]) == (3 * 2**20, tight)
+    assert gen.free_bytes([roomy, _Device("cpu:0", None)]) == (None, None)
+    err = gen.out_of_memory(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: no room"),
+                            "decode", batch=8, context=4096, devices=[roomy, tight])
+    assert err.free == 3 * 2**20
+    assert "bytes needed: unknown; 3145728 bytes (3.00 MiB) free on gpu:1;" in str(err)
