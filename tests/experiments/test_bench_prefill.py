@@ -27,16 +27,20 @@ def test_points_and_variants_parse_or_fail_clearly():
             bench_prefill.parse_variant(bad)
     assert bench_prefill.main(["--point", "8:16"]) == 2
     assert bench_prefill.main(["--variant", "64:64:4"]) == 2
+    assert bench_prefill.main(["--cache", "int:99"]) == 2
 
 
 def test_smoke_run_prints_the_table(capsys, tmp_path):
     args = ["--shape", "smollm2-135m", "--point", "1:16:16", "--variant", "16:16:4:1:queries",
-            "--inner", "1", "--repeats", "1", "--json", str(tmp_path / "rows.json")]
+            "--cache", "int:4 window=4 attn=int_decode", "--inner", "1", "--repeats", "1",
+            "--json", str(tmp_path / "rows.json")]
     assert bench_prefill.main(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("| B | T | S | path | ms | TFLOP/s")
     assert out[2].startswith("| 1 | 16 | 16 | chunk_flash | ")
     assert out[3].startswith("| 1 | 16 | 16 | chunk_flash[16:16:4:1:queries] | ")
+    # the chunk over a layer of int:4 codes, read in place by the INT kernel
+    assert out[4].startswith("| 1 | 16 | 16 | int:4 window=4 attn=int_decode (int_decode) | ")
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     flops = 4 * 64 * 9 * bench_prefill.visible_keys(16, 16)
     assert rows[0]["tflops"] == pytest.approx(flops / (rows[0]["ms"] / 1e3) / 1e12)
