@@ -23,7 +23,8 @@ Every kernel also serves a chunk's queries: ``lengths [B, R]`` per query row (ea
 its own causal prefix of the coded tokens), rows blocked into programs of
 :data:`~pallas_kernels.flash.BLOCK_ROWS`; checked on the ``DROP`` case's arrays against
 the reference, and through the attention adapter for the first ``NEEDLE_SPECS`` on a
-cache holding a history before the chunk.
+cache holding a history before the chunk (whose tokens the window of 16 leaves partly
+coded).
 """
 
 from __future__ import annotations
@@ -223,18 +224,19 @@ def _needle_cache(config, heads, group, head_dim, seed=0):
 @functools.partial(jax.jit, static_argnums=(0,))
 def _chunk_cache(config, seed=0):
     """A one-layer cache (2 kv heads of 3 query heads, head dim 64) holding ragged
-    histories (150 and 97 tokens) and then a chunk of 70 (41 real in the second row)
-    appended; returns ``(view, step, q [B, 70, 6, 64])`` of that chunk."""
-    batch, heads, group, head_dim, history, chunk = 2, 2, 3, 64, 150, 70
+    histories (90 and 61 tokens) and then a chunk of 40 (23 real in the second row)
+    appended; returns ``(view, step, q [B, 40, 6, 64])`` of that chunk (120 query rows
+    per kv head: two programs' blocks)."""
+    batch, heads, group, head_dim, history, chunk = 2, 2, 3, 64, 90, 40
     cache = kc.init_cache(jax.random.key(seed), config, num_layers=1, batch=batch,
                           num_kv_heads=heads, head_dim=head_dim, max_len=history + chunk,
                           dtype=jnp.bfloat16)
     keys = jax.random.split(jax.random.key(seed + 1), 5)
     kv = jax.random.normal(keys[0], (2, batch, history + chunk, heads, head_dim))
-    step = kc.make_step(cache, history, jnp.asarray([history, 97], jnp.int32))
+    step = kc.make_step(cache, history, jnp.asarray([history, 61], jnp.int32))
     view = kc.append(cache.layer(0), kv[0, :, :history], kv[1, :, :history], step)
     cache = kc.commit(cache.with_layer(0, view), step)
-    step = kc.make_step(cache, chunk, jnp.asarray([chunk, 41], jnp.int32))
+    step = kc.make_step(cache, chunk, jnp.asarray([chunk, 23], jnp.int32))
     view = kc.append(cache.layer(0), kv[0, :, history:], kv[1, :, history:], step)
     q = jax.random.normal(keys[1], (batch, chunk, heads * group, head_dim))
     return view, step, q
