@@ -239,14 +239,20 @@ def is_out_of_memory(err: BaseException) -> bool:
 def requested_bytes(message: str) -> int | None:
     """The bytes an XLA out-of-memory message says it could not allocate ('Out of memory
     while trying to allocate 34735783936 bytes', 'Failed to allocate request for 32.35GiB
-    (34735783936B)', 'allocating 2.50GiB'), or None when it names none."""
+    (34735783936B)', 'trying to allocate 256.02GiB with allocator GPU_0_bfc': then to
+    the precision given), or None when it names none."""
+    return _requested(message)[0]
+
+
+def _requested(message: str) -> tuple[int | None, bool]:
+    """:func:`requested_bytes`, and whether the message gave them exactly."""
     for pattern, scaled in _REQUESTED:
         found = pattern.search(message)
         if found is not None:
             if not scaled:
-                return int(found.group(1))
-            return round(float(found.group(1)) * _UNITS[found.group(2)])
-    return None
+                return int(found.group(1)), True
+            return round(float(found.group(1)) * _UNITS[found.group(2)]), False
+    return None, False
 
 
 def _size(n: int) -> str:
@@ -306,13 +312,14 @@ def out_of_memory(err: BaseException, program: str, *, batch: int, context: int,
     ``context`` tokens: the bytes XLA asked for, the compiled program's sizes when it
     got that far (``compiled``), the bytes free on ``devices`` and what to try."""
     message = str(err)
-    requested = requested_bytes(message)
+    requested, exact = _requested(message)
     sizes = None if compiled is None else _program_bytes(compiled)
     free, device = free_bytes(devices)
     parts = [f"{program} does not fit in device memory at batch {batch}, context "
              f"{context} tokens{detail}"]
     if requested is not None:
-        parts.append(f"XLA could not allocate {_bytes(requested)}")
+        parts.append(f"XLA could not allocate "
+                     f"{_bytes(requested) if exact else f'about {_size(requested)}'}")
     if sizes is not None:
         beyond = sizes["output"] - sizes["alias"] + sizes["temp"]
         parts.append(f"the program needs {_bytes(beyond)} beyond its "

@@ -400,7 +400,11 @@ class _Exhausted:
     (EXHAUSTED, 34735783936),
     ("RESOURCE_EXHAUSTED: Failed to allocate request for 32.35GiB (34735783936B) on device "
      "ordinal 0", 34735783936),
-    ("RESOURCE_EXHAUSTED: Out of memory allocating 2.50GiB", 5 * 2**29),
+    # XLA 0.11.2's words on an H100, compiling a prefill whose attention scores take 256 GiB
+    ("RESOURCE_EXHAUSTED: Failed to get configs for: 7 out of 44 instructions. See logs for "
+     "all failures. Example failure: \nOut of memory while trying to allocate 256.02GiB with "
+     "allocator GPU_0_bfc on device 0. [tf-allocator-allocation-error='']",
+     round(256.02 * 2**30)),
     ("RESOURCE_EXHAUSTED: the device is busy", None),
 ])
 def test_the_bytes_xla_asked_for_are_read_from_its_message(message, expected):
@@ -472,3 +476,8 @@ def test_the_free_bytes_are_the_least_free_devices():
                             "decode", batch=8, context=4096, devices=[roomy, tight])
     assert err.free == 3 * 2**20
     assert "bytes needed: unknown; 3145728 bytes (3.00 MiB) free on gpu:1;" in str(err)
+    err = gen.out_of_memory(jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.50GiB"), "prefill",
+        batch=8, context=4096)
+    assert "; XLA could not allocate about 2.50 GiB; free on the device: unknown;" in str(err)
+    assert err.requested == 5 * 2**29
