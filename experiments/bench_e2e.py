@@ -27,7 +27,9 @@ beside the weights in the device's memory (``bytes_limit`` of the GPU, or ``--de
 ``--reserve-gb`` for activations. ``--check-programs`` replaces the guessed reserve by
 the temporaries XLA reports for the compiled prefill chunk and decode loop at that
 batch (compiled from shapes, nothing allocated), and finds the largest batch for which
-cache + temporaries fit. ``--at-capacity`` also runs each codec at its largest batch
+cache + temporaries fit; the table gives it as a share of the rows the cache's bytes
+alone allow beside the weights (*of the bytes' rows*: what the temporaries cost in
+rows). ``--at-capacity`` also runs each codec at its largest batch
 (prefilled ``--capacity-chunk`` tokens at a time), which shows that it fits and what
 the capacity buys in tokens/s; it wants JAX's default preallocating allocator
 (``XLA_PYTHON_CLIENT_PREALLOCATE`` unset), whose limit the capacity is computed from.
@@ -94,6 +96,14 @@ def capacity(config: ModelConfig, cache_config: CacheConfig, context: int, free:
     each device, over a mesh of shape ``mesh``: a multiple of its data axis)."""
     per_row, fixed = row_bytes(config, cache_config, context, mesh)
     return parse_mesh(mesh)[DATA] * max(0, int((free - fixed) // per_row))
+
+
+def of_bytes(rows: int | None, bytes_rows: int | None) -> str:
+    """A table cell: the rows that fit with the programs' temporaries as a share of the
+    rows the cache's bytes alone allow (``-`` where either is unknown)."""
+    if rows is None or not bytes_rows:
+        return "-"
+    return f"{rows / bytes_rows:.2f}"
 
 
 def device_bytes(tree, device) -> int:
@@ -277,6 +287,9 @@ def main(argv=None) -> int:
                 **compile_s, "cache_bytes": result.cache_bytes,
                 "max_batch": max_batch[context],
                 "max_batch_checked": checked[spec][0] if spec in checked else None,
+                # the rows the cache's bytes alone allow beside the weights (no reserve)
+                "max_batch_bytes": (capacity(config, cache_config, context, free_total,
+                                             mesh_shape) if free_total > 0 else None),
                 "prefill_temp_bytes": checked[spec][1] if spec in checked else None,
                 "decode_temp_bytes": checked[spec][2] if spec in checked else None,
                 "git": source["git"], "code": source["code"],
@@ -288,8 +301,9 @@ def main(argv=None) -> int:
             if r["codec"] == "bf16"}
     print("| codec | batch | context | decode tok/s | ms/step | of floor | vs bf16 | "
           "prefill s | compile s (prefill + decode) | cache GiB | max batch at the context | "
-          "checked with programs | weights | mesh | git (code digest) | device |")
-    print("|---" * 16 + "|")
+          "checked with programs | of the bytes' rows | weights | mesh | git (code digest) | "
+          "device |")
+    print("|---" * 17 + "|")
     for r in rows:
         key = (r["batch"], r["context"])
         ratio = r["decode_tok_per_s"] / base[key] if key in base else float("nan")
@@ -300,6 +314,7 @@ def main(argv=None) -> int:
               f"{r['cache_bytes'] / 2**30:.2f} | "
               f"{r['max_batch'] if r['max_batch'] is not None else '-'} | "
               f"{r['max_batch_checked'] if r['max_batch_checked'] is not None else '-'} | "
+              f"{of_bytes(r['max_batch_checked'], r['max_batch_bytes'])} | "
               f"{r['weights']} | {r['mesh']} | {short_sha(r['git'])} ({r['code'][:8]}) | "
               f"{r['device']} |")
     if args.json:

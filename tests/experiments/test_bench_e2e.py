@@ -82,6 +82,15 @@ def test_smoke_run_prints_the_table(capsys, monkeypatch, tmp_path):
     assert f"({rows[0]['code'][:8]}) |" in out[2]
     assert all(0 < r["decode_tok_per_s"] < r["floor_tok_per_s"] for r in rows)
     assert all(r["weights"] == "decode" for r in rows)
+    # without --check-programs no share of the bytes' rows is known
+    # (the default reserve leaves no room on a 1 GB device; the bytes alone do)
+    assert all(r["max_batch"] is None and r["max_batch_bytes"] > 0 for r in rows)
+    assert out[0].count("of the bytes' rows") == 1 and " | - | - | decode | " in out[2]
+
+
+def test_share_of_the_rows_the_bytes_allow():
+    assert bench_e2e.of_bytes(35, 38) == "0.92"
+    assert bench_e2e.of_bytes(None, 38) == "-" and bench_e2e.of_bytes(3, 0) == "-"
 
 
 def test_points_make_one_table_over_batches_and_contexts(capsys, monkeypatch):
