@@ -712,9 +712,14 @@ def quantize(x: jax.Array, quantizer: LloydMaxQuantizer) -> jax.Array:
     Computed as ``searchsorted(thresholds, x)`` in float32; a value exactly on a threshold
     goes to the lower cell. Returns uint8 for ``bits <= 8`` and int32 otherwise. Traces
     under ``jax.jit`` with the quantizer closed over (it is not a pytree).
+
+    The search compares every element with every threshold (at most a few dozen) in one
+    fused pass: jnp's default binary search is a ``while`` loop, one per call site, and a
+    model's prefill and decode programs hold one per layer.
     """
     thr = jnp.asarray(quantizer.thresholds, dtype=jnp.float32)
-    idx = jnp.searchsorted(thr, jnp.asarray(x, dtype=jnp.float32), side="left")
+    idx = jnp.searchsorted(thr, jnp.asarray(x, dtype=jnp.float32), side="left",
+                           method="compare_all")
     return idx.astype(jnp.uint8 if quantizer.bits <= 8 else jnp.int32)
 
 

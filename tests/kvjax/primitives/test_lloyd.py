@@ -444,3 +444,17 @@ def test_quantize_is_nearest_centroid_and_jits():
     np.testing.assert_array_equal(out, q.centroids.astype(np.float32)[nearest])
     # Outside the support: clamped to the end cells.
     np.testing.assert_array_equal(quantize(np.array([-1e6, 1e6], np.float32), q), [0, 7])
+
+
+@pytest.mark.parametrize("bits", [1, 4, 9])
+def test_quantize_counts_the_thresholds_below(bits):
+    """The cell is the number of thresholds strictly below the value (numpy's left
+    search), at the thresholds themselves and past either end too, and the program holds
+    no loop."""
+    q = design(sphere_coordinate(128), bits)
+    thr = q.thresholds.astype(np.float32)
+    x = np.concatenate([thr, np.nextafter(thr, np.float32(np.inf)),
+                        np.random.default_rng(2).normal(0, 0.2, 999).astype(np.float32),
+                        np.array([-np.inf, np.inf, -3.0, 3.0], np.float32)])
+    np.testing.assert_array_equal(quantize(x, q), np.searchsorted(thr, x, side="left"))
+    assert "while" not in jax.jit(lambda v: quantize(v, q)).lower(x).as_text()
