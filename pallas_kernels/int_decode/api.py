@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from kvjax.primitives.packing import is_planar
 from kvjax.primitives.rotations import block_hadamard, random_signs
 from pallas_kernels.flash import (
+    BLOCK_ROWS,
     MIN_DOT,
     NUM_WARPS,
     check_lengths,
@@ -129,9 +130,11 @@ def int_decode(
         # no code slot at all (a residual window as long as the cache)
         return empty_partial(q)
     research = research or Research()
-    if research.heads > 1 and lengths.ndim > 1:
-        raise ValueError("programs of several kv heads read one decode query per row: "
-                         "per-row lengths need Research(heads=1)")
+    if research.heads > 1 and (lengths.ndim > 1
+                               or research.heads * q.shape[2] > BLOCK_ROWS):
+        raise ValueError("programs of several kv heads hold every query row of their "
+                         f"heads in one block of at most {BLOCK_ROWS} rows, for one decode "
+                         "query per row: per-row lengths need Research(heads=1)")
     if heads % research.heads:
         raise ValueError(f"{heads} kv heads do not split into programs of "
                          f"{research.heads}")
