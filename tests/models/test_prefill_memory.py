@@ -31,7 +31,7 @@ from models.config import ModelConfig
 from models.generate import _prefill, _prefill_jit
 
 CONFIG = ModelConfig(family="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
-                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                     num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
                      max_position_embeddings=1 << 15)
 BATCH, CHUNK = 1, 128
 CONTEXTS = (2048, 8192)
