@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import centering
-from kvjax.codec import Codec, codes_nbytes, round_to_dtype
+from kvjax.codec import EXACT, Codec, codes_nbytes, round_to_dtype
 from kvjax.primitives.quaternion import num_chunks
 from kvjax.spec import CacheConfig
 
@@ -713,6 +713,32 @@ def token_parts(store: Store, lengths: jax.Array):
     ]
 
 
+def _window_blocks(store: Store, first: jax.Array, size: int):
+    """The code blocks that cover positions ``first .. first + size - 1`` (a pytree of
+    ``span`` blocks per row and head, a row pool beside them), and for each of the
+    positions its index into those blocks' ``span * block`` tokens (clipped)."""
+    block, slots = store.block, store.slots
+    span = min(slots, -(-size // block) + 1)
+    lo = jnp.clip((first - store.sinks) // block, 0, slots - span)
+    held = store.layer_codes()
+    codes = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, span, axis=2), held)
+    if store.codec.row_pool:  # the blocks read their outliers from the whole pool
+        codes = {**codes, store.codec.row_pool: held[store.codec.row_pool]}
+    pos = first + jnp.arange(size, dtype=jnp.int32)
+    return codes, jnp.clip(pos - store.sinks - lo * block, 0, span * block - 1)
+
+
+def _window_regions(store: Store, lengths: jax.Array, first: jax.Array, size: int):
+    """Per position of the window: ``(in_codes [B, size], in_sinks [size], raw index [B,
+    size], valid [B, size])``."""
+    _, n_comp, _ = store.counts(lengths)
+    pos = first + jnp.arange(size, dtype=jnp.int32)
+    in_codes = pos[None, :] < (store.sinks + n_comp)[:, None]
+    raw_idx = jnp.clip(pos[None, :] - (store.sinks + n_comp)[:, None], 0,
+                       store.raw_capacity - 1)
+    return in_codes, pos < store.sinks, raw_idx, pos[None, :] < lengths[:, None]
+
+
 def decode_window(store: Store, lengths: jax.Array, first: jax.Array, size: int,
                   dtype=jnp.bfloat16):
     """The stored tokens at positions ``first .. first + size - 1`` of every row, decoded.
@@ -723,33 +749,45 @@ def decode_window(store: Store, lengths: jax.Array, first: jax.Array, size: int,
     blocks off the window's grid), so a reader walking the cache window by window keeps
     its memory to a window and decodes each block about once.
     """
-    _, n_comp, _ = store.counts(lengths)
-    pos = first + jnp.arange(size, dtype=jnp.int32)  # [size]
-    parts = []
-    if store.sinks:
-        parts.append(jnp.take(store.sink, jnp.clip(pos, 0, store.sinks - 1), axis=2))
+    in_codes, in_sinks, raw_idx, valid = _window_regions(store, lengths, first, size)
+    values = _rows_take(store.raw, raw_idx).astype(dtype)
     if store.slots:
-        block, slots = store.block, store.slots
-        span = min(slots, -(-size // block) + 1)
-        lo = jnp.clip((first - store.sinks) // block, 0, slots - span)
-        held = store.layer_codes()
-        codes = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, span, axis=2),
-                             held)
-        if store.codec.row_pool:  # the blocks read their outliers from the whole pool
-            codes = {**codes, store.codec.row_pool: held[store.codec.row_pool]}
+        codes, idx = _window_blocks(store, first, size)
         decoded = decode_heads(store.codec, store.params, codes, dtype)
-        idx = jnp.clip(pos - store.sinks - lo * block, 0, span * block - 1)
-        parts.append(jnp.take(decoded, idx, axis=2))
-    raw_idx = pos[None, :] - (store.sinks + n_comp)[:, None]  # [B, size]
-    parts.append(_rows_take(store.raw, jnp.clip(raw_idx, 0, store.raw_capacity - 1)))
-    values = parts[-1].astype(dtype)
-    if store.slots:
-        in_codes = pos[None, :] < (store.sinks + n_comp)[:, None]
-        values = jnp.where(in_codes[:, None, :, None], parts[-2].astype(dtype), values)
+        values = jnp.where(in_codes[:, None, :, None],
+                           jnp.take(decoded, idx, axis=2).astype(dtype), values)
     if store.sinks:
-        values = jnp.where((pos < store.sinks)[None, None, :, None], parts[0].astype(dtype),
-                           values)
-    return values, pos[None, :] < lengths[:, None]
+        pos = first + jnp.arange(size, dtype=jnp.int32)
+        sink = jnp.take(store.sink, jnp.clip(pos, 0, store.sinks - 1), axis=2)
+        values = jnp.where(in_sinks[None, None, :, None], sink.astype(dtype), values)
+    return values, valid
+
+
+def window_scores(store: Store, q: jax.Array, lengths: jax.Array, first: jax.Array,
+                  size: int) -> jax.Array:
+    """Float32 scores ``[B, K, R, size]`` of query rows ``q [B, K, R, D]`` against the
+    stored keys at positions ``first .. first + size - 1`` (as :func:`decode_window`
+    reads them): the codes' by the codec's own :meth:`~kvjax.codec.Codec.scores` (an
+    estimator where it has one), the raw tokens' by a float32 product. Only the blocks
+    that cover the window are read."""
+    f32 = jnp.float32
+    in_codes, in_sinks, raw_idx, _ = _window_regions(store, lengths, first, size)
+    q = q.astype(f32)
+
+    def dot(keys):
+        return jnp.einsum("bkrd,bksd->bkrs", q, keys.astype(f32), precision=EXACT)
+
+    s = dot(_rows_take(store.raw, raw_idx))
+    if store.slots:
+        codes, idx = _window_blocks(store, first, size)
+        coded = jax.vmap(store.codec.scores, in_axes=(0, 1, 1), out_axes=1)(
+            store.params, q, codes)
+        s = jnp.where(in_codes[:, None, None, :], jnp.take(coded, idx, axis=3), s)
+    if store.sinks:
+        pos = first + jnp.arange(size, dtype=jnp.int32)
+        s = jnp.where(in_sinks[None, None, None, :],
+                      dot(jnp.take(store.sink, jnp.clip(pos, 0, store.sinks - 1), axis=2)), s)
+    return s
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "restore_keys"))

@@ -1,8 +1,8 @@
 """The XLA paths: bfloat16 matmul operands with float32 accumulation and softmax.
 
 Registered as ``"xla"`` (:mod:`kvjax.attention.registry`). It serves every chunk of
-several tokens over a codec whose scores are ``q . decode(codes)`` (a prefill walks the
-cache in windows, :func:`windowed_attention`), and one-token decodes over a cache whose
+several tokens (a prefill walks the cache in windows, :func:`windowed_attention`; keys
+of an estimator's codec are scored by it), and one-token decodes over a cache whose
 K and V are both stored dense in bfloat16 (a codec that offers a bf16
 :class:`~kvjax.codec.DenseFormat`): on a GPU, when every token sits in the one dense
 region, cuDNN's fused attention (:func:`cudnn_decode`); otherwise the windowed path. The
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from kvjax.attention.dispatch import Call
 from kvjax.attention.reference import group_queries, ungroup_output
-from kvjax.cache import decode_window
+from kvjax.cache import decode_window, window_scores
 from kvjax.codec import Codec, DenseFormat
 from pallas_kernels.partial import NEG
 
@@ -39,9 +39,6 @@ def supports(call: Call) -> str | None:
                 return (f"a one-token decode runs over a bf16 cache only ({role} is "
                         f"'{codec.spec}')")
         return None
-    for role, codec in (("K", k), ("V", v)):
-        if not codec.scores_reconstruct:
-            return f"{role} codec '{codec.spec}' scores keys by an estimator of its own"
     return None
 
 
@@ -77,17 +74,15 @@ def windowed_attention(q, layer, step, lengths, scale, sliding_window, window=WI
     windows past the chunk's last query (causal) or before its first one's sliding window
     are never visited. Memory stays at one window whatever the context; the reference
     materializes float32 scores against the whole capacity, which a long prompt cannot
-    afford on any device. Raises ``ValueError`` for a codec whose scores are not
-    ``q . decode(codes)`` (an estimator of its own).
+    afford on any device. Keys whose codec scores by an estimator of its own (QJL) are
+    scored by it, window by window, in float32 (:func:`kvjax.cache.window_scores`).
     """
     k_store, v_store = layer.k, layer.v
-    for codec in (k_store.codec, v_store.codec):
-        if not codec.scores_reconstruct:
-            raise ValueError(f"'{codec.spec}' scores keys by an estimator of its own: "
-                             "decoding its keys would not be its attention")
+    estimator = not k_store.codec.scores_reconstruct
     bf16, f32 = jnp.bfloat16, jnp.float32
     num_tokens = q.shape[1]
-    qg = group_queries(q, k_store.raw.shape[1]).astype(bf16)  # [B, K, R, D]
+    q_rows = group_queries(q, k_store.raw.shape[1])  # [B, K, R, D]
+    qg = q_rows.astype(bf16)
     group = qg.shape[2] // num_tokens
     q_pos = jnp.tile(step.positions(num_tokens), (1, group))  # [B, R]
     size = min(window, k_store.max_len)
@@ -99,14 +94,17 @@ def windowed_attention(q, layer, step, lengths, scale, sliding_window, window=WI
     def body(i, carry):
         m, l, o = carry
         first = (i * size).astype(jnp.int32)
-        keys, ok = decode_window(k_store, lengths, first, size, bf16)
-        vals, _ = decode_window(v_store, lengths, first, size, bf16)
+        vals, ok = decode_window(v_store, lengths, first, size, bf16)
         kpos = first + jnp.arange(size, dtype=jnp.int32)
         visible = ok[:, None, :] & (kpos[None, None, :] <= q_pos[:, :, None])
         if sliding_window is not None:
             visible &= kpos[None, None, :] > q_pos[:, :, None] - sliding_window
         visible = visible[:, None]  # [B, 1, R, W]
-        s = jnp.einsum("bkrd,bksd->bkrs", qg, keys, preferred_element_type=f32) * scale
+        if estimator:
+            s = window_scores(k_store, q_rows, lengths, first, size) * scale
+        else:
+            keys, _ = decode_window(k_store, lengths, first, size, bf16)
+            s = jnp.einsum("bkrd,bksd->bkrs", qg, keys, preferred_element_type=f32) * scale
         s = jnp.where(visible, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
         p = jnp.where(visible, jnp.exp(s - m_new), 0.0)

@@ -7,7 +7,9 @@ only arrays of context size are the cache's own, updated in place.
 
 Two checks, on a tiny model, at two context lengths with the same chunk:
 
-- compiled (``"xla"``, the pipeline a codec without a kernel runs on any device):
+- compiled (``"xla"``, the pipeline a codec without a kernel runs on any device; for
+  ``octopus:b2,qjl``, whose dense stream no kernel reads, with its keys scored by the
+  codec's QJL estimator window by window):
   XLA's temporaries stay within 1.25x from the short context to the long one, and
   below the long cache's bytes plus a per-chunk bound (:data:`CHUNK_BYTES`);
 - traced (each fused kernel's pipeline; on a CPU Pallas runs in interpret mode, whose
@@ -40,7 +42,7 @@ CONTEXTS = (2048, 8192)
 #: encoding, which searches every secondary for ``ENCODE_BATCH`` quaternions at a time
 #: (~40 MiB, the largest, whatever the chunk)
 CHUNK_BYTES = 64 << 20
-SPECS = ("bf16", "int:4", "turboquant:b4", "hqmq:s96,r4")
+SPECS = ("bf16", "int:4", "turboquant:b4", "hqmq:s96,r4", "octopus:b2,qjl")
 
 
 def _shapes(spec: str, context: int):

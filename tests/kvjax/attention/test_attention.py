@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax import cache as kc
-from kvjax.attention import attend, decode_attention, dense_attention
+from kvjax.attention import REGISTRY, Call, attend, decode_attention, dense_attention
 from kvjax.attention.xla import windowed_attention
 from kvjax.spec import parse_cache
 from tests.kvjax.attention.helpers import build_layer
@@ -170,29 +170,30 @@ def test_windowed_attention_matches_reference(spec_k, spec_v, sinks, window, sli
         pos += n
 
 
-def test_windowed_attention_leaves_estimator_scores_to_the_reference():
-    """A codec whose scores are not q . decode(codes) is not served by "xla": listed
-    after it, the reference serves it."""
-    import dataclasses
-
-    from kvjax.codecs.intn import IntCodec
-
-    class Estimating(IntCodec):
-        scores_reconstruct = False
-
-    cache = kc.init_cache(jax.random.key(0), kc.CacheConfig(k="int:4", v="int:4"),
-                          num_layers=1, batch=1, num_kv_heads=1, head_dim=16, max_len=32)
-    kv = jnp.ones((1, 8, 1, 16))
-    step = kc.make_step(cache, 8)
-    view = kc.append(cache.layer(0), kv, kv, step)
-    view = dataclasses.replace(view, k=dataclasses.replace(view.k, codec=Estimating(bits=4)))
-    q = jnp.ones((1, 8, 1, 16))
-    np.testing.assert_array_equal(attend(q, view, step, impl=("xla", "reference")),
-                                  attend(q, view, step))
-    with pytest.raises(ValueError, match="K codec 'int:4' scores keys by an estimator"):
-        attend(q, view, step, impl="xla")
-    with pytest.raises(ValueError, match="estimator of its own"):
-        windowed_attention(q, view, step, step.start + step.valid, 0.25, None)
+@pytest.mark.parametrize("spec", ["turboquant:b3,qjl sinks=2 window=3",
+                                  "octopus:b2,qjl window=4"])
+def test_windowed_attention_scores_estimator_keys_by_their_codec(spec):
+    """Keys whose codec scores by an estimator of its own (QJL) are scored by it, window
+    by window (several windows, sinks and a raw window beside the codes), as the
+    reference does over the whole cache."""
+    batch, heads, group, head_dim, n = 2, 2, 2, 64, 24
+    keys = jax.random.split(jax.random.key(3), 3)
+    k, v = (jax.random.normal(kk, (batch, n, heads, head_dim)) for kk in keys[:2])
+    q = jax.random.normal(keys[2], (batch, n, heads * group, head_dim))
+    cache = kc.init_cache(jax.random.key(0), parse_cache(spec), num_layers=1, batch=batch,
+                          num_kv_heads=heads, head_dim=head_dim, max_len=n)
+    assert not cache.segments[0].k.codec.scores_reconstruct
+    step = kc.make_step(cache, n, jnp.array([n, 15]))
+    view = kc.append(cache.layer(0), k, v, step)
+    lengths = step.start + step.valid
+    got = jax.jit(windowed_attention, static_argnums=(4, 5, 6))(
+        q, view, step, lengths, head_dim**-0.5, None, 5)
+    want = attend(q, view, step)
+    for row, valid in enumerate(np.asarray(step.valid)):
+        np.testing.assert_allclose(np.asarray(got)[row, :valid],
+                                   np.asarray(want)[row, :valid], atol=3e-2)
+    assert REGISTRY["xla"].supports(Call(q=q, layer=view, step=step, lengths=lengths,
+                                         scale=1.0, sliding_window=None)) is None
 
 
 @pytest.mark.parametrize("window,sinks,lengths", [(0, 0, [37, 5]), (8, 2, [40, 3, 0])])
