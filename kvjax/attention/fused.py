@@ -5,7 +5,7 @@ over the coded tokens (:mod:`pallas_kernels.partial`). This module is the one pl
 opens a layer view for a kernel: it takes the arrays out of the stores through the
 format each codec offers (:meth:`kvjax.codec.Codec.kernel_formats`), and merges the
 kernel's partial with the raw sinks and the residual window (a few dozen tokens,
-attended in jnp), for every kernel alike (:func:`merged_decode`).
+attended in jnp), for every kernel alike (:func:`merged_attention`).
 
 A kernel over :class:`~kvjax.codec.IntFormat` codes registers with
 :func:`int_codes_kernel`; one over rotated keys (a :class:`~kvjax.codec.RotatedKeyFormat`:
@@ -13,7 +13,7 @@ TurboQuant's codebook codes, ...) and :class:`~kvjax.codec.GroupIntFormat` value
 :func:`rotated_kernel`, naming its key format. A kernel over a new kind of format adds
 its own small adapter here (how its entry takes the arrays of that format, and which
 formats it ``reads``) and registers through :func:`kernel_impl`, reusing
-:func:`merged_decode` and :func:`decode_reason`. Benchmarks and profilers reach every
+:func:`merged_attention` and :func:`decode_reason`. Benchmarks and profilers reach every
 registered kernel the same way: :func:`find_kernel` (which kernel reads a K and a V
 codec) and :func:`kernel_call` (that kernel bound to a cache of their codes).
 """
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.dispatch import REGISTRY, Call, Impl
-from kvjax.attention.reference import group_queries, ungroup_output
+from kvjax.attention.reference import group_queries, row_positions, ungroup_output
 from kvjax.cache import Segment
 from kvjax.codec import (
     Codec,
@@ -75,7 +75,7 @@ def merged_attention(q: jax.Array, layer: Segment, lengths: jax.Array, scale: fl
     qg = group_queries(q.astype(jnp.float32), heads)  # rows ordered g * T + t
     n_sink, n_comp, n_raw = k_store.counts(lengths)
     if chunk:
-        rows_pos = jnp.tile(positions.astype(jnp.int32), (1, num_heads // heads))  # [B, R]
+        rows_pos = row_positions(positions, num_heads // heads)  # [B, R]
         # a row sees the coded tokens up to its position: slot s holds position sinks + s
         limits = jnp.clip(rows_pos - k_store.sinks + 1, 0, n_comp[:, None])
     else:
@@ -99,13 +99,6 @@ def merged_attention(q: jax.Array, layer: Segment, lengths: jax.Array, scale: fl
         parts.append(dense_partial(qg, k_store.raw, v_store.raw, ok, sm_scale=scale))
     out = ungroup_output(normalize(*merge_partials(parts)), num_tokens)
     return out if chunk else out[:, 0]
-
-
-def merged_decode(q: jax.Array, layer: Segment, lengths: jax.Array, scale: float,
-                  coded: CodedPartial) -> jax.Array:
-    """Decode attention ``q [B, N, D] -> [B, N, D]`` (float32) over a layer view whose coded
-    region ``coded`` attends (:func:`merged_attention` of one query per row)."""
-    return merged_attention(q, layer, lengths, scale, coded)
 
 
 def kernel_format(codec: Codec, kind: type[KernelFormat]) -> KernelFormat | None:

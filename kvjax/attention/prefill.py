@@ -19,7 +19,7 @@ import jax
 
 from kvjax.attention.dispatch import Call
 from kvjax.attention.fused import dense_reads
-from kvjax.attention.reference import group_queries, ungroup_output
+from kvjax.attention.reference import group_queries, row_positions, ungroup_output
 from kvjax.cache import Segment
 from pallas_kernels.chunk_attention import api
 
@@ -54,8 +54,7 @@ def run(call: Call, **options) -> jax.Array:
     q, layer, num_tokens = call.q, call.layer, call.num_tokens
     k_fmt, v_fmt = _in_place(layer, call.head_dim)
     qg = group_queries(q, layer.k.raw.shape[1])  # rows ordered g * T + t
-    group = qg.shape[2] // num_tokens
-    q_pos = jax.numpy.tile(call.step.positions(num_tokens), (1, group))
+    q_pos = row_positions(call.step.positions(num_tokens), qg.shape[2] // num_tokens)
     # in a scan over layers the codes are the segment's whole stack (Store.layer)
     o = api.chunk_attention(qg, k_fmt.values(layer.k.codes), v_fmt.values(layer.v.codes),
                             q_pos, call.lengths, layer.k.layer, sm_scale=call.scale,

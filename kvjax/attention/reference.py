@@ -38,6 +38,12 @@ def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
     return q.transpose(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * num_tokens, head_dim)
 
 
+def row_positions(positions: jax.Array, group: int) -> jax.Array:
+    """The position of each grouped query row: ``positions [B, T] -> [B, G*T]`` in
+    :func:`group_queries`' row order (``g * T + t``)."""
+    return jnp.tile(positions.astype(jnp.int32), (1, group))
+
+
 def ungroup_output(o: jax.Array, num_tokens: int) -> jax.Array:
     """Inverse of :func:`group_queries`: ``[B, K, G*T, D] -> [B, T, N, D]``."""
     batch, heads, rows, head_dim = o.shape
@@ -113,9 +119,7 @@ def run(call: Call) -> jax.Array:
     scores, key_pos, key_ok = _key_scores(layer.k, qg, call.lengths)
     values = _values_at(layer.v, call.lengths, key_pos, layer.k.block)
 
-    q_pos = step.positions(num_tokens)  # [B, T]
-    group = qg.shape[2] // num_tokens
-    q_pos = jnp.tile(q_pos, (1, group))  # rows ordered g * T + t
+    q_pos = row_positions(step.positions(num_tokens), qg.shape[2] // num_tokens)  # [B, R]
     visible = key_ok[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
     if call.sliding_window is not None:
         visible &= key_pos[:, None, :] > q_pos[:, :, None] - call.sliding_window
@@ -147,8 +151,7 @@ def dense_attention(
     vt = jnp.swapaxes(v, 1, 2)
     scores = jnp.einsum("bkrd,bksd->bkrs", qg, kt, precision=EXACT) * scale
     s = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, :]
-    group = qg.shape[2] // num_tokens
-    p = jnp.tile(q_positions, (1, group))[:, :, None]
+    p = row_positions(q_positions, qg.shape[2] // num_tokens)[:, :, None]
     visible = (s < kv_lengths[:, None, None]) & (s <= p)
     if sliding_window is not None:
         visible &= s > p - sliding_window

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention.dispatch import Call
-from kvjax.attention.reference import group_queries, ungroup_output
+from kvjax.attention.reference import group_queries, row_positions, ungroup_output
 from kvjax.cache import decode_window, window_scores
 from kvjax.codec import Codec, DenseFormat
 from pallas_kernels.partial import NEG
@@ -83,8 +83,7 @@ def windowed_attention(q, layer, step, lengths, scale, sliding_window, window=WI
     num_tokens = q.shape[1]
     q_rows = group_queries(q, k_store.raw.shape[1])  # [B, K, R, D]
     qg = q_rows.astype(bf16)
-    group = qg.shape[2] // num_tokens
-    q_pos = jnp.tile(step.positions(num_tokens), (1, group))  # [B, R]
+    q_pos = row_positions(step.positions(num_tokens), qg.shape[2] // num_tokens)  # [B, R]
     size = min(window, k_store.max_len)
     lo = 0
     if sliding_window is not None:

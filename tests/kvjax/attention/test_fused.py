@@ -113,7 +113,7 @@ def test_default_saw_block_reaches_the_kernel(head_dim):
     np.testing.assert_allclose(got, want, atol=ATOL)
 
 
-def test_merged_decode_hands_the_coded_region_to_the_kernel():
+def test_merged_attention_hands_the_coded_region_to_the_kernel():
     """The kernel sees the grouped queries and the coded counts; the sinks and the
     window are merged in by the adapter."""
     view, step, qkey = build_layer("int:4", "int:4", lengths=[40, 9], window=8, sinks=4,
@@ -127,7 +127,7 @@ def test_merged_decode_hands_the_coded_region_to_the_kernel():
         return reference.int_decode(qg, *fmt.arrays(view.k.codes), *fmt.arrays(view.v.codes),
                                     n_comp, bits=4, sm_scale=64**-0.5)
 
-    out = fused.merged_decode(q, view, lengths, 64**-0.5, coded)
+    out = fused.merged_attention(q, view, lengths, 64**-0.5, coded)
     np.testing.assert_array_equal(seen["qg"], q.reshape(2, 2, 4, 64))
     np.testing.assert_array_equal(seen["n_comp"], view.k.counts(lengths)[1])
     assert seen["n_comp"].tolist() == [41 - 4 - 8, 0]
