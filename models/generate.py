@@ -306,15 +306,21 @@ def free_bytes(devices: Sequence[Any]) -> tuple[int | None, Any]:
 
 def out_of_memory(err: BaseException, program: str, *, batch: int, context: int,
                   detail: str = "", compiled: Any = None,
-                  devices: Sequence[Any] = ()) -> OutOfMemoryError:
+                  devices: Sequence[Any] = (),
+                  free_at_start: tuple[int | None, Any] | None = None) -> OutOfMemoryError:
     """The :class:`OutOfMemoryError` of XLA's out-of-memory error ``err`` in
     ``program`` (``"prefill"`` or ``"decode"``) at ``batch`` rows and a cache of
     ``context`` tokens: the bytes XLA asked for, the compiled program's sizes when it
-    got that far (``compiled``), the bytes free on ``devices`` and what to try."""
+    got that far (``compiled``), the bytes free and what to try. The bytes free are
+    ``free_at_start`` (:func:`free_bytes` taken when the program was about to run, its
+    arguments allocated) where given: after the failure a donated cache is already
+    released, and the device's free bytes then would count it as free. Else those of
+    ``devices`` now."""
     message = str(err)
     requested, exact = _requested(message)
     sizes = None if compiled is None else _program_bytes(compiled)
-    free, device = free_bytes(devices)
+    free, device = free_bytes(devices) if free_at_start is None else free_at_start
+    when = "" if free_at_start is None else " when the program started"
     parts = [f"{program} does not fit in device memory at batch {batch}, context "
              f"{context} tokens{detail}"]
     if requested is not None:
@@ -329,7 +335,7 @@ def out_of_memory(err: BaseException, program: str, *, batch: int, context: int,
     if requested is None and sizes is None:
         parts.append("bytes needed: unknown")
     parts.append("free on the device: unknown" if free is None
-                 else f"{_bytes(free)} free on {device}")
+                 else f"{_bytes(free)} free on {device}{when}")
     chunk = ", a smaller prefill chunk" if program == "prefill" else ""
     parts.append(f"try a smaller batch, a shorter context{chunk} or a more compressed "
                  "cache (e.g. int:4, kivi:2,g32)")
@@ -341,13 +347,24 @@ def out_of_memory(err: BaseException, program: str, *, batch: int, context: int,
 class _MemoryBoundary:
     """``with _MemoryBoundary(...) as boundary:`` turns XLA's out-of-memory errors
     inside into :class:`OutOfMemoryError` (:func:`out_of_memory`); ``boundary.compiled``
-    is the program once compiled, for its sizes."""
+    is the program once compiled, for its sizes. Setting it also takes the devices'
+    free bytes, with the program's arguments allocated, for the message."""
 
     def __init__(self, program: str, *, batch: int, context: int, mesh: Mesh | None,
                  detail: str = ""):
         self.program, self.batch, self.context, self.detail = program, batch, context, detail
-        self.mesh = mesh
-        self.compiled = None
+        self.devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+        self._compiled = None
+        self.free_at_start = None
+
+    @property
+    def compiled(self):
+        return self._compiled
+
+    @compiled.setter
+    def compiled(self, program):
+        self._compiled = program
+        self.free_at_start = free_bytes(self.devices)
 
     def __enter__(self):
         return self
@@ -355,10 +372,9 @@ class _MemoryBoundary:
     def __exit__(self, kind, err, traceback):
         if err is None or not is_out_of_memory(err):
             return False
-        devices = jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat)
         raise out_of_memory(err, self.program, batch=self.batch, context=self.context,
                             detail=self.detail, compiled=self.compiled,
-                            devices=devices) from err
+                            devices=self.devices, free_at_start=self.free_at_start) from err
 
 
 def _validate_sampling(max_new_tokens, temperature, top_p):

@@ -481,3 +481,19 @@ def test_the_free_bytes_are_the_least_free_devices():
         batch=8, context=4096)
     assert "; XLA could not allocate about 2.50 GiB; free on the device: unknown;" in str(err)
     assert err.requested == 5 * 2**29
+
+
+def test_the_free_bytes_are_taken_before_the_program_runs():
+    """A failed program has released its donated cache by the time the error arrives:
+    the message gives the bytes free when it started, not after."""
+    device = _Device("gpu:0", {"bytes_limit": 2**34, "bytes_in_use": 2**34 - 2**30})
+    boundary = gen._MemoryBoundary("prefill", batch=13, context=32784, mesh=None)
+    boundary.devices = [device]
+    with pytest.raises(gen.OutOfMemoryError) as caught, boundary:
+        boundary.compiled = None  # the program about to run, its arguments allocated
+        device.stats = {"bytes_limit": 2**34, "bytes_in_use": 2**32}  # the cache released
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying "
+                                         "to allocate 26.01GiB")
+    assert caught.value.free == 2**30
+    assert "1073741824 bytes (1.00 GiB) free on gpu:0 when the program started;" in str(
+        caught.value)
