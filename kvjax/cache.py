@@ -33,6 +33,18 @@ codec's :attr:`~kvjax.codec.Codec.limits` (see :meth:`~kvjax.codec.Codec.saturat
 :func:`check` raises ``ValueError`` naming the rows and the cause of every flag set;
 generation and evaluation call it.
 
+Pages. With a spec's ``page=N`` clause the compressed blocks of every row live in one
+pool of pages of ``N`` tokens per layer and role (codes ``[L, P, K, N / block, ...]``),
+and each row's block table (:attr:`KVCache.pages`, shared by all layers and roles) names
+the pool page of each of its logical pages: rows of different lengths hold only the
+pages they use, rows may share the pages of a common prefix, and a row joins or leaves
+without moving anyone's codes (:mod:`kvjax.paging` hands pages out). Sinks, the raw
+window and the flags stay per row. Every reader goes through the table
+(:meth:`Store.blocks`, :meth:`Store.write_blocks`); a contiguous cache is the case of
+one page per row in order. A block written to a logical page its row's table leaves
+empty is dropped and flagged (:data:`DROPPED_NO_PAGE`), never written over another
+row's page.
+
 Key transforms. With a cache spec's ``center=`` / ``smooth=`` clauses every K store
 keeps ``shift`` and ``scale`` vectors per (row, kv head) and stores ``(k - shift) /
 scale`` in all its regions (:mod:`kvjax.centering`): attention multiplies the query by
@@ -68,8 +80,8 @@ def _register(cls, data: tuple[str, ...], meta: tuple[str, ...]):
 @functools.partial(
     _register,
     data=("codes", "params", "raw", "sink", "nonfinite", "saturated", "layer", "shift",
-          "scale"),
-    meta=("codec", "window", "sinks", "max_len", "center", "smooth"),
+          "scale", "pages"),
+    meta=("codec", "window", "sinks", "max_len", "center", "smooth", "page_blocks"),
 )
 @dataclasses.dataclass(frozen=True)
 class Store:
@@ -91,6 +103,12 @@ class Store:
     ``smooth``: ``"first"`` or ``"calib"``, the cache spec's clauses) bf16 ``[L, B, K,
     D]``: the stored keys are ``(k - shift) / scale`` (module docstring); ``scale`` is
     None without smoothing, ``shift`` None without centering.
+    page_blocks: 0 (contiguous), or in a paged cache the codec blocks of a page: the
+    codes are then a pool of pages, leaves ``[L, P, K, page_blocks, ...]`` for ``P``
+    pages, shared by every row (module docstring, *Pages*).
+    pages: ``None``, or in a layer view of a paged cache its rows' block tables ``[B,
+    row pages]`` (:attr:`KVCache.pages`): row ``b``'s block slot ``s`` lives in pool page
+    ``pages[b, s // page_blocks]`` at ``s % page_blocks``.
     """
 
     codes: Any
@@ -108,14 +126,67 @@ class Store:
     scale: Any = None
     center: str = ""
     smooth: str = ""
+    page_blocks: int = 0
+    pages: Any = None
 
     def layer_codes(self) -> Any:
-        """This layer's codes, leaves ``[B, K, NB, ...]``."""
+        """This layer's codes, leaves ``[B, K, NB, ...]`` (in a paged cache gathered from
+        the pool through the block tables: a copy of the layer)."""
+        if self.page_blocks:
+            return self.blocks(jnp.int32(0), self.slots)
         if self.layer is None:
             return self.codes
         return jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False),
             self.codes)
+
+    def blocks(self, first: jax.Array, span: int) -> Any:
+        """The codes of each row's block slots ``first .. first + span - 1`` (``first`` a
+        traced scalar within ``0 .. slots - span``), leaves ``[B, K, span, ...]``."""
+        if not self.page_blocks:
+            return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, first, span, axis=2),
+                                self.layer_codes())
+        slot = first + jnp.arange(span, dtype=jnp.int32)[None, :]
+        page, within = self.slot_addresses(slot)
+        lead = () if self.layer is None else (self.layer,)
+        # advanced indices split by a slice put their broadcast dims first: [B, n, K, ...]
+        return jax.tree.map(lambda a: jnp.swapaxes(a[(*lead, page, slice(None), within)], 1, 2),
+                            self.codes)
+
+    def write_blocks(self, slot: jax.Array, values: Any) -> Any:
+        """The codes after writing ``values`` (leaves ``[B, K, n, ...]``) to each row's
+        block slots ``slot [B, n]`` (slots out of range are dropped), in place in the
+        whole stack of a layer view."""
+        if not self.page_blocks:
+            return jax.tree.map(lambda buf, val: _rows_set(buf, slot, val, self.layer),
+                                self.codes, values)
+        page, within = self.slot_addresses(slot)
+        lead = () if self.layer is None else (self.layer,)
+        return jax.tree.map(
+            lambda buf, val: buf.at[(*lead, page, slice(None), within)].set(
+                jnp.swapaxes(val, 1, 2).astype(buf.dtype), mode="drop"),
+            self.codes, values)
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages in a paged store's pool (0 for a contiguous one)."""
+        if not self.page_blocks:
+            return 0
+        # codes lead with the layers in a segment's stack and in a scan's layer view
+        stacked = self.raw.ndim == 5 or self.layer is not None
+        return jax.tree.leaves(self.codes)[0].shape[1 if stacked else 0]
+
+    def slot_addresses(self, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(pool page, block within the page)``, each ``[B, n]``, of each row's block
+        slots ``slot [B or 1, n]`` in a paged store; a slot out of ``0 .. slots - 1``
+        or on a page its row has none of (table entry < 0) gets page :attr:`pool_pages`,
+        past the pool: writes there are dropped, reads clipped."""
+        table = self.pages
+        slot = jnp.broadcast_to(slot, (table.shape[0], slot.shape[-1]))
+        logical = jnp.clip(slot // self.page_blocks, 0, table.shape[1] - 1)
+        page = jnp.take_along_axis(table, logical, axis=1)
+        missing = (slot < 0) | (slot >= self.slots) | (page < 0)
+        return jnp.where(missing, self.pool_pages, page), slot % self.page_blocks
 
     @property
     def block(self) -> int:
@@ -159,10 +230,13 @@ class Segment:
 SATURATED_RAW = 1
 #: :attr:`Store.saturated` bit: a token encoded into codes was outside the codec's limits
 SATURATED_CODEC = 2
+#: :attr:`Store.saturated` bit: a paged row's block had no page to go to and was dropped
+#: (its block table did not cover the tokens it was given)
+DROPPED_NO_PAGE = 4
 
 
 @functools.partial(
-    _register, data=("segments", "lengths", "overflowed", "bad_valid", "evicted"),
+    _register, data=("segments", "lengths", "overflowed", "bad_valid", "evicted", "pages"),
     meta=("config", "num_layers"),
 )
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +248,9 @@ class KVCache:
     longer than its chunk (it was clamped). ``evicted[B]``: tokens of the row's prompt
     that eviction dropped (:func:`evict_into`); the next token's position is
     ``lengths + evicted`` (:meth:`positions`), while attention's causal order counts
-    stored tokens only.
+    stored tokens only. ``pages[B, row pages]``: in a paged cache (a spec's ``page=``
+    clause) each row's block table, the pool page of each of its logical pages (``-1``:
+    none), which every layer and role shares (:mod:`kvjax.paging`); None otherwise.
     """
 
     segments: tuple[Segment, ...]
@@ -184,6 +260,7 @@ class KVCache:
     config: CacheConfig
     num_layers: int
     evicted: jax.Array | None = None
+    pages: jax.Array | None = None
 
     def positions(self, step: Step, num_tokens: int) -> jax.Array:
         """``[B, T]`` positions in the sequence (for the rotary embedding) of the tokens
@@ -202,12 +279,13 @@ class KVCache:
     def layer(self, i: int) -> Segment:
         """The layer view of layer ``i`` (leading ``L`` axis removed)."""
         seg = self._segment_of(i)
-        return jax.tree.map(lambda a: a[i - seg.start], seg)
+        return _with_tables(jax.tree.map(lambda a: a[i - seg.start], seg), self.pages)
 
     def with_layer(self, i: int, view: Segment) -> KVCache:
         """A cache whose layer ``i`` is replaced by ``view``."""
         seg = self._segment_of(i)
-        new = jax.tree.map(lambda a, b: a.at[i - seg.start].set(b), seg, view)
+        new = jax.tree.map(lambda a, b: a.at[i - seg.start].set(b), seg,
+                           _with_tables(view, None))
         segs = tuple(new if s is seg else s for s in self.segments)
         return dataclasses.replace(self, segments=segs)
 
@@ -229,6 +307,7 @@ def init_cache(
     dtype: Any = jnp.bfloat16,
     calibration: centering.KeyCalibration | None = None,
     fitted: Any = None,
+    num_pages: int | None = None,
 ) -> KVCache:
     """An empty cache for ``batch`` rows of up to ``max_len`` tokens.
 
@@ -240,12 +319,25 @@ def init_cache(
     (:class:`kvjax.calibration.Fitted`; :func:`kvjax.calibration.fitted_of` reads the
     checkpoint of the config's ``fit=`` clause, as :func:`models.llama.new_cache` does);
     parameters fitted for another codec or shape are refused.
+
+    A paged config (``page=N``) keeps the coded tokens of every row in one pool of
+    ``num_pages`` pages per layer and role: by default each row's own
+    :func:`row_pages` pages, each row's block table naming them in order; with
+    ``num_pages`` given the tables start empty (``-1``) and the caller assigns pages
+    (:func:`with_pages`, :class:`kvjax.paging.PagePool`).
     """
     for name, value in (("num_layers", num_layers), ("batch", batch),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("max_len", max_len)):
         if not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    per_row = row_pages(config, max_len)
+    if num_pages is not None:
+        if not config.page_tokens:
+            raise ValueError(f"num_pages={num_pages} given for cache spec '{config.spec}', "
+                             "which is not paged (add page=N)")
+        if not isinstance(num_pages, int | np.integer) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
     if config.sink_tokens > max_len:
         raise ValueError(f"sink_tokens={config.sink_tokens} exceeds max_len={max_len}")
     if config.calibrated:
@@ -260,6 +352,13 @@ def init_cache(
     for k_codec, v_codec in set(per_layer):
         k_codec.check_head_dim(head_dim)
         v_codec.check_head_dim(head_dim)
+        for codec in (k_codec, v_codec):
+            if config.page_tokens and config.page_tokens % codec.block_tokens:
+                raise ValueError(f"page={config.page_tokens} is not a multiple of "
+                                 f"{codec.spec}'s block of {codec.block_tokens} tokens")
+            if config.page_tokens and codec.row_pool:
+                raise ValueError(f"{codec.spec} keeps one outlier pool per row: it is "
+                                 "not stored in pages (drop the page= clause)")
     if fitted is None and any(c.needs_fit for pair in per_layer for c in pair):
         raise ValueError(
             f"cache spec '{config.spec}' has a codec that takes fitted parameters: pass "
@@ -278,6 +377,7 @@ def init_cache(
             stores[role] = _empty_store(
                 key, codec, role, range(start, stop), config, batch, num_kv_heads,
                 head_dim, max_len, dtype, fitted,
+                pool=(batch * per_row if num_pages is None else int(num_pages)),
             )
         stores["k"] = _with_key_transform(stores["k"], config, calibration,
                                           range(start, stop))
@@ -291,7 +391,55 @@ def init_cache(
         config=config,
         num_layers=num_layers,
         evicted=jnp.zeros((batch,), jnp.int32),
+        pages=None if not config.page_tokens else (
+            jnp.arange(batch * per_row, dtype=jnp.int32).reshape(batch, per_row)
+            if num_pages is None else jnp.full((batch, per_row), -1, jnp.int32)),
     )
+
+
+def row_pages(config: CacheConfig, max_len: int) -> int:
+    """Pages of ``config.page_tokens`` tokens that hold a row's coded tokens at most (0
+    for a contiguous config): its tokens past the sinks and the residual window."""
+    if not config.page_tokens:
+        return 0
+    coded = max(0, max_len - config.sink_tokens - config.residual_window)
+    return -(-coded // config.page_tokens)
+
+
+def with_pages(cache: KVCache, pages: jax.Array) -> KVCache:
+    """``cache`` with the block tables ``pages [B, row pages]`` (int32 pool pages, ``-1``
+    for none) of a paged cache."""
+    if cache.pages is None:
+        raise ValueError(f"cache spec '{cache.config.spec}' is not paged: it has no block "
+                         "tables")
+    pages = jnp.asarray(pages, jnp.int32)
+    if pages.shape != cache.pages.shape:
+        raise ValueError(f"block tables of shape {tuple(pages.shape)} for a cache whose "
+                         f"tables are {tuple(cache.pages.shape)}")
+    return dataclasses.replace(cache, pages=pages)
+
+
+@jax.jit
+def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array) -> KVCache:
+    """``cache`` with pool pages ``source [n]`` copied onto pages ``target [n]`` in every
+    layer and role (a copy-on-write of shared pages; a target past the pool is
+    skipped)."""
+    def copy(store: Store) -> Store:
+        codes = jax.tree.map(lambda a: a.at[:, target].set(a[:, source], mode="drop"),
+                             store.codes)
+        return dataclasses.replace(store, codes=codes)
+
+    return dataclasses.replace(cache, segments=tuple(
+        dataclasses.replace(seg, k=copy(seg.k), v=copy(seg.v)) for seg in cache.segments))
+
+
+def _with_tables(view: Segment, pages: jax.Array | None) -> Segment:
+    """A layer view whose paged stores carry the block tables ``pages`` (None: none, as
+    the segments' stacks hold them)."""
+    def put(store: Store) -> Store:
+        return dataclasses.replace(store, pages=pages if store.page_blocks else None)
+
+    return dataclasses.replace(view, k=put(view.k), v=put(view.v))
 
 
 def _layer_params(key, codec, role, layer, heads, head_dim, fitted):
@@ -310,7 +458,7 @@ def _layer_params(key, codec, role, layer, heads, head_dim, fitted):
 
 
 def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_len, dtype,
-                 fitted):
+                 fitted, pool):
     params = jax.tree.map(
         lambda *a: jnp.stack(a),
         *[_layer_params(key, codec, role, layer, heads, head_dim, fitted) for layer in layers],
@@ -319,6 +467,7 @@ def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_l
         codes=None, params=params, raw=None, sink=None, nonfinite=None, saturated=None,
         codec=codec,
         window=config.residual_window, sinks=config.sink_tokens, max_len=max_len,
+        page_blocks=config.page_tokens // codec.block_tokens,
     )
     n = len(layers)
     # the shapes of the codes come from encoding one dummy block
@@ -327,9 +476,10 @@ def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_l
         jax.tree.map(lambda a: a[0], params),
         jax.ShapeDtypeStruct((batch, heads, store.block, head_dim), jnp.float32),
     )
-    codes = jax.tree.map(
-        lambda s: jnp.zeros((n, batch, heads, store.slots, *s.shape[3:]), s.dtype), template
-    )
+    # contiguous: each row its slots; paged: a pool of pages of page_blocks slots
+    lead = (pool, heads, store.page_blocks) if store.page_blocks else (batch, heads,
+                                                                        store.slots)
+    codes = jax.tree.map(lambda s: jnp.zeros((n, *lead, *s.shape[3:]), s.dtype), template)
     return dataclasses.replace(
         store,
         codes=codes,
@@ -550,9 +700,14 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
         if store.codec.row_pool:
             codes = _append_pooled(store, leaving, old_n_comp // block, n_new_blocks, slot)
         else:
-            encoded = _encode_heads(store.codec, store.params, leaving)
-            codes = jax.tree.map(lambda buf, val: _rows_set(buf, slot, val, store.layer),
-                                 store.codes, encoded)
+            codes = store.write_blocks(slot, _encode_heads(store.codec, store.params,
+                                                           leaving))
+        if store.page_blocks:
+            # a block whose row has no page for it is lost: flagged, never written over
+            page, _ = store.slot_addresses(slot)
+            lost = jnp.any((slot < store.slots) & (page >= store.pool_pages), axis=1)
+            saturated = saturated | jnp.where(lost, DROPPED_NO_PAGE, 0).astype(
+                saturated.dtype)
         limits = store.codec.limits
         # every staged value is finite and within the raw dtype: a codec whose only limit
         # is an element bound at least that wide cannot be exceeded (bf16 codes of a bf16
@@ -720,10 +875,9 @@ def _window_blocks(store: Store, first: jax.Array, size: int):
     block, slots = store.block, store.slots
     span = min(slots, -(-size // block) + 1)
     lo = jnp.clip((first - store.sinks) // block, 0, slots - span)
-    held = store.layer_codes()
-    codes = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, span, axis=2), held)
+    codes = store.blocks(lo, span)
     if store.codec.row_pool:  # the blocks read their outliers from the whole pool
-        codes = {**codes, store.codec.row_pool: held[store.codec.row_pool]}
+        codes = {**codes, store.codec.row_pool: store.layer_codes()[store.codec.row_pool]}
     pos = first + jnp.arange(size, dtype=jnp.int32)
     return codes, jnp.clip(pos - store.sinks - lo * block, 0, span * block - 1)
 
@@ -819,7 +973,7 @@ def dense(store: Store, lengths: jax.Array, dtype=jnp.float32, restore_keys: boo
 def check(cache: KVCache) -> None:
     """Raise ``ValueError`` if any row's flag is set (eager only): one line that names
     the rows and the cause of each flag (overflow, bad valid counts, NaN/Inf, values
-    saturated to fit the storage)."""
+    saturated to fit the storage, paged tokens without a page)."""
 
     def rows(mask) -> list[int]:
         return np.nonzero(mask)[0].tolist()
@@ -834,11 +988,13 @@ def check(cache: KVCache) -> None:
         problems.append(f"bad valid counts: rows {rows(bad_valid)} were given a valid "
                         "count below 0 or above their chunk's length; it was clamped")
     nonfinite = np.zeros(cache.batch, bool)
+    unpaged = np.zeros(cache.batch, bool)
     saturated: dict[str, np.ndarray] = {}
     for seg in cache.segments:
         for store in (seg.k, seg.v):
             nonfinite |= np.asarray(store.nonfinite).any(axis=0)
             flags = np.bitwise_or.reduce(np.asarray(store.saturated), axis=0)
+            unpaged |= (flags & DROPPED_NO_PAGE) != 0
             for bit, what in ((SATURATED_RAW, f"{store.raw.dtype} raw tokens"),
                               (SATURATED_CODEC, store.codec.spec)):
                 hit = (flags & bit) != 0
@@ -850,6 +1006,9 @@ def check(cache: KVCache) -> None:
     for what, hit in saturated.items():
         problems.append(f"out-of-range K/V: values beyond what {what} can store were "
                         f"saturated in rows {rows(hit)}")
+    if unpaged.any():
+        problems.append(f"no page: rows {rows(unpaged)} were given tokens past the pages "
+                        "of their block tables; those tokens' codes were dropped")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -889,7 +1048,7 @@ def scan_layers(
         def step(state, inputs):
             c, stack = state
             x_i, i = inputs
-            c, view = body(c, x_i, _layer_view(stack, i))
+            c, view = body(c, x_i, _layer_view(stack, i, cache.pages))
             return (c, _write_back(stack, view, i)), None
 
         layers = jnp.arange(seg.stop - seg.start, dtype=jnp.int32)
@@ -904,7 +1063,7 @@ def _unrolled_layers(body, carry, cache: KVCache, xs) -> tuple[Any, KVCache]:
         views = []
         for j in range(seg.stop - seg.start):
             index = jnp.int32(j)
-            carry, view = body(carry, xs[seg.start + j], _layer_view(seg, index))
+            carry, view = body(carry, xs[seg.start + j], _layer_view(seg, index, cache.pages))
             seg = _write_back(seg, view, index,
                               tuple(name for name in _SMALL if name not in _FLAGS))
             views.append(view)
@@ -930,14 +1089,14 @@ def _stack_flags(seg: Segment, views: list[Segment]) -> Segment:
     return dataclasses.replace(seg, k=stacked("k"), v=stacked("v"))
 
 
-def _layer_view(seg: Segment, i: jax.Array) -> Segment:
+def _layer_view(seg: Segment, i: jax.Array, pages: jax.Array | None) -> Segment:
     def view(store: Store) -> Store:
         small = {name: jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False),
             getattr(store, name)) for name in _SMALL}
         return dataclasses.replace(store, layer=i, **small)
 
-    return dataclasses.replace(seg, k=view(seg.k), v=view(seg.v))
+    return _with_tables(dataclasses.replace(seg, k=view(seg.k), v=view(seg.v)), pages)
 
 
 def _write_back(seg: Segment, view: Segment, i: jax.Array,
@@ -954,16 +1113,34 @@ def _write_back(seg: Segment, view: Segment, i: jax.Array,
 # -- accounting --------------------------------------------------------------------------
 
 
+def row_codes(store: Store, pages: jax.Array | None) -> Any:
+    """A segment's stacked codes by row, leaves ``[L, B, K, slots, ...]``: the codes
+    themselves, or for a paged store (block tables ``pages``) gathered from its pool."""
+    if not store.page_blocks:
+        return store.codes
+
+    def one_layer(codes):
+        view = dataclasses.replace(store, codes=codes, layer=None, pages=pages)
+        return view.blocks(jnp.int32(0), store.slots)
+
+    return jax.vmap(one_layer)(store.codes)
+
+
 def fallback_blocks(cache: KVCache) -> int:
     """Blocks stored below their codec's nominal precision because a variable-length code
     did not fit its fixed budget (codecs with ``fallback_levels``, e.g. HyperQuant's Rice
-    streams); 0 for every fixed-rate codec. Empty slots hold zeros (level 0)."""
+    streams); 0 for every fixed-rate codec. Only occupied block slots count (a row's
+    first ``n_comp // block``): a paged pool's other pages may hold another row's old
+    codes."""
     total = 0
     for seg in cache.segments:
         for store in (seg.k, seg.v):
             levels = getattr(store.codec, "fallback_levels", None)
             if levels is not None and store.slots:
-                total += int(jnp.sum(levels(store.codes) > 0))
+                n_comp = store.counts(cache.lengths)[1]
+                occupied = jnp.arange(store.slots)[None, :] < (n_comp // store.block)[:, None]
+                below = levels(row_codes(store, cache.pages)) > 0  # [L, B, K, slots]
+                total += int(jnp.sum(below & occupied[None, :, None, :]))
     return total
 
 
@@ -994,7 +1171,8 @@ def outlier_overflow(cache: KVCache) -> dict[str, int]:
             # [B, slots], against the codes' [L, B, K, slots]
             occupied = np.arange(store.slots)[None, :] < (n_comp // store.block)[:, None]
             occupied = occupied[None, :, None, :]
-            stored, overflow = (np.asarray(a, np.int64) for a in per_block(store.codes))
+            stored, overflow = (np.asarray(a, np.int64)
+                                for a in per_block(row_codes(store, cache.pages)))
             found = {"outliers": int(np.sum(stored * occupied)),
                      "overflow": int(np.sum(overflow * occupied)),
                      "chunks": int(n_comp.sum()) * n_layers * heads
@@ -1038,7 +1216,10 @@ def stored_bits(cache: KVCache) -> dict[str, float]:
             n_sink, n_comp, n_raw = (np.asarray(a, np.int64) for a in store.counts(lengths))
             per_row_bits = 0.0
             if store.slots:
-                block_bytes = codes_nbytes(store.codes) / (n_layers * batch * heads * store.slots)
+                # a contiguous store holds each row's slots, a paged one its pool's
+                block_slots = (store.pool_pages * store.page_blocks if store.page_blocks
+                               else batch * store.slots)
+                block_bytes = codes_nbytes(store.codes) / (n_layers * heads * block_slots)
                 per_row_bits = 8 * block_bytes * (n_comp // store.block)
             token_bytes = store.raw.dtype.itemsize * head_dim
             per_row_bits = per_row_bits + 8 * token_bytes * (n_raw + n_sink)

@@ -25,6 +25,7 @@ A whole cache (:func:`parse_cache`, :class:`CacheConfig`): clauses separated by 
     int:4 center=calib smooth=calib        centered and channel-smoothed from calibration
     int:4 evict=snapkv:25%                 a quarter of each prompt kept, as int:4 codes
     saw:c256 fit=runs/fit-c256             codec parameters fitted on calibration text
+    int:4 page=256                         codes in a pool of 256-token pages (paged)
 
 A first clause without ``=`` is the codec of K, whose value codec (KIVI: the per-token
 variant) serves V unless ``v=`` is given. Layer rules apply in order (a later rule wins
@@ -32,6 +33,9 @@ where two name the same layer) and take ``k``, ``v`` or ``kv``. ``center=`` and
 ``smooth=`` (``first`` or ``calib``) transform the keys every layer stores, exactly for
 attention (:mod:`kvjax.centering`). ``fit=DIR`` names the fitted parameters
 (:mod:`kvjax.calibration`) of the codecs that take them (``saw:c256``, ``saw:hess``).
+``page=N`` stores the coded tokens in a pool of pages of ``N`` tokens that rows address
+through block tables (:mod:`kvjax.paging`); ``N`` must be a multiple of every codec's
+block.
 ``CacheConfig.spec`` is canonical:
 ``parse_cache(config.spec) == config``.
 """
@@ -93,7 +97,7 @@ def parse_codec(spec: str | Codec) -> Codec:
 CACHE_CLAUSES = ("CODEC", "k=CODEC", "v=CODEC", "window=N", "sinks=N",
                  "layers[SEL]:k|v|kv=CODEC", "attn=IMPL[,IMPL...]", "center=first|calib",
                  "smooth=first|calib", "evict=all|streaming|h2o|snapkv:BUDGET[,OPT...]",
-                 "fit=DIR")
+                 "fit=DIR", "page=N")
 #: a layer selection: indices and Python slices, e.g. ``0,-1`` or ``4:12`` or ``::2``
 _LAYER_RULE = re.compile(r"layers\[([^\]]*)\]:(k|v|kv)=(.+)", re.S)
 _DEFAULT_ATTENTION = ("auto",)
@@ -177,6 +181,8 @@ class CacheConfig:
             (:mod:`kvjax.eviction`).
         fit: ``""``, or the directory of the fitted codec parameters
             (:func:`kvjax.calibration.save_fitted`) of codecs that need them.
+        page_tokens: 0 (each row's codes contiguous), or the tokens of a page of the
+            paged pool that every row's coded tokens live in (:mod:`kvjax.paging`).
     """
 
     k: Codec | str
@@ -189,12 +195,13 @@ class CacheConfig:
     smooth: str = ""
     evict: Eviction | None = None
     fit: str = ""
+    page_tokens: int = 0
 
     def __post_init__(self):
         k = parse_codec(self.k)
         object.__setattr__(self, "k", k)
         object.__setattr__(self, "v", k.value_codec() if self.v is None else parse_codec(self.v))
-        for name in ("residual_window", "sink_tokens"):
+        for name in ("residual_window", "sink_tokens", "page_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
                 raise CacheSpecError(f"{name} must be a non-negative int, got {value!r}")
@@ -260,6 +267,8 @@ class CacheConfig:
             clauses.append(f"evict={self.evict.spec}")
         if self.fit:
             clauses.append(f"fit={self.fit}")
+        if self.page_tokens:
+            clauses.append(f"page={self.page_tokens}")
         return " ".join(clauses)
 
     def layer_codecs(self, num_layers: int) -> list[tuple[Codec, Codec]]:
@@ -337,6 +346,11 @@ def parse_cache(spec: str | CacheConfig, **defaults: Any) -> CacheConfig:
                 put("residual_window", _non_negative(clause, value), clause)
             elif key == "sinks":
                 put("sink_tokens", _non_negative(clause, value), clause)
+            elif key == "page":
+                tokens = _non_negative(clause, value)
+                if tokens < 1:
+                    raise CacheSpecError(f"'{clause}': a page holds at least one token")
+                put("page_tokens", tokens, clause)
             elif key == "attn":
                 put("attention", tuple(value.split(",")), clause)
             elif key in ("center", "smooth"):

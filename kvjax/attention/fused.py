@@ -121,9 +121,12 @@ def role_formats(k_codec: Codec, v_codec: Codec, kind: type[KernelFormat], missi
 
 def decode_reason(call: Call) -> str | None:
     """Why a fused kernel over codes cannot serve ``call`` whatever its codecs (None: it
-    may): a decode, or a chunk of several tokens, without a sliding window."""
+    may): a decode, or a chunk of several tokens, without a sliding window, over a
+    contiguous cache."""
     if call.sliding_window is not None:
         return "it has no sliding window"
+    if call.layer.k.page_blocks or call.layer.v.page_blocks:
+        return "it reads contiguous caches, not pages"
     return None
 
 

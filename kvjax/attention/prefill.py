@@ -30,6 +30,8 @@ def _in_place(layer: Segment, head_dim: int):
     for role, store in (("K", layer.k), ("V", layer.v)):
         if store.sinks or store.raw_capacity:
             return f"{role} keeps tokens in sinks or a raw window beside its codes"
+        if store.page_blocks:
+            return f"{role} is paged: its tokens are not at their positions"
     return dense_reads(layer.k.codec, layer.v.codec, head_dim, unsupported=api.unsupported)
 
 

@@ -1,0 +1,145 @@
+"""A paged cache (``page=N``) holds and reads what a contiguous one does, whichever pool
+pages its block tables name; pages it lacks are flagged, never written over."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import cache as kc
+from kvjax.attention import attend
+from kvjax.attention.dispatch import NoImplementationError
+from kvjax.spec import CacheSpecError, parse_cache
+
+BATCH, HEADS, HEAD_DIM, LAYERS, MAX_LEN = 2, 2, 32, 2, 100
+#: (tokens, valid per row) of each append: two ragged chunks, then two decode steps
+APPENDS = [(40, [40, 23]), (40, [30, 40]), (1, [1, 1]), (1, [1, 0])]
+
+
+def _new(spec, num_pages=None):
+    return kc.init_cache(jax.random.key(1), parse_cache(spec), num_layers=LAYERS,
+                         batch=BATCH, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                         max_len=MAX_LEN, num_pages=num_pages)
+
+
+def _run(cache):
+    """Every append of :data:`APPENDS` through both layers; the attention outputs of
+    each (reference and the "auto" list: XLA's windows for chunks), and the cache."""
+    outs = []
+    key = jax.random.key(0)
+    for n, (tokens, valid) in enumerate(APPENDS):
+        k, v, q = (jax.random.normal(jax.random.fold_in(key, 3 * n + i), shape)
+                   for i, shape in enumerate([(BATCH, tokens, HEADS, HEAD_DIM)] * 2
+                                             + [(BATCH, tokens, 2 * HEADS, HEAD_DIM)]))
+        step = kc.make_step(cache, tokens, jnp.asarray(valid))
+
+        def body(carry, _, view, k=k, v=v, q=q, step=step):
+            view = kc.append(view, k, v, step)
+            return carry + [attend(q, view, step, impl=name)
+                            for name in ("reference", "auto")], view
+
+        got, cache = kc.scan_layers(body, [], cache, [None] * LAYERS)
+        cache = kc.commit(cache, step)
+        outs += got
+    return outs, cache
+
+
+def _scrambled(cache):
+    """Tables naming pages in no order, with spare pages between (a pool of 9)."""
+    tables = np.full(cache.pages.shape, -1, np.int32)
+    pages = cache.pages.shape[1]
+    tables[0] = [7, 1, 3, 5][:pages]
+    tables[1] = [0, 2, 8, 6][:pages]
+    return kc.with_pages(cache, tables)
+
+
+@pytest.mark.parametrize("spec", ["int:4 window=8", "kivi:2,g32 window=4 sinks=2",
+                                  "turboquant:b4", "octopus:b2,qjl window=2"])
+def test_paged_caches_attend_as_the_contiguous_one(spec):
+    want, contiguous = _run(_new(spec))
+    own, identity = _run(_new(spec + " page=32"))
+    scrambled_out, scrambled = _run(_scrambled(_new(spec + " page=32", num_pages=9)))
+    for a, b, c in zip(want, own, scrambled_out, strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+        np.testing.assert_allclose(c, a, atol=1e-5)
+    for cache in (identity, scrambled):
+        kc.check(cache)
+        for i in range(LAYERS):
+            for role in ("k", "v"):
+                np.testing.assert_array_equal(
+                    kc.dense(getattr(cache.layer(i), role), cache.lengths),
+                    kc.dense(getattr(contiguous.layer(i), role), contiguous.lengths))
+    assert kc.stored_bits(identity) == kc.stored_bits(contiguous)
+    assert kc.stored_bits(scrambled) == kc.stored_bits(contiguous)
+
+
+def test_default_tables_give_each_row_its_own_pages_in_order():
+    cache = _new("int:4 window=4 sinks=4 page=16")
+    assert kc.row_pages(cache.config, MAX_LEN) == 6  # ceil((100 - 4 - 4) / 16)
+    np.testing.assert_array_equal(cache.pages, np.arange(12).reshape(2, 6))
+    # int:4 blocks are one token: a page holds 16 block slots, the pool 12 pages
+    assert jax.tree.leaves(cache.segments[0].k.codes)[0].shape[:4] == (LAYERS, 12, HEADS, 16)
+    empty = _new("int:4 page=16", num_pages=5)
+    assert (np.asarray(empty.pages) == -1).all()
+
+
+def test_a_row_without_a_page_is_flagged_and_writes_no_other_page():
+    cache = _new("int:4 page=32", num_pages=5)
+    cache = kc.with_pages(cache, [[0, 1, 3, -1], [2, -1, -1, -1]])
+    before = np.asarray(jax.tree.leaves(cache.segments[0].k.codes)[0][:, 4])
+    _, cache = _run(cache)
+    # row 1 holds 71 tokens on one page of 32: its blocks past it went nowhere
+    with pytest.raises(ValueError, match=r"no page: rows \[1\] were given tokens past "
+                                         r"the pages of their block tables"):
+        kc.check(cache)
+    np.testing.assert_array_equal(jax.tree.leaves(cache.segments[0].k.codes)[0][:, 4],
+                                  before)  # the free page is untouched
+    flags = np.asarray(cache.segments[0].k.saturated)
+    assert (flags & kc.DROPPED_NO_PAGE).any(axis=0).tolist() == [False, True]
+
+
+def test_copied_pages_read_back_as_the_source():
+    _, cache = _run(_new("int:4 window=8 page=32", num_pages=8))
+    source_table = np.asarray(cache.pages)
+    copied = kc.copy_pages(cache, jnp.asarray(source_table[0, :2]), jnp.asarray([6, 7]))
+    # row 0 reading from the copies: its tokens come back the same
+    moved = kc.with_pages(copied, np.where(np.arange(BATCH)[:, None] == 0,
+                                           [[6, 7, *source_table[0, 2:]]], source_table))
+    for role in ("k", "v"):
+        np.testing.assert_array_equal(kc.dense(getattr(moved.layer(1), role), moved.lengths),
+                                      kc.dense(getattr(cache.layer(1), role), cache.lengths))
+
+
+def test_the_fused_kernels_refuse_pages_and_auto_falls_back():
+    cache = _new("int:4 page=32")
+    step = kc.make_step(cache, 1, jnp.asarray([1, 1]))
+    view = kc.append(cache.layer(0), *(jnp.ones((BATCH, 1, HEADS, HEAD_DIM)),) * 2, step)
+    q = jnp.ones((BATCH, 1, 2 * HEADS, HEAD_DIM))
+    with pytest.raises(NoImplementationError, match="reads contiguous caches, not pages"):
+        attend(q, view, step, impl="int_decode")
+    attend(q, view, step, impl="auto")
+
+
+def test_page_spec_and_bad_paging_are_clear():
+    config = parse_cache("int:4 window=8 page=64")
+    assert config.page_tokens == 64 and config.spec == "int:4 window=8 page=64"
+    assert parse_cache(config.spec) == config
+    with pytest.raises(CacheSpecError, match="a page holds at least one token"):
+        parse_cache("int:4 page=0")
+    with pytest.raises(CacheSpecError, match="page_tokens must be a non-negative int"):
+        parse_cache("int:4").__class__(k="int:4", page_tokens=-1)
+    with pytest.raises(ValueError, match="page=48 is not a multiple of kivi:2,g32's block "
+                                         "of 32 tokens"):
+        _new("kivi:2,g32 page=48")
+    with pytest.raises(ValueError, match="keeps one outlier pool per row"):
+        _new("hqmq:s7,r3,med2,mb4,mpool page=16")
+    with pytest.raises(ValueError, match="not paged"):
+        _new("int:4", num_pages=4)
+    with pytest.raises(ValueError, match="num_pages must be a positive int"):
+        _new("int:4 page=16", num_pages=0)
+    cache = _new("int:4 page=16")
+    with pytest.raises(ValueError, match=r"block tables of shape \(2, 3\) for a cache whose "
+                                         r"tables are \(2, 7\)"):
+        kc.with_pages(cache, np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match="is not paged"):
+        kc.with_pages(_new("int:4"), np.zeros((2, 3), np.int32))
