@@ -34,7 +34,8 @@ codec's :attr:`~kvjax.codec.Codec.limits` (see :meth:`~kvjax.codec.Codec.saturat
 generation and evaluation call it.
 
 Pages. With a spec's ``page=N`` clause the compressed blocks of every row live in one
-pool of pages of ``N`` tokens per layer and role (codes ``[L, P, K, N / block, ...]``),
+pool of pages of ``N`` tokens per layer and role (codes ``[L, 1, K, P * N / block,
+...]``: one row of every page's blocks, which a kernel reads as it reads a row),
 and each row's block table (:attr:`KVCache.pages`, shared by all layers and roles) names
 the pool page of each of its logical pages: rows of different lengths hold only the
 pages they use, rows may share the pages of a common prefix, and a row joins or leaves
@@ -104,11 +105,13 @@ class Store:
     D]``: the stored keys are ``(k - shift) / scale`` (module docstring); ``scale`` is
     None without smoothing, ``shift`` None without centering.
     page_blocks: 0 (contiguous), or in a paged cache the codec blocks of a page: the
-    codes are then a pool of pages, leaves ``[L, P, K, page_blocks, ...]`` for ``P``
-    pages, shared by every row (module docstring, *Pages*).
+    codes are then a pool of pages shared by every row, stored as one row of all pages'
+    slots in page order, leaves ``[L, 1, K, P * page_blocks, ...]`` for ``P`` pages
+    (module docstring, *Pages*).
     pages: ``None``, or in a layer view of a paged cache its rows' block tables ``[B,
     row pages]`` (:attr:`KVCache.pages`): row ``b``'s block slot ``s`` lives in pool page
-    ``pages[b, s // page_blocks]`` at ``s % page_blocks``.
+    ``p = pages[b, s // page_blocks]``, at the pool's slot ``p * page_blocks + s %
+    page_blocks``.
     """
 
     codes: Any
@@ -146,12 +149,10 @@ class Store:
         if not self.page_blocks:
             return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, first, span, axis=2),
                                 self.layer_codes())
-        slot = first + jnp.arange(span, dtype=jnp.int32)[None, :]
-        page, within = self.slot_addresses(slot)
-        lead = () if self.layer is None else (self.layer,)
+        at = self.pool_slots(first + jnp.arange(span, dtype=jnp.int32)[None, :])
+        index = self._pool_index(at)
         # advanced indices split by a slice put their broadcast dims first: [B, n, K, ...]
-        return jax.tree.map(lambda a: jnp.swapaxes(a[(*lead, page, slice(None), within)], 1, 2),
-                            self.codes)
+        return jax.tree.map(lambda a: jnp.swapaxes(a[index], 1, 2), self.codes)
 
     def write_blocks(self, slot: jax.Array, values: Any) -> Any:
         """The codes after writing ``values`` (leaves ``[B, K, n, ...]``) to each row's
@@ -160,12 +161,16 @@ class Store:
         if not self.page_blocks:
             return jax.tree.map(lambda buf, val: _rows_set(buf, slot, val, self.layer),
                                 self.codes, values)
-        page, within = self.slot_addresses(slot)
-        lead = () if self.layer is None else (self.layer,)
+        index = self._pool_index(self.pool_slots(slot))
         return jax.tree.map(
-            lambda buf, val: buf.at[(*lead, page, slice(None), within)].set(
-                jnp.swapaxes(val, 1, 2).astype(buf.dtype), mode="drop"),
+            lambda buf, val: buf.at[index].set(jnp.swapaxes(val, 1, 2).astype(buf.dtype),
+                                               mode="drop"),
             self.codes, values)
+
+    def _pool_index(self, at: jax.Array) -> tuple:
+        """The index of pool slots ``at [B, n]`` into a paged store's codes leaves."""
+        lead = () if self.layer is None else (self.layer,)
+        return (*lead, jnp.zeros_like(at), slice(None), at)
 
     @property
     def pool_pages(self) -> int:
@@ -174,19 +179,19 @@ class Store:
             return 0
         # codes lead with the layers in a segment's stack and in a scan's layer view
         stacked = self.raw.ndim == 5 or self.layer is not None
-        return jax.tree.leaves(self.codes)[0].shape[1 if stacked else 0]
+        return jax.tree.leaves(self.codes)[0].shape[3 if stacked else 2] // self.page_blocks
 
-    def slot_addresses(self, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(pool page, block within the page)``, each ``[B, n]``, of each row's block
-        slots ``slot [B or 1, n]`` in a paged store; a slot out of ``0 .. slots - 1``
-        or on a page its row has none of (table entry < 0) gets page :attr:`pool_pages`,
-        past the pool: writes there are dropped, reads clipped."""
-        table = self.pages
+    def pool_slots(self, slot: jax.Array) -> jax.Array:
+        """The pool slots ``[B, n]`` of each row's block slots ``slot [B or 1, n]`` in a
+        paged store; a slot out of ``0 .. slots - 1`` or on a page its row has none of
+        (table entry < 0) gets the slot past the pool: writes there are dropped, reads
+        clipped."""
+        table, per = self.pages, self.page_blocks
         slot = jnp.broadcast_to(slot, (table.shape[0], slot.shape[-1]))
-        logical = jnp.clip(slot // self.page_blocks, 0, table.shape[1] - 1)
-        page = jnp.take_along_axis(table, logical, axis=1)
+        page = jnp.take_along_axis(table, jnp.clip(slot // per, 0, table.shape[1] - 1),
+                                   axis=1)
         missing = (slot < 0) | (slot >= self.slots) | (page < 0)
-        return jnp.where(missing, self.pool_pages, page), slot % self.page_blocks
+        return jnp.where(missing, self.pool_pages * per, page * per + slot % per)
 
     @property
     def block(self) -> int:
@@ -425,7 +430,12 @@ def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array) -> KVCache:
     layer and role (a copy-on-write of shared pages; a target past the pool is
     skipped)."""
     def copy(store: Store) -> Store:
-        codes = jax.tree.map(lambda a: a.at[:, target].set(a[:, source], mode="drop"),
+        per = jnp.arange(store.page_blocks, dtype=jnp.int32)[None, :]
+        into = (target[:, None] * store.page_blocks + per).ravel()
+        into = jnp.where(jnp.repeat(target, store.page_blocks) < store.pool_pages, into,
+                         store.pool_pages * store.page_blocks)
+        src = (source[:, None] * store.page_blocks + per).ravel()
+        codes = jax.tree.map(lambda a: a.at[:, :, :, into].set(a[:, :, :, src], mode="drop"),
                              store.codes)
         return dataclasses.replace(store, codes=codes)
 
@@ -476,9 +486,9 @@ def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_l
         jax.tree.map(lambda a: a[0], params),
         jax.ShapeDtypeStruct((batch, heads, store.block, head_dim), jnp.float32),
     )
-    # contiguous: each row its slots; paged: a pool of pages of page_blocks slots
-    lead = (pool, heads, store.page_blocks) if store.page_blocks else (batch, heads,
-                                                                        store.slots)
+    # contiguous: each row its slots; paged: one row of every page's slots
+    lead = ((1, heads, pool * store.page_blocks) if store.page_blocks
+            else (batch, heads, store.slots))
     codes = jax.tree.map(lambda s: jnp.zeros((n, *lead, *s.shape[3:]), s.dtype), template)
     return dataclasses.replace(
         store,
@@ -704,8 +714,9 @@ def _append_store(store: Store, x: jax.Array, step: Step) -> Store:
                                                            leaving))
         if store.page_blocks:
             # a block whose row has no page for it is lost: flagged, never written over
-            page, _ = store.slot_addresses(slot)
-            lost = jnp.any((slot < store.slots) & (page >= store.pool_pages), axis=1)
+            at = store.pool_slots(slot)
+            lost = jnp.any((slot < store.slots)
+                           & (at >= store.pool_pages * store.page_blocks), axis=1)
             saturated = saturated | jnp.where(lost, DROPPED_NO_PAGE, 0).astype(
                 saturated.dtype)
         limits = store.codec.limits

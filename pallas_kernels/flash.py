@@ -10,8 +10,11 @@ online softmax (:func:`split_softmax`) and writes a partial ``(o, m, l)``
 (the entries' ``lengths [B]``, or ``[B, G]`` per row: a causal chunk's rows see the
 tokens before them), so one loop serves decodes and chunks alike, reading the codes in
 place tile by tile: nothing is ever decoded to memory. The token addresses a program
-loads are computed from the slice and block (:func:`_loader`), the one place a block
-table would enter. What differs between
+loads are computed in one place (:func:`split_softmax`'s tile start, read by
+:func:`_loader`): a row's own slots in a contiguous cache, or through the row's block
+table in a paged one (``page_tokens``: the refs are then the pool, one row of every
+page's tokens, :func:`stacked_spec` with ``shared``; the table rides in the layer
+input, :func:`leading_inputs`). What differs between
 kernels is only how a block's codes become logits and how the probabilities meet its
 values: the two callbacks of :func:`split_softmax`. No value is ever sliced, gathered or
 concatenated inside a kernel (the Triton lowering supports none of these): operands are
@@ -174,6 +177,62 @@ def visible_slots(lengths: jax.Array, slots: int) -> jax.Array:
     return jnp.arange(slots)[(None,) * lengths.ndim] < lengths[..., None]
 
 
+def check_pages(pages: jax.Array | None, page_tokens: int, batch: int, pool_tokens: int
+                ) -> int:
+    """The rows' token capacity of an entry's arrays: ``pool_tokens`` (each row's slots)
+    without ``pages``, else ``pages [B, P]`` (int32 block tables into a pool of
+    ``pool_tokens`` tokens in pages of ``page_tokens``) give ``P * page_tokens``.
+    ``ValueError`` for malformed tables or a pool that is not whole pages."""
+    if pages is None:
+        if page_tokens:
+            raise ValueError(f"page_tokens={page_tokens} without block tables (pages=)")
+        return pool_tokens
+    if (pages.ndim != 2 or pages.shape[0] != batch
+            or not jnp.issubdtype(pages.dtype, jnp.integer)):
+        raise ValueError(f"pages must be integer block tables [B, P] with B = {batch}, got "
+                         f"{pages.shape} {pages.dtype.name}")
+    if page_tokens < 1 or pool_tokens % page_tokens:
+        raise ValueError(f"a pool of {pool_tokens} tokens is not whole pages of "
+                         f"page_tokens={page_tokens}")
+    return pages.shape[1] * page_tokens
+
+
+def page_block(block_s: int, page_tokens: int) -> int:
+    """The tile of a kernel reading pages of ``page_tokens``: its ``block_s`` halved
+    until it divides a page (no tile straddles two pages); ``NotImplementedError``
+    below :data:`MIN_DOT`."""
+    if not page_tokens:
+        return block_s
+    while page_tokens % block_s and block_s > MIN_DOT:
+        block_s //= 2
+    if page_tokens % block_s:
+        raise NotImplementedError(f"pages of {page_tokens} tokens: the kernel reads tiles "
+                                  f"of a power of two >= {MIN_DOT} tokens that divides a "
+                                  "page")
+    return block_s
+
+
+def paged_rows(arrays, pages: jax.Array | None, page_tokens: int, pool_tokens: int):
+    """Each row's tokens of paged pool arrays, as a contiguous cache holds them: arrays
+    ``[1, K, E, ...]`` of one layer (``E`` entries for ``pool_tokens`` tokens, one per
+    token or one per group of tokens) become ``[B, K, P * page entries, ...]`` gathered
+    through the block tables ``pages [B, P]`` (entries of a missing page read as the
+    pool's first). Without ``pages`` the arrays pass through: what a reference reads."""
+    if pages is None:
+        return list(arrays)
+    pages = jnp.maximum(pages.astype(jnp.int32), 0)
+    out = []
+    for a in arrays:
+        if a is None:
+            out.append(None)
+            continue
+        per = a.shape[2] * page_tokens // pool_tokens  # entries of one page
+        index = (pages[:, :, None] * per + jnp.arange(per)[None, None, :]).reshape(
+            pages.shape[0], -1)
+        out.append(jnp.moveaxis(a[0][:, index], 1, 0))
+    return out
+
+
 def check_lengths(lengths: jax.Array, batch: int, group: int) -> None:
     """``ValueError`` unless ``lengths`` are integers ``[B]`` (tokens every query row of
     a batch row sees) or ``[B, G]`` (tokens each query row sees)."""
@@ -292,6 +351,7 @@ def split_softmax(
     scores: Callable[[Load], jax.Array],
     accumulate: Callable[[Any, jax.Array, jax.Array, Load], Any],
     init: Any,
+    page_tokens: int = 0,
 ) -> tuple[Any, jax.Array, jax.Array]:
     """The online softmax of one program over its slice of the coded tokens.
 
@@ -308,6 +368,10 @@ def split_softmax(
     every row sees whole run without masks; the blocks some rows see only in part (the
     causal diagonal, the row's last partial block) with them, and load nothing past the
     last token any row sees.
+
+    ``page_tokens``: 0 for refs holding each row's tokens at their positions; else the
+    refs are a paged pool and ``layer_ref[1 + i]`` the pool page of the row's ``i``-th
+    page of ``page_tokens`` tokens (a multiple of ``block_s``: no tile straddles pages).
     """
     limits = n_ref[...]
     layer = layer_ref[0]
@@ -326,7 +390,11 @@ def split_softmax(
             ok = tokens < stop
             # the slice's tokens that each row sees (none past the slice: the next one's)
             seen = ok[None, :] & (tokens[None, :] < limits[:, None])
-        load = _loader(layer, pl.ds(t0, block_s), ok)
+        first = t0
+        if page_tokens:
+            page = jnp.maximum(layer_ref[1 + t0 // page_tokens], 0)
+            first = page * page_tokens + t0 % page_tokens
+        load = _loader(layer, pl.ds(first, block_s), ok)
         p, correction, m_next, l_next = softmax_step(scores(load), m_prev, l_prev, seen)
         return accumulate(acc, p, correction, load), m_next, l_next
 
@@ -345,31 +413,47 @@ def split_len(slots: int, splits: int, block_s: int) -> int:
     return pl.cdiv(pl.cdiv(slots, splits), block_s) * block_s
 
 
-def stacked_spec(layers: int, slots: int, *trailing: int, heads: int | None = None
-                 ) -> pl.BlockSpec:
+def stacked_spec(layers: int, slots: int, *trailing: int, heads: int | None = None,
+                 shared: bool = False) -> pl.BlockSpec:
     """The block of one (row, kv head) of a ``[L, B, K, S, *trailing]`` stack: every
     layer and token of it (the kernel indexes the layer and the tokens itself).
     ``heads``: the block of ``heads`` consecutive kv heads (program ``h`` of the grid's
     head axis reads heads ``h * heads ..``), with the head axis kept (``[L, heads, S,
-    ...]``)."""
+    ...]``). ``shared``: the stack is a paged pool ``[L, 1, K, S, ...]`` that every row
+    reads (through its block table)."""
     zeros = (0,) * len(trailing)
+    if shared:
+        return pl.BlockSpec((layers, None, None if heads is None else heads, slots,
+                             *trailing), lambda b, h, j: (0, 0, h, 0, *zeros))
     return pl.BlockSpec((layers, None, None if heads is None else heads, slots, *trailing),
                         lambda b, h, j: (0, b, h, 0, *zeros))
 
 
-def leading_inputs(n_comp: jax.Array, layer, q: jax.Array, splits: int):
+def leading_inputs(n_comp: jax.Array, layer, q: jax.Array, splits: int,
+                   pages: jax.Array | None = None):
     """``(args, in_specs)`` of every decode kernel's first three inputs: the token counts
     of each query row ``[B, R]`` (from ``n_comp [B]`` or per row ``[B, G]``:
     :func:`row_limits`), the layer index ``[1]`` and the query rows ``[B, K, R, D]``
     (float32), or ``[B, K / H, H, R, D]`` for programs that serve ``H`` kv heads
     (:func:`group_heads`). A program reads one block of :func:`row_block` rows: block
-    ``j // splits`` of the grid's third axis (:func:`row_spec`)."""
+    ``j // splits`` of the grid's third axis (:func:`row_spec`). With a paged pool's
+    block tables ``pages [B, P]`` the layer input is each row's ``[layer, *pages]``
+    (padded to a power of two), which :func:`split_softmax` reads its pages from."""
     rows = q.shape[-2]
-    args = [row_limits(n_comp, rows), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
-            q.astype(jnp.float32)]
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    if pages is None:
+        layer_spec = pl.BlockSpec((1,), lambda b, h, j: (0,))
+    else:
+        batch, count = pages.shape
+        width = pl.next_power_of_2(count + 1)
+        layer = jnp.concatenate([jnp.broadcast_to(layer, (batch, 1)),
+                                 pages.astype(jnp.int32),
+                                 jnp.zeros((batch, width - count - 1), jnp.int32)], axis=1)
+        layer_spec = pl.BlockSpec((None, width), lambda b, h, j: (b, 0))
+    args = [row_limits(n_comp, rows), layer, q.astype(jnp.float32)]
     block = row_block(rows)
     specs = [pl.BlockSpec((None, block), lambda b, h, j: (b, j // splits)),
-             pl.BlockSpec((1,), lambda b, h, j: (0,)),
+             layer_spec,
              row_spec(q.shape[2:], splits)]
     return args, specs
 

@@ -25,6 +25,8 @@ order; :func:`restore_columns` puts them back in dim order.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,16 +129,16 @@ def plane_width(head_dim: int, value_bits: int) -> int:
 
 
 def inputs(v_codes: jax.Array, v_scale: jax.Array, v_zero: jax.Array, layers: int,
-           slots: int) -> tuple[list[jax.Array], list]:
-    """The value arrays of a ``pallas_call`` (stacked ``[L, B, K, S, ...]``) and their
-    block specs, in the order :class:`Accumulator` takes their refs: the codes as 16-bit
-    and as 8-bit units (a split 3-bit code reads both), the scales, the zeros."""
+           slots: int, shared: bool = False) -> tuple[list[jax.Array], list]:
+    """The value arrays of a ``pallas_call`` (stacked ``[L, B, K, S, ...]``, or a paged
+    pool ``[L, 1, K, S, ...]`` with ``shared``) and their block specs, in the order
+    :class:`Accumulator` takes their refs: the codes as 16-bit and as 8-bit units (a
+    split 3-bit code reads both), the scales, the zeros."""
     halves, bytes_ = unit_view(v_codes, "halves"), unit_view(v_codes, "bytes")
     groups = v_scale.shape[-1]
+    spec = functools.partial(stacked_spec, layers, slots, shared=shared)
     return ([halves, bytes_, v_scale, v_zero],
-            [stacked_spec(layers, slots, halves.shape[-1]),
-             stacked_spec(layers, slots, bytes_.shape[-1]),
-             stacked_spec(layers, slots, groups), stacked_spec(layers, slots, groups)])
+            [spec(halves.shape[-1]), spec(bytes_.shape[-1]), spec(groups), spec(groups)])
 
 
 class Accumulator:

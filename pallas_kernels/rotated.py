@@ -66,12 +66,15 @@ from pallas_kernels.flash import (
     OPERAND,
     Load,
     check_lengths,
+    check_pages,
     check_stack,
     decode_call,
     dot_nt,
     layer_arrays,
     leading_inputs,
     pad_query_rows,
+    page_block,
+    paged_rows,
     row_spec,
     schedule,
     split_len,
@@ -86,7 +89,7 @@ from pallas_kernels.units import code_layout, sign_plane, unit_view
 QJL_CONSTANT = math.sqrt(math.pi / 2)
 #: the static arguments every entry takes after its keys' options
 STATIC_ARGNAMES = ("value_bits", "value_group", "sm_scale", "block_s", "splits",
-                   "num_warps", "num_stages", "interpret")
+                   "num_warps", "num_stages", "interpret", "page_tokens")
 #: how the checks name the units of a key code dtype
 _UNITS = {jnp.dtype(jnp.uint32): ("words", "uint32 packed words"),
           jnp.dtype(jnp.uint8): ("bytes", "uint8 bytes")}
@@ -143,17 +146,18 @@ def check_magnitudes(magnitudes: tuple[float, ...], bits: int, codes: str) -> No
 
 
 def check_arrays(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths,
-                 layer, k_signs, k_qjl, k_residual_norm, qjl_sketch, *, value_bits: int,
-                 value_group: int) -> None:
+                 layer, k_signs, k_qjl, k_residual_norm, qjl_sketch, pages=None, *,
+                 value_bits: int, value_group: int, page_tokens: int = 0) -> int:
     """The checks every entry (and its reference) makes after those of its keys'
     options: ``ValueError`` unless the arrays have the shapes and dtypes of the module
-    docstring, ``k_codes`` with ``reader.size`` units of ``reader.dtype`` per token."""
+    docstring, ``k_codes`` with ``reader.size`` units of ``reader.dtype`` per token.
+    Returns the token capacity of a row (:func:`~pallas_kernels.flash.check_pages`)."""
     head_dim = head_dim_of(q)
     batch, heads = q.shape[:2]
     unit, described = _UNITS[jnp.dtype(reader.dtype)]
     tokens = k_codes.shape[:-1]
-    check_stack("k_codes", k_codes, batch, heads, layer, reader.size,
-                f"{reader.size} {unit}", axes="S, ...")
+    check_stack("k_codes", k_codes, 1 if pages is not None else batch, heads, layer,
+                reader.size, f"{reader.size} {unit}", axes="S, ...")
     if k_codes.dtype != reader.dtype:
         raise ValueError(f"k_codes must be {described}, got {k_codes.dtype}")
     group_values.check_arrays(v_codes, v_scale, v_zero, tokens, head_dim, value_bits,
@@ -174,6 +178,7 @@ def check_arrays(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero
             raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
     if k_qjl is not None and k_qjl.dtype != jnp.uint32:
         raise ValueError(f"k_qjl must be uint32 packed words, got {k_qjl.dtype}")
+    return check_pages(pages, page_tokens, batch, k_codes.shape[-2])
 
 
 # -- the entry -----------------------------------------------------------------------
@@ -202,25 +207,26 @@ def kernel_query(q: jax.Array, columns: np.ndarray) -> jax.Array:
 
 
 def decode(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer,
-           k_signs, k_qjl, k_residual_norm, qjl_sketch, *, value_bits: int, value_group: int,
-           sm_scale: float, block_s: int | None, splits: int | None, num_warps: int,
-           num_stages: int | None, interpret: bool | None
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+           k_signs, k_qjl, k_residual_norm, qjl_sketch, pages=None, *, value_bits: int,
+           value_group: int, sm_scale: float, block_s: int | None, splits: int | None,
+           num_warps: int, num_stages: int | None, interpret: bool | None,
+           page_tokens: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The pipeline of every entry, once its keys' options are checked and their
     ``reader`` made: the shared checks (:func:`check_arrays`), the query's rotation and
     sketch (once per call, by XLA), its column layout and row padding, the blocking, the
     ``pallas_call`` (:func:`codes_partial`) and the exact merge of the splits. Arguments
     and result as in the module docstring."""
-    check_arrays(reader, q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer,
-                 k_signs, k_qjl, k_residual_norm, qjl_sketch, value_bits=value_bits,
-                 value_group=value_group)
+    slots = check_arrays(reader, q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths,
+                         layer, k_signs, k_qjl, k_residual_norm, qjl_sketch, pages,
+                         value_bits=value_bits, value_group=value_group,
+                         page_tokens=page_tokens)
     batch, heads, group, head_dim = q.shape
-    slots = k_codes.shape[-2]
     if slots == 0:
         return empty_partial(q)
     block_s, num_stages, splits, interpret = schedule(
         batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
         num_warps=num_warps, interpret=interpret, group=q.shape[2])
+    block_s = page_block(block_s, page_tokens)
     q_rot, gq = query_sides(q, k_signs, qjl_sketch)
     width = max(reader.width, group_values.plane_width(head_dim, value_bits))
     q_rot = kernel_query(pad_query_rows(q_rot, width), reader.columns)
@@ -229,9 +235,10 @@ def decode(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero, leng
         gq = pad_query_rows(gq, width)[..., code_layout(head_dim, 1)[2]]
     o, m, l = codes_partial(
         reader, q_rot, gq, k_codes, k_norm, k_qjl, k_residual_norm, v_codes, v_scale, v_zero,
-        lengths, layer, head_dim=head_dim, value_bits=value_bits, value_group=value_group,
-        sm_scale=sm_scale, block_s=block_s, splits=splits, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret)
+        lengths, layer, pages, head_dim=head_dim, value_bits=value_bits,
+        value_group=value_group, sm_scale=sm_scale, block_s=block_s, splits=splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        page_tokens=page_tokens)
     o = group_values.restore_columns(o, head_dim, value_bits)
     return merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)
 
@@ -305,7 +312,7 @@ def logits(refs: KernelRefs, *, sm_scale: float,
 
 
 def _kernel(*refs, scores, keys, qjl, value_bits, value_group, block_s, split_len, splits,
-            sm_scale, asm):
+            sm_scale, asm, page_tokens):
     refs = KernelRefs.of(refs, keys=keys, qjl=qjl)
     rows, head_dim = refs.q.shape[0], refs.o.shape[-1]
     values = group_values.Accumulator(refs.values, rows=rows, head_dim=head_dim,
@@ -313,7 +320,7 @@ def _kernel(*refs, scores, keys, qjl, value_bits, value_group, block_s, split_le
     o, m, l = split_softmax(
         refs.counts, refs.layer, rows=rows, slots=refs.norm.shape[1], block_s=block_s,
         split_len=split_len, splits=splits, scores=scores(refs, sm_scale=sm_scale, asm=asm),
-        accumulate=values.accumulate, init=values.init)
+        accumulate=values.accumulate, init=values.init, page_tokens=page_tokens)
     values.store(refs.o, o)
     refs.m[...] = m
     refs.l[...] = l
@@ -332,6 +339,7 @@ def codes_partial(
     v_zero: jax.Array,
     lengths: jax.Array,
     layer: jax.Array | None = None,
+    pages: jax.Array | None = None,
     *,
     head_dim: int,
     value_bits: int,
@@ -343,6 +351,7 @@ def codes_partial(
     num_stages: int,
     interpret: bool,
     asm: bool = True,
+    page_tokens: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-split partial softmaxes over the coded tokens: the ``pallas_call`` of a
     kernel over rotated keys, the key side from ``reader``.
@@ -352,8 +361,10 @@ def codes_partial(
     is ``G q [B, K, R, D]`` with its columns in the order of the sign planes
     (``unit_permutation(D, 1, "bytes")``). Codes are stacked (``[L, B, K, S, ...]``;
     ``layer`` None reads a stack of one). ``asm``: the units' inline PTX (off in
-    interpret mode). Returns ``o [B, K, splits, R, D]`` with its columns in the order of
-    the value planes, ``m, l [B, K, splits, R]`` (float32).
+    interpret mode). With ``pages`` (block tables ``[B, P]`` of ``page_tokens`` pages)
+    the stacks are a paged pool ``[L, 1, K, S, ...]`` that every row reads through its
+    table. Returns ``o [B, K, splits, R, D]`` with its columns in the order of the value
+    planes, ``m, l [B, K, splits, R]`` (float32).
     """
     batch, heads, rows, _ = q.shape
     qjl = gq is not None
@@ -365,26 +376,31 @@ def codes_partial(
         layer = 0
     k_codes, k_norm, v_codes, v_scale, v_zero, *rest = stack
     layers, slots = k_codes.shape[0], k_codes.shape[3]
+    row_slots = slots if pages is None else pages.shape[1] * page_tokens
+    shared = pages is not None
     key_inputs = list(reader.views(k_codes))
     kernel = functools.partial(
         _kernel, scores=reader.scores, keys=len(key_inputs), qjl=qjl, value_bits=value_bits,
-        value_group=value_group, block_s=block_s, split_len=split_len(slots, splits, block_s),
-        splits=splits, sm_scale=sm_scale, asm=asm and not interpret)
-    args, in_specs = leading_inputs(lengths, layer, q, splits)
+        value_group=value_group, block_s=block_s,
+        split_len=split_len(row_slots, splits, block_s), splits=splits, sm_scale=sm_scale,
+        asm=asm and not interpret, page_tokens=page_tokens)
+    args, in_specs = leading_inputs(lengths, layer, q, splits, pages)
     if qjl:
         # G q: one [R, D] block per program, like the query
         args.append(gq.astype(jnp.float32))
         in_specs.append(row_spec(gq.shape[2:], splits))
     args += [*key_inputs, k_norm]
-    in_specs += [*(stacked_spec(layers, slots, a.shape[-1]) for a in key_inputs),
-                 stacked_spec(layers, slots)]
+    in_specs += [*(stacked_spec(layers, slots, a.shape[-1], shared=shared)
+                   for a in key_inputs),
+                 stacked_spec(layers, slots, shared=shared)]
     if qjl:
         k_qjl, k_residual_norm = rest
         qjl_bytes = unit_view(k_qjl, "bytes")
         args += [qjl_bytes, k_residual_norm]
-        in_specs += [stacked_spec(layers, slots, qjl_bytes.shape[-1]),
-                     stacked_spec(layers, slots)]
-    value_args, value_specs = group_values.inputs(v_codes, v_scale, v_zero, layers, slots)
+        in_specs += [stacked_spec(layers, slots, qjl_bytes.shape[-1], shared=shared),
+                     stacked_spec(layers, slots, shared=shared)]
+    value_args, value_specs = group_values.inputs(v_codes, v_scale, v_zero, layers, slots,
+                                                  shared)
     args += value_args
     in_specs += value_specs
     return decode_call(kernel, args, in_specs, batch=batch, heads=heads, splits=splits,
@@ -408,19 +424,21 @@ def qjl_scores(gq: jax.Array, k_qjl: jax.Array, k_residual_norm: jax.Array) -> j
 
 def reference(reader: KeyReader, vectors: Callable[..., jax.Array], q, k_codes, k_norm,
               v_codes, v_scale, v_zero, lengths, layer, k_signs, k_qjl, k_residual_norm,
-              qjl_sketch, *, value_bits: int, value_group: int,
-              sm_scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+              qjl_sketch, pages=None, *, value_bits: int, value_group: int,
+              sm_scale: float, page_tokens: int = 0
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The exact partial of a reference, once its keys' options are checked: the checks
     of :func:`decode` (``reader`` says the codes' size and dtype), then keys scored in
     the rotated space (``|k| (R q) . y`` with ``y = vectors(k_codes, head_dim=D)``, one
     layer's unit vectors ``[B, K, S, D]`` float32) plus QJL's term, values dequantized
     per channel group, every product float32 at HIGHEST precision."""
     check_arrays(reader, q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer,
-                 k_signs, k_qjl, k_residual_norm, qjl_sketch, value_bits=value_bits,
-                 value_group=value_group)
+                 k_signs, k_qjl, k_residual_norm, qjl_sketch, pages, value_bits=value_bits,
+                 value_group=value_group, page_tokens=page_tokens)
     head_dim = q.shape[-1]
-    k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm = layer_arrays(
-        (k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm), layer)
+    k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm = paged_rows(
+        layer_arrays((k_codes, k_norm, v_codes, v_scale, v_zero, k_qjl, k_residual_norm),
+                     layer), pages, page_tokens, k_codes.shape[-2])
     q_rot, gq = query_sides(q, k_signs, qjl_sketch)
     y = vectors(k_codes, head_dim=head_dim)
     s = jnp.einsum("bkgd,bksd->bkgs", q_rot, y, precision=EXACT)

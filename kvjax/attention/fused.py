@@ -121,13 +121,18 @@ def role_formats(k_codec: Codec, v_codec: Codec, kind: type[KernelFormat], missi
 
 def decode_reason(call: Call) -> str | None:
     """Why a fused kernel over codes cannot serve ``call`` whatever its codecs (None: it
-    may): a decode, or a chunk of several tokens, without a sliding window, over a
-    contiguous cache."""
+    may): a decode, or a chunk of several tokens, without a sliding window."""
     if call.sliding_window is not None:
         return "it has no sliding window"
-    if call.layer.k.page_blocks or call.layer.v.page_blocks:
-        return "it reads contiguous caches, not pages"
     return None
+
+
+def page_options(store) -> dict:
+    """A kernel entry's paging arguments for a layer view's store: none for a
+    contiguous one, else its rows' block tables and the tokens of a page."""
+    if not store.page_blocks:
+        return {}
+    return {"pages": store.pages, "page_tokens": store.page_blocks * store.block}
 
 
 #: warps per program of a chunk's call: its programs hold :data:`~pallas_kernels.flash.
@@ -168,7 +173,8 @@ def int_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry:
         return entry(qg, *k_fmt.arrays(k_store.codes), *v_fmt.arrays(v_store.codes), n_comp,
                      k_store.layer, _rotations(k_fmt, k_store.params, head_dim),
                      _rotations(v_fmt, v_store.params, head_dim),
-                     bits=k_fmt.bits, offset=k_fmt.offset, sm_scale=scale, **options)
+                     bits=k_fmt.bits, offset=k_fmt.offset, sm_scale=scale,
+                     **page_options(k_store), **options)
 
     return merged_attention(q, layer, lengths, scale, coded, positions)
 
@@ -209,17 +215,23 @@ class KernelImpl(Impl):
 
     entry: Entry | None = None
     reads: Callable[[Codec, Codec, int], tuple | str] | None = None
+    paged: bool = False
 
 
 def kernel_impl(name: str, entry: Entry, reads: Callable[[Codec, Codec, int], tuple | str],
-                decode: Callable[..., jax.Array], auto: bool = True) -> KernelImpl:
+                decode: Callable[..., jax.Array], auto: bool = True,
+                paged: bool = False) -> KernelImpl:
     """The registry entry of a fused kernel over codes: it serves a call whose codecs it
     ``reads``, a decode (``decode(q [B, N, D], layer, lengths, scale=...)``) or a
     chunk's queries (``q [B, T, N, D]`` with ``positions=``), walking the coded tokens in
-    place tile by tile either way."""
+    place tile by tile either way; over paged caches too where ``paged`` (its entry
+    takes :func:`page_options`)."""
 
     def supports(call: Call) -> str | None:
         reason = decode_reason(call)
+        if reason is None and not paged and (call.layer.k.page_blocks
+                                             or call.layer.v.page_blocks):
+            reason = "it reads contiguous caches, not pages"
         if reason is None:
             formats = reads(call.layer.k.codec, call.layer.v.codec, call.head_dim)
             reason = formats if isinstance(formats, str) else None
@@ -232,7 +244,7 @@ def kernel_impl(name: str, entry: Entry, reads: Callable[[Codec, Codec, int], tu
                       positions=call.step.positions(call.num_tokens), num_warps=CHUNK_WARPS)
 
     return KernelImpl(name=name, supports=supports, run=run, fused=True, auto=auto,
-                      entry=entry, reads=reads)
+                      entry=entry, reads=reads, paged=paged)
 
 
 def int_codes_kernel(name: str, entry: Entry,
@@ -242,7 +254,7 @@ def int_codes_kernel(name: str, entry: Entry,
     ``unsupported(bits, head_dim)`` says what it cannot read."""
     return kernel_impl(name, entry,
                        functools.partial(int_reads, unsupported=unsupported),
-                       functools.partial(int_codes_decode, entry=entry))
+                       functools.partial(int_codes_decode, entry=entry), paged=True)
 
 
 # -- kernels over rotated keys and GroupIntFormat values -----------------------------------
@@ -289,7 +301,7 @@ def rotated_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, en
         k_qjl, residual_norm = qjl if k_fmt.qjl else (None, None)
         return entry(qg, codes, norm, *v_fmt.arrays(v_store.codes), n_comp, k_store.layer,
                      k_store.params["signs"], k_qjl, residual_norm, sketch, **static,
-                     **options)
+                     **page_options(k_store), **options)
 
     return merged_attention(q, layer, lengths, static["sm_scale"], coded, positions)
 
@@ -318,7 +330,7 @@ def rotated_kernel(name: str, entry: Entry, key_format: type[RotatedKeyFormat],
                        functools.partial(rotated_reads, key_format=key_format,
                                          unsupported=unsupported),
                        functools.partial(rotated_codes_decode, entry=entry,
-                                         key_format=key_format), auto=auto)
+                                         key_format=key_format), auto=auto, paged=True)
 
 
 # -- kernels over HQMQ codes ---------------------------------------------------------------
@@ -493,7 +505,7 @@ def dense_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entr
 
     def coded(qg, n_comp):
         return entry(qg, k_fmt.values(k_store.codes), v_fmt.values(v_store.codes), n_comp,
-                     k_store.layer, sm_scale=scale, **options)
+                     k_store.layer, sm_scale=scale, **page_options(k_store), **options)
 
     return merged_attention(q, layer, lengths, scale, coded, positions)
 
@@ -504,7 +516,8 @@ def dense_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None]
     the arrays of :func:`pallas_kernels.dense_decode.api.dense_decode`'s signature,
     ``unsupported(dtype, head_dim)`` says what it cannot read."""
     return kernel_impl(name, entry, functools.partial(dense_reads, unsupported=unsupported),
-                       functools.partial(dense_codes_decode, entry=entry), auto=auto)
+                       functools.partial(dense_codes_decode, entry=entry), auto=auto,
+                       paged=True)
 
 
 def encoded_cache(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots: int,

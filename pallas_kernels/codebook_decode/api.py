@@ -72,12 +72,13 @@ def codebook_decode(
     v_scale: jax.Array, v_zero: jax.Array, lengths: jax.Array, layer: jax.Array | None = None,
     k_signs: jax.Array | None = None, k_qjl: jax.Array | None = None,
     k_residual_norm: jax.Array | None = None, qjl_sketch: jax.Array | None = None,
+    pages: jax.Array | None = None,   # int32 [B, P]: block tables into a paged pool
     *,
     key_bits: int,                    # sign-magnitude code width, 1..4
     magnitudes: tuple[float, ...],    # the codebook's 2^(key_bits-1) magnitudes
     value_bits: int, value_group: int, sm_scale: float, block_s: int | None = None,
     splits: int | None = None, num_warps: int = NUM_WARPS, num_stages: int | None = None,
-    interpret: bool | None = None,
+    interpret: bool | None = None, page_tokens: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmax of the query rows over rotated scalar-codebook keys (TurboQuant).
 
@@ -94,5 +95,6 @@ def codebook_decode(
     return rotated.decode(
         key_reader(q, key_bits, magnitudes, value_bits, value_group), q, k_codes, k_norm,
         v_codes, v_scale, v_zero, lengths, layer, k_signs, k_qjl, k_residual_norm, qjl_sketch,
-        value_bits=value_bits, value_group=value_group, sm_scale=sm_scale, block_s=block_s,
-        splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        pages, value_bits=value_bits, value_group=value_group, sm_scale=sm_scale,
+        block_s=block_s, splits=splits, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret, page_tokens=page_tokens)

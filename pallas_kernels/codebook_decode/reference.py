@@ -37,9 +37,10 @@ def codebook_values(codes: jax.Array, bits: int, magnitudes: tuple[float, ...],
                                              *rotated.STATIC_ARGNAMES))
 def codebook_decode(
     q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer=None, k_signs=None,
-    k_qjl=None, k_residual_norm=None, qjl_sketch=None, *, key_bits, magnitudes, value_bits,
+    k_qjl=None, k_residual_norm=None, qjl_sketch=None, pages=None, *,
+    key_bits, magnitudes, value_bits,
     value_group, sm_scale, block_s=None, splits=None, num_warps=NUM_WARPS, num_stages=None,
-    interpret=None,
+    interpret=None, page_tokens=0,
 ):
     """The specification of :func:`.api.codebook_decode`: same arguments, same checks,
     the exact partial ``(o [B, K, G, D], m [B, K, G], l [B, K, G])`` in float32. The
@@ -49,5 +50,5 @@ def codebook_decode(
         key_reader(q, key_bits, magnitudes, value_bits, value_group),
         functools.partial(codebook_values, bits=key_bits, magnitudes=magnitudes),
         q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs, k_qjl,
-        k_residual_norm, qjl_sketch, value_bits=value_bits, value_group=value_group,
-        sm_scale=sm_scale)
+        k_residual_norm, qjl_sketch, pages, value_bits=value_bits, value_group=value_group,
+        sm_scale=sm_scale, page_tokens=page_tokens)

@@ -29,7 +29,7 @@ from pallas_kernels.flash import (
 
 
 def _kernel(n_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_s,
-            split_len, splits, sm_scale):
+            split_len, splits, sm_scale, page_tokens):
     rows, head_dim = q_ref.shape
     dtype = k_ref.dtype
     q = q_ref[...].astype(dtype)
@@ -43,7 +43,7 @@ def _kernel(n_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block
     acc, m, l = split_softmax(
         n_ref, layer_ref, rows=rows, slots=k_ref.shape[1], block_s=block_s,
         split_len=split_len, splits=splits, scores=scores, accumulate=accumulate,
-        init=jnp.zeros((rows, head_dim), jnp.float32))
+        init=jnp.zeros((rows, head_dim), jnp.float32), page_tokens=page_tokens)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -52,24 +52,27 @@ def _kernel(n_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret"),
+                     "interpret", "page_tokens"),
 )
-def values_partial(q, keys, values, n_comp, layer=None, *, sm_scale: float, block_s: int,
-                   splits: int, num_warps: int, num_stages: int, interpret: bool):
+def values_partial(q, keys, values, n_comp, layer=None, pages=None, *, sm_scale: float,
+                   block_s: int, splits: int, num_warps: int, num_stages: int,
+                   interpret: bool, page_tokens: int = 0):
     """Per-split partial softmaxes: ``q [B, K, R, D]`` (``R`` rows padded), ``keys`` and
-    ``values`` stacked ``[L, B, K, S, D]`` (``layer`` None reads a stack of one). Returns
-    ``o [B, K, splits, R, D]``, ``m, l [B, K, splits, R]`` (float32); no check
-    (:func:`.api.dense_decode` does them)."""
+    ``values`` stacked ``[L, B, K, S, D]`` (``layer`` None reads a stack of one), or a
+    paged pool ``[L, 1, K, S, D]`` read through block tables ``pages [B, P]`` of
+    ``page_tokens`` pages. Returns ``o [B, K, splits, R, D]``, ``m, l [B, K, splits,
+    R]`` (float32); no check (:func:`.api.dense_decode` does them)."""
     batch, heads, rows, head_dim = q.shape
     if layer is None:
         keys, values, layer = keys[None], values[None], 0
     layers, slots = keys.shape[0], keys.shape[3]
+    row_slots = slots if pages is None else pages.shape[1] * page_tokens
     kernel = functools.partial(_kernel, block_s=block_s,
-                               split_len=split_len(slots, splits, block_s), splits=splits,
-                               sm_scale=sm_scale)
-    args, in_specs = leading_inputs(n_comp, layer, q, splits)
+                               split_len=split_len(row_slots, splits, block_s),
+                               splits=splits, sm_scale=sm_scale, page_tokens=page_tokens)
+    args, in_specs = leading_inputs(n_comp, layer, q, splits, pages)
     args += [keys, values]
-    in_specs += [stacked_spec(layers, slots, head_dim)] * 2
+    in_specs += [stacked_spec(layers, slots, head_dim, shared=pages is not None)] * 2
     return decode_call(kernel, args, in_specs, batch=batch, heads=heads, splits=splits,
                        rows=rows, head_dim=head_dim, num_warps=num_warps,
                        num_stages=num_stages, interpret=interpret,

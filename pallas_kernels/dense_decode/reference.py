@@ -14,14 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dense_decode.api import check_arrays
-from pallas_kernels.flash import NUM_WARPS, layer_arrays, visible_slots
+from pallas_kernels.flash import NUM_WARPS, layer_arrays, paged_rows, visible_slots
 from pallas_kernels.partial import dense_partial
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret"),
+                     "interpret", "page_tokens"),
 )
 def dense_decode(
     q: jax.Array,
@@ -29,8 +29,10 @@ def dense_decode(
     values: jax.Array,
     lengths: jax.Array,
     layer: jax.Array | None = None,
+    pages: jax.Array | None = None,
     *,
     sm_scale: float,
+    page_tokens: int = 0,
     block_s: int | None = None,
     splits: int | None = None,
     num_warps: int = NUM_WARPS,
@@ -41,7 +43,9 @@ def dense_decode(
     exact partial. The blocking and interpret arguments only shape the kernel's
     schedule and are ignored here."""
     del block_s, splits, num_warps, num_stages, interpret
-    check_arrays(q, keys, values, lengths, layer)
-    keys, values = (a.astype(jnp.float32) for a in layer_arrays((keys, values), layer))
+    check_arrays(q, keys, values, lengths, layer, pages, page_tokens)
+    pool_tokens = keys.shape[-2]
+    keys, values = (a.astype(jnp.float32) for a in paged_rows(
+        layer_arrays((keys, values), layer), pages, page_tokens, pool_tokens))
     valid = visible_slots(lengths, keys.shape[2])
     return dense_partial(q.astype(jnp.float32), keys, values, valid, sm_scale=sm_scale)

@@ -27,8 +27,10 @@ from pallas_kernels.flash import (
     MIN_DOT,
     NUM_WARPS,
     check_lengths,
+    check_pages,
     check_query,
     check_stack,
+    page_block,
     schedule,
 )
 from pallas_kernels.int_decode.kernel import Research, codes_partial
@@ -48,9 +50,11 @@ def unsupported(bits: int, head_dim: int) -> str | None:
 
 
 def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
-                 q_rotation, v_rotation, bits: int, offset: int | None = None) -> None:
+                 q_rotation, v_rotation, bits: int, offset: int | None = None,
+                 pages=None, page_tokens: int = 0) -> int:
     """The checks of :func:`int_decode` (and of its reference): ``NotImplementedError``
-    where the kernel cannot serve the arrays, ``ValueError`` where they are malformed."""
+    where the kernel cannot serve the arrays, ``ValueError`` where they are malformed.
+    Returns the token capacity of a row (:func:`~pallas_kernels.flash.check_pages`)."""
     if offset is None and (k_zero is None or v_zero is None):
         raise ValueError("k_zero and v_zero are needed unless offset is given (codes "
                          "scale * (code - offset))")
@@ -61,7 +65,7 @@ def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
     batch, heads, head_dim = check_query("int_decode", q,
                                          functools.partial(unsupported, bits))
     words = head_dim * bits // 32
-    check_stack("k_codes", k_codes, batch, heads, layer, words,
+    check_stack("k_codes", k_codes, 1 if pages is not None else batch, heads, layer, words,
                 f"W = {words} words of {bits}-bit codes of {head_dim} dims")
     codes_shape = k_codes.shape
     for name, a, shape in (("v_codes", v_codes, codes_shape),
@@ -79,12 +83,13 @@ def check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
         if r is not None and r.shape != (heads, head_dim, head_dim):
             raise ValueError(f"{name} must be [K, D, D] = {(heads, head_dim, head_dim)}, "
                              f"got {r.shape}")
+    return check_pages(pages, page_tokens, batch, k_codes.shape[-2])
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("bits", "offset", "sm_scale", "block_s", "splits", "num_warps",
-                     "num_stages", "interpret", "research"),
+                     "num_stages", "interpret", "research", "page_tokens"),
 )
 def int_decode(
     q: jax.Array,        # [B, K, G, D] float: the query rows that read kv head k
@@ -98,6 +103,7 @@ def int_decode(
     layer: jax.Array | None = None,       # int32 []: the layer of stacked codes to read
     q_rotation: jax.Array | None = None,  # [K, D, D]: keys stored as R k; reads R q
     v_rotation: jax.Array | None = None,  # [K, D, D]: values stored as R v; R^T o out
+    pages: jax.Array | None = None,  # int32 [B, P]: block tables into a paged pool
     *,
     bits: int,               # code width: 2, 4 or 8 (planar-packed)
     offset: int | None = None,  # no zeros: every token is scale * (code - offset)
@@ -108,6 +114,7 @@ def int_decode(
     num_stages: int | None = None,  # pipeline stages (default_blocking)
     interpret: bool | None = None,  # Pallas interpret mode; default: off a GPU
     research: Research | None = None,  # benchmark-only kernel variant; None: production
+    page_tokens: int = 0,    # tokens of a page, with pages
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmax of the query rows over the first ``lengths[b]`` coded tokens.
 
@@ -119,13 +126,15 @@ def int_decode(
     codes, scales and zeros are a whole stack of layers and the kernel reads layer
     ``layer`` in place (a cache segment's codes inside a scan over layers). Operands of
     the kernel's matmuls are float16, accumulation float32 (see :mod:`.kernel`).
+    With ``pages`` the codes, scales and zeros are a paged pool ``[L, 1, K, S, ...]``
+    (every page's tokens in page order) and row ``b``'s token ``t`` is the pool's token
+    ``pages[b, t // page_tokens] * page_tokens + t % page_tokens``.
     Raises ``NotImplementedError`` when the kernel cannot serve these arrays
     (:func:`unsupported`), ``ValueError`` when they are malformed.
     """
-    check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
-                 q_rotation, v_rotation, bits, offset)
+    slots = check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths,
+                         layer, q_rotation, v_rotation, bits, offset, pages, page_tokens)
     batch, heads = q.shape[:2]
-    slots = k_codes.shape[-2]
     if slots == 0:
         # no code slot at all (a residual window as long as the cache)
         return empty_partial(q)
@@ -141,11 +150,12 @@ def int_decode(
     block_s, num_stages, splits, interpret = schedule(
         batch, heads // research.heads, slots, block_s=block_s, num_stages=num_stages,
         splits=splits, num_warps=num_warps, interpret=interpret, group=q.shape[2])
+    block_s = page_block(block_s, page_tokens)
     o, m, l = codes_partial(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, q_rotation, layer,
-        bits=bits, offset=offset, sm_scale=sm_scale, block_s=block_s, splits=splits,
-        num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret, research=research,
+        pages, bits=bits, offset=offset, sm_scale=sm_scale, block_s=block_s, splits=splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, research=research,
+        page_tokens=page_tokens,
     )
     o, m, l = merge_partials((o, m, l), axis=2)
     if v_rotation is not None:

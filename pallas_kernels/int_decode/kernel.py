@@ -102,7 +102,7 @@ class Research:
 
 
 def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, splits, sm_scale,
-            rotated, offset, asm, biased, group):
+            rotated, offset, asm, biased, group, page_tokens):
     refs = list(refs)
     rot_ref = refs.pop(0) if rotated else None
     if offset is None:
@@ -187,7 +187,8 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, spl
     init = (tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(planes)), zeros, zeros)
     (o_slots, o_zero, pv_sum), m, l = split_softmax(
         n_ref, layer_ref, rows=rows, slots=kc_ref.shape[2], block_s=block_s,
-        split_len=split_len, splits=splits, scores=scores, accumulate=accumulate, init=init)
+        split_len=split_len, splits=splits, scores=scores, accumulate=accumulate, init=init,
+        page_tokens=page_tokens)
     # every value is zero + scale * code: the zeros' share is the same in every column
     for j in range(planes):
         shift = biases[j] + (0.0 if offset is None else float(offset))
@@ -199,7 +200,7 @@ def _kernel(n_ref, layer_ref, q_ref, *refs, bits, width, block_s, split_len, spl
 @functools.partial(
     jax.jit,
     static_argnames=("bits", "offset", "sm_scale", "block_s", "splits", "num_warps",
-                     "num_stages", "interpret", "research"),
+                     "num_stages", "interpret", "research", "page_tokens"),
 )
 def codes_partial(
     q: jax.Array,
@@ -212,6 +213,7 @@ def codes_partial(
     n_comp: jax.Array,
     rotation: jax.Array | None = None,
     layer: jax.Array | None = None,
+    pages: jax.Array | None = None,
     *,
     bits: int,
     offset: int | None = None,
@@ -222,6 +224,7 @@ def codes_partial(
     num_stages: int = 2,
     interpret: bool = False,
     research: Research = Research(),
+    page_tokens: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-split partial softmaxes over the coded tokens (see the module docstring).
 
@@ -235,7 +238,9 @@ def codes_partial(
     D]`` is applied to the query by one XLA product before the kernel, together with the
     column permutation (``research.rotate_in_kernel``: inside every program, measured
     1.6x slower at one row and 128k tokens: each of the ~500 programs re-reads and
-    multiplies the ``[D, D]`` matrix; docs/kernels.md).
+    multiplies the ``[D, D]`` matrix; docs/kernels.md). With ``pages`` (block tables
+    ``[B, P]`` of ``page_tokens`` pages) the stacks are a paged pool ``[L, 1, K, S,
+    ...]`` that every row reads through its table.
     """
     layout, heads = research.layout, research.heads
     batch, kv_heads, group, head_dim = q.shape
@@ -262,19 +267,23 @@ def codes_partial(
             rotation = None
     rotated = rotation is not None
     rows = query_rows(heads * group, width)
+    row_slots = slots_total if pages is None else pages.shape[1] * page_tokens
     kernel = functools.partial(
-        _kernel, bits=bits, width=width, block_s=block_s,
-        split_len=split_len(slots_total, splits, block_s), splits=splits,
+        _kernel, bits=bits, width=width, block_s=block_s, page_tokens=page_tokens,
+        split_len=split_len(row_slots, splits, block_s), splits=splits,
         sm_scale=sm_scale, rotated=rotated, offset=offset,
         asm=not interpret and research.asm, biased=research.biased and layout == "halves",
         group=group,
     )
-    args, in_specs = leading_inputs(n_comp, layer, group_heads(q, heads, rows), splits)
+    args, in_specs = leading_inputs(n_comp, layer, group_heads(q, heads, rows), splits,
+                                    pages)
     if rotated:
         in_specs.append(pl.BlockSpec((None, head_dim, head_dim), lambda b, h, j: (h, 0, 0)))
         args.append(rotation.astype(OPERAND))
-    code_spec = stacked_spec(layers, slots_total, k_codes.shape[4], heads=heads)
-    meta_spec = stacked_spec(layers, slots_total, heads=heads)
+    shared = pages is not None
+    code_spec = stacked_spec(layers, slots_total, k_codes.shape[4], heads=heads,
+                             shared=shared)
+    meta_spec = stacked_spec(layers, slots_total, heads=heads, shared=shared)
     for codes, scale, zero in ((k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero)):
         present = [(codes, code_spec), (scale, meta_spec)]
         if offset is None:

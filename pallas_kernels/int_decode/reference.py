@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.primitives.packing import unpack_codes
-from pallas_kernels.flash import layer_arrays, visible_slots
+from pallas_kernels.flash import layer_arrays, paged_rows, visible_slots
 from pallas_kernels.int_decode.api import NUM_WARPS, check_arrays
 from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.partial import EXACT, dense_partial, unrotate_output
@@ -35,7 +35,7 @@ def dequantize(codes: jax.Array, scale: jax.Array, zero: jax.Array | None, bits:
 @functools.partial(
     jax.jit,
     static_argnames=("bits", "offset", "sm_scale", "block_s", "splits", "num_warps",
-                     "num_stages", "interpret", "research"),
+                     "num_stages", "interpret", "research", "page_tokens"),
 )
 def int_decode(
     q: jax.Array,        # [B, K, G, D] float: the query rows that read kv head k
@@ -49,6 +49,7 @@ def int_decode(
     layer: jax.Array | None = None,       # int32 []: the layer of stacked codes to read
     q_rotation: jax.Array | None = None,  # [K, D, D]: keys stored as R k; reads R q
     v_rotation: jax.Array | None = None,  # [K, D, D]: values stored as R v; R^T o out
+    pages: jax.Array | None = None,  # int32 [B, P]: block tables into a paged pool
     *,
     bits: int,
     offset: int | None = None,
@@ -59,6 +60,7 @@ def int_decode(
     num_stages: int | None = None,
     interpret: bool | None = None,
     research: Research | None = None,
+    page_tokens: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The specification of :func:`.api.int_decode`: same arguments, same checks, the
     exact partial ``(o [B, K, G, D], m [B, K, G], l [B, K, G])`` in float32. The
@@ -66,10 +68,11 @@ def int_decode(
     ignored here."""
     del block_s, splits, num_warps, num_stages, interpret, research
     check_arrays(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, lengths, layer,
-                 q_rotation, v_rotation, bits, offset)
+                 q_rotation, v_rotation, bits, offset, pages, page_tokens)
     head_dim = q.shape[-1]
-    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = layer_arrays(
-        (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), layer)
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = paged_rows(layer_arrays(
+        (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), layer), pages, page_tokens,
+        k_codes.shape[-2])
     q = q.astype(jnp.float32)
     if q_rotation is not None:
         q = jnp.einsum("bkgd,ked->bkge", q, q_rotation.astype(jnp.float32), precision=EXACT)

@@ -52,9 +52,10 @@ def triplet_values(codes: jax.Array, magnitudes: tuple[float, ...], norms: tuple
                                              "layout", *rotated.STATIC_ARGNAMES))
 def octopus_decode(
     q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer=None, k_signs=None,
-    k_qjl=None, k_residual_norm=None, qjl_sketch=None, *, direction_bits, magnitudes, norms,
+    k_qjl=None, k_residual_norm=None, qjl_sketch=None, pages=None, *,
+    direction_bits, magnitudes, norms,
     layout, value_bits, value_group, sm_scale, block_s=None, splits=None,
-    num_warps=NUM_WARPS, num_stages=None, interpret=None,
+    num_warps=NUM_WARPS, num_stages=None, interpret=None, page_tokens=0,
 ):
     """The specification of :func:`.api.octopus_decode`: same arguments, same checks,
     the exact partial ``(o [B, K, G, D], m [B, K, G], l [B, K, G])`` in float32. The
@@ -64,5 +65,5 @@ def octopus_decode(
         key_reader(q, direction_bits, magnitudes, norms, layout, value_bits, value_group),
         functools.partial(triplet_values, magnitudes=magnitudes, norms=norms, layout=layout),
         q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs, k_qjl,
-        k_residual_norm, qjl_sketch, value_bits=value_bits, value_group=value_group,
-        sm_scale=sm_scale)
+        k_residual_norm, qjl_sketch, pages, value_bits=value_bits, value_group=value_group,
+        sm_scale=sm_scale, page_tokens=page_tokens)

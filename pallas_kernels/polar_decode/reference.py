@@ -55,9 +55,10 @@ def unit_vectors(codes: jax.Array, angle_bits: int, centroids: tuple[tuple[float
                                              *rotated.STATIC_ARGNAMES))
 def polar_decode(
     q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer=None, k_signs=None,
-    k_qjl=None, k_residual_norm=None, qjl_sketch=None, *, angle_bits, centroids, offsets,
+    k_qjl=None, k_residual_norm=None, qjl_sketch=None, pages=None, *,
+    angle_bits, centroids, offsets,
     value_bits, value_group, sm_scale, block_s=None, splits=None, num_warps=NUM_WARPS,
-    num_stages=None, interpret=None,
+    num_stages=None, interpret=None, page_tokens=0,
 ):
     """The specification of :func:`.api.polar_decode`: same arguments, same checks, the
     exact partial ``(o [B, K, G, D], m [B, K, G], l [B, K, G])`` in float32. The
@@ -69,5 +70,5 @@ def polar_decode(
         functools.partial(unit_vectors, angle_bits=angle_bits, centroids=centroids,
                           offsets=offsets),
         q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer, k_signs, k_qjl,
-        k_residual_norm, qjl_sketch, value_bits=value_bits, value_group=value_group,
-        sm_scale=sm_scale)
+        k_residual_norm, qjl_sketch, pages, value_bits=value_bits, value_group=value_group,
+        sm_scale=sm_scale, page_tokens=page_tokens)

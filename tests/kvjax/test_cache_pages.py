@@ -16,27 +16,28 @@ BATCH, HEADS, HEAD_DIM, LAYERS, MAX_LEN = 2, 2, 32, 2, 100
 APPENDS = [(40, [40, 23]), (40, [30, 40]), (1, [1, 1]), (1, [1, 0])]
 
 
-def _new(spec, num_pages=None):
+def _new(spec, num_pages=None, head_dim=HEAD_DIM):
     return kc.init_cache(jax.random.key(1), parse_cache(spec), num_layers=LAYERS,
-                         batch=BATCH, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                         batch=BATCH, num_kv_heads=HEADS, head_dim=head_dim,
                          max_len=MAX_LEN, num_pages=num_pages)
 
 
-def _run(cache):
+def _run(cache, impls=("reference", "auto")):
     """Every append of :data:`APPENDS` through both layers; the attention outputs of
-    each (reference and the "auto" list: XLA's windows for chunks), and the cache."""
+    each by each of ``impls`` (default: the reference and the "auto" list, XLA's windows
+    for chunks off a GPU), and the cache."""
     outs = []
     key = jax.random.key(0)
+    head_dim = cache.segments[0].k.raw.shape[-1]
     for n, (tokens, valid) in enumerate(APPENDS):
         k, v, q = (jax.random.normal(jax.random.fold_in(key, 3 * n + i), shape)
-                   for i, shape in enumerate([(BATCH, tokens, HEADS, HEAD_DIM)] * 2
-                                             + [(BATCH, tokens, 2 * HEADS, HEAD_DIM)]))
+                   for i, shape in enumerate([(BATCH, tokens, HEADS, head_dim)] * 2
+                                             + [(BATCH, tokens, 2 * HEADS, head_dim)]))
         step = kc.make_step(cache, tokens, jnp.asarray(valid))
 
         def body(carry, _, view, k=k, v=v, q=q, step=step):
             view = kc.append(view, k, v, step)
-            return carry + [attend(q, view, step, impl=name)
-                            for name in ("reference", "auto")], view
+            return carry + [attend(q, view, step, impl=name) for name in impls], view
 
         got, cache = kc.scan_layers(body, [], cache, [None] * LAYERS)
         cache = kc.commit(cache, step)
@@ -78,7 +79,8 @@ def test_default_tables_give_each_row_its_own_pages_in_order():
     assert kc.row_pages(cache.config, MAX_LEN) == 6  # ceil((100 - 4 - 4) / 16)
     np.testing.assert_array_equal(cache.pages, np.arange(12).reshape(2, 6))
     # int:4 blocks are one token: a page holds 16 block slots, the pool 12 pages
-    assert jax.tree.leaves(cache.segments[0].k.codes)[0].shape[:4] == (LAYERS, 12, HEADS, 16)
+    assert jax.tree.leaves(cache.segments[0].k.codes)[0].shape[:4] == (LAYERS, 1, HEADS,
+                                                                       12 * 16)
     empty = _new("int:4 page=16", num_pages=5)
     assert (np.asarray(empty.pages) == -1).all()
 
@@ -86,13 +88,14 @@ def test_default_tables_give_each_row_its_own_pages_in_order():
 def test_a_row_without_a_page_is_flagged_and_writes_no_other_page():
     cache = _new("int:4 page=32", num_pages=5)
     cache = kc.with_pages(cache, [[0, 1, 3, -1], [2, -1, -1, -1]])
-    before = np.asarray(jax.tree.leaves(cache.segments[0].k.codes)[0][:, 4])
+    free_page = np.s_[:, :, :, 4 * 32:5 * 32]  # int:4: 32 one-token blocks a page
+    before = np.asarray(jax.tree.leaves(cache.segments[0].k.codes)[0][free_page])
     _, cache = _run(cache)
     # row 1 holds 71 tokens on one page of 32: its blocks past it went nowhere
     with pytest.raises(ValueError, match=r"no page: rows \[1\] were given tokens past "
                                          r"the pages of their block tables"):
         kc.check(cache)
-    np.testing.assert_array_equal(jax.tree.leaves(cache.segments[0].k.codes)[0][:, 4],
+    np.testing.assert_array_equal(jax.tree.leaves(cache.segments[0].k.codes)[0][free_page],
                                   before)  # the free page is untouched
     flags = np.asarray(cache.segments[0].k.saturated)
     assert (flags & kc.DROPPED_NO_PAGE).any(axis=0).tolist() == [False, True]
@@ -110,13 +113,31 @@ def test_copied_pages_read_back_as_the_source():
                                       kc.dense(getattr(cache.layer(1), role), cache.lengths))
 
 
-def test_the_fused_kernels_refuse_pages_and_auto_falls_back():
+@pytest.mark.parametrize("spec,impl", [("int:4 window=8", "int_decode"),
+                                       ("k=saw:h32,signs v=int:4", "int_decode"),
+                                       ("bf16 window=4 sinks=2", "dense_decode"),
+                                       ("turboquant:b3,qjl window=2", "codebook_decode"),
+                                       ("octopus:b3 sinks=2", "octopus_decode"),
+                                       ("polarquant:b3", "polar_decode")])
+def test_kernels_read_pages_through_the_tables(spec, impl):
+    """Chunks and decode steps of a kernel that reads pages (Pallas interpret mode off a
+    GPU) over scattered tables, against the reference over the contiguous cache."""
+    head_dim = 64 if impl == "polar_decode" else HEAD_DIM  # its full-depth layout
+    want, _ = _run(_new(spec, head_dim=head_dim), impls=("reference",))
+    got, cache = _run(_scrambled(_new(spec + " page=32", num_pages=9, head_dim=head_dim)),
+                      impls=(impl,))
+    kc.check(cache)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_allclose(b, a, atol=2e-2)
+
+
+def test_a_kernel_without_pages_refuses_them_and_auto_falls_back():
     cache = _new("int:4 page=32")
     step = kc.make_step(cache, 1, jnp.asarray([1, 1]))
     view = kc.append(cache.layer(0), *(jnp.ones((BATCH, 1, HEADS, HEAD_DIM)),) * 2, step)
     q = jnp.ones((BATCH, 1, 2 * HEADS, HEAD_DIM))
     with pytest.raises(NoImplementationError, match="reads contiguous caches, not pages"):
-        attend(q, view, step, impl="int_decode")
+        attend(q, view, step, impl="hqmq_decode")
     attend(q, view, step, impl="auto")
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from kvjax.attention.fused import encoded_cache
 from kvjax.codec import GroupIntFormat, RotatedKeyFormat
 from kvjax.spec import parse_cache
-from tests.pallas_kernels.suite import KernelSuite, Shape
+from tests.pallas_kernels.suite import KernelSuite, PagedSuite, Shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +92,16 @@ def codec_attention(spec, q, params, k_codes, v_codes, lengths):
 TOLERANCE = {"out": 3e-3, "lse": 2e-3}
 
 
-class RotatedSuite(KernelSuite):
+class RotatedSuite(PagedSuite, KernelSuite):
     """The kernel suite over arrays the codecs of a case's spec really store: a
     subclass states ``KEY_FORMAT`` and the suite's attributes; ``encoded`` may be
-    overridden to draw a case's vectors differently."""
+    overridden to draw a case's vectors differently. Every kernel over rotated keys
+    reads paged pools."""
 
     KEY_FORMAT: ClassVar[type[RotatedKeyFormat]]
     TOLERANCE: ClassVar[dict[str, float]] = TOLERANCE
+    PAGED_ARRAYS: ClassVar[dict[str, int]] = {name: 1 for name in (
+        "k_codes", "k_norm", "v_codes", "v_scale", "v_zero", "k_qjl", "k_residual_norm")}
 
     def encoded(self, case: Case, seed: int = 0):
         """``(q, key params, key codes, value codes)`` of the case's shape

@@ -183,6 +183,58 @@ class KernelSuite:
         np.testing.assert_allclose(got, expect, atol=0.01 * NEEDLE_VALUE)
 
 
+def to_pool(a: jax.Array, page_tokens: int, order: np.ndarray, layered: bool,
+            per: int = 1) -> jax.Array:
+    """A contiguous stack ``[L, B, K, S, ...]`` (``[B, K, S, ...]`` unless ``layered``;
+    ``per`` tokens per entry of its ``S`` axis) as a paged pool ``[L, 1, K, pages *
+    page entries, ...]``: row ``b``'s page ``p`` at pool page ``order[b, p]``, the
+    other pages zero."""
+    if not layered:
+        a = a[None]
+    page = page_tokens // per
+    layers, batch, heads, slots, *rest = a.shape
+    count = order.shape[1]
+    a = jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, count * page - slots),
+                    *((0, 0),) * len(rest)))
+    a = a.reshape(layers, batch, heads, count, page, *rest)
+    pool = jnp.zeros((layers, int(order.max()) + 2, heads, page, *rest), a.dtype)
+    pool = pool.at[:, order.reshape(-1)].set(
+        jnp.moveaxis(a, 2, 3).reshape(layers, batch * count, heads, page, *rest))
+    pool = jnp.moveaxis(pool, 2, 1).reshape(layers, 1, heads, -1, *rest)
+    return pool if layered else pool[0]
+
+
+class PagedSuite:
+    """What a kernel that reads paged pools adds to :class:`KernelSuite`: its
+    ``PAGED_ARRAYS`` (input name -> tokens per entry of its slot axis), read through
+    scattered block tables, give what the contiguous arrays give (its first case, pages
+    of ``PAGE_TOKENS``, rows' pages in no order among spare ones, a row's pages past its
+    tokens missing)."""
+
+    PAGED_ARRAYS: ClassVar[dict[str, int]] = {}
+    PAGE_TOKENS = 32
+
+    def test_paged_pool_matches_the_contiguous_rows(self):
+        case = self.CASES[0]
+        kw = self.inputs(case)
+        batch = kw["q"].shape[0]
+        count = -(-case.slots // self.PAGE_TOKENS)
+        order = np.random.default_rng(1).permutation(batch * count + 3)[:batch * count]
+        order = order.reshape(batch, count).astype(np.int32)
+        tables = order.copy()
+        for row, length in enumerate(self.lengths(case)):
+            tables[row, -(-length // self.PAGE_TOKENS):] = -1  # pages it never reached
+        paged = {**kw, "pages": jnp.asarray(tables), "page_tokens": self.PAGE_TOKENS}
+        layered = kw.get("layer") is not None
+        for name, per in self.PAGED_ARRAYS.items():
+            if kw.get(name) is not None:
+                paged[name] = to_pool(kw[name], self.PAGE_TOKENS, order, layered, per)
+        want = normalized(self.reference(**kw))
+        np.testing.assert_allclose(normalized(self.reference(**paged)), want, atol=1e-5)
+        np.testing.assert_allclose(normalized(self.entry(**paged)), want,
+                                   atol=self.tolerance(case)["out"])
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _needle_cache(config, heads, group, head_dim, seed=0):
     """A one-layer cache of ``NEEDLE_LENGTHS`` rows after a prefill and one decode append

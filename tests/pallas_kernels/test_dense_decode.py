@@ -19,7 +19,7 @@ import pytest
 from kvjax.attention import fused
 from kvjax.spec import parse_codec
 from pallas_kernels.dense_decode import api, reference
-from tests.pallas_kernels.suite import KernelSuite, Shape, layer_stacks
+from tests.pallas_kernels.suite import KernelSuite, PagedSuite, Shape, layer_stacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ def stored(case: Case, seed: int) -> tuple[jax.Array, jax.Array]:
             jax.random.normal(k2, shape).astype(case.dtype))
 
 
-class TestDenseDecode(KernelSuite):
+class TestDenseDecode(PagedSuite, KernelSuite):
     entry = staticmethod(api.dense_decode)
     reference = staticmethod(reference.dense_decode)
     CASES = CASES
@@ -70,6 +70,7 @@ class TestDenseDecode(KernelSuite):
     TOLERANCE: ClassVar[dict[str, float]] = {"out": 8e-3, "lse": 8e-3}
     IMPL = "dense_decode"
     NEEDLE_SPECS = ("bf16", "bf16 window=16 sinks=4")
+    PAGED_ARRAYS: ClassVar[dict[str, int]] = {"keys": 1, "values": 1}
 
     def inputs(self, case: Case) -> dict:
         q = jax.random.normal(jax.random.key(9),

@@ -26,7 +26,7 @@ from kvjax.spec import parse_codec
 from pallas_kernels.int_decode import api, reference
 from pallas_kernels.int_decode.kernel import Research
 from pallas_kernels.units import unit_permutation, unit_view
-from tests.pallas_kernels.suite import KernelSuite, Shape
+from tests.pallas_kernels.suite import KernelSuite, PagedSuite, Shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +138,7 @@ CASES = (
 )
 
 
-class TestIntDecode(KernelSuite):
+class TestIntDecode(PagedSuite, KernelSuite):
     entry = staticmethod(api.int_decode)
     reference = staticmethod(reference.int_decode)
     CASES = CASES
@@ -149,6 +149,8 @@ class TestIntDecode(KernelSuite):
     DROP = (Case(1, 1, 4, 48, 128, 4, (48,)), [32])
     TOLERANCE: ClassVar[dict[str, float]] = {"out": ATOL, "lse": LSE_ATOL}
     IMPL = "int_decode"
+    PAGED_ARRAYS: ClassVar[dict[str, int]] = {name: 1 for name in (
+        "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")}
     NEEDLE_SPECS = ("int:4 window=16 sinks=4", "k=saw:h32,signs v=int:4 window=16 sinks=4",
                     "hyperquant:e8,4bps,int8 window=16 sinks=4")
 
