@@ -497,3 +497,13 @@ def test_the_free_bytes_are_taken_before_the_program_runs():
     assert caught.value.free == 2**30
     assert "1073741824 bytes (1.00 GiB) free on gpu:0 when the program started;" in str(
         caught.value)
+
+
+@pytest.mark.parametrize("spec", ["int:4 window=4", "int:4 evict=snapkv:50%"])
+def test_a_paged_cache_generates_what_the_contiguous_one_does(params, spec):
+    prompts = [list(range(1, 40)), list(range(5, 20))]
+    kw = {"max_new_tokens": 8, "eos_token_ids": (), "prefill_chunk": 16, "max_len": None}
+    contiguous = _generate(params, prompts, cache_config=parse_cache(spec), **kw)
+    paged = _generate(params, prompts, cache_config=parse_cache(spec + " page=16"), **kw)
+    assert paged.tokens == contiguous.tokens
+    assert paged.cache.pages is not None and paged.cache.config.page_tokens == 16
