@@ -165,7 +165,11 @@ def cache_specs(cache: KVCache) -> KVCache:
 
 
 def check_cache(mesh: Mesh | None, cache: KVCache) -> None:
-    """:func:`check_split` of a cache's rows and kv heads."""
+    """:func:`check_split` of a cache's rows and kv heads; a paged cache (one pool every
+    row reads) is not split over a mesh."""
+    if mesh is not None and cache.pages is not None:
+        raise MeshError(f"cache spec '{cache.config.spec}' is paged: a paged cache runs on "
+                        "one device (drop page= or the mesh)")
     raw = cache.segments[0].k.raw
     check_split(mesh, rows=int(raw.shape[1]), kv_heads=int(raw.shape[2]))
 

@@ -1,6 +1,8 @@
 """Caches over meshes of the suite's virtual CPU devices: the mesh grammar, where each
 array goes, attention and eviction per device equal to one device's."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,3 +163,12 @@ def test_eviction_per_device_equals_one_device(policy):
                                 sh.place_cache(mesh, target))
     _equal(got, want)
     assert int(jnp.sum(got.evicted)) > 0
+
+
+def test_a_paged_cache_is_not_split_over_a_mesh():
+    config = parse_cache("int:4 page=16")
+    make = functools.partial(kc.init_cache, jax.random.key(0), config, num_layers=1,
+                             batch=4, num_kv_heads=HEADS, head_dim=HEAD_DIM, max_len=48)
+    with pytest.raises(sh.MeshError, match="'int:4 page=16' is paged: a paged cache runs "
+                                           "on one device"):
+        sh.new_sharded_cache(sh.make_mesh("data=2"), make)
