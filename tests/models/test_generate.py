@@ -507,3 +507,15 @@ def test_a_paged_cache_generates_what_the_contiguous_one_does(params, spec):
     paged = _generate(params, prompts, cache_config=parse_cache(spec + " page=16"), **kw)
     assert paged.tokens == contiguous.tokens
     assert paged.cache.pages is not None and paged.cache.config.page_tokens == 16
+
+
+def test_a_paged_prompt_cache_resumes_as_generated(params, tmp_path):
+    prompts = [list(range(1, 30)), list(range(5, 20))]
+    kw = {"max_new_tokens": 6, "eos_token_ids": (), "max_len": 40}
+    config = parse_cache("int:4 window=4 page=16")
+    whole = gen.generate(params, CONFIG, prompts, cache_config=config,
+                         save_prompt=tmp_path / "prompt", **kw)
+    stored = gen.load_prompt_cache(tmp_path / "prompt", params=params, config=CONFIG)
+    np.testing.assert_array_equal(stored.prefill.cache.pages, whole.cache.pages)
+    resumed = gen.decode(params, CONFIG, stored.prefill, max_new_tokens=6, eos_token_ids=())
+    assert resumed.tokens == whole.tokens
