@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import compile_cache
 from kvjax.eval.memory import MODEL_SHAPES
 from kvjax.spec import parse_cache
 from models import generate as gen
@@ -57,7 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--hlo", action="store_true")
+    compile_cache.add_argument(p)
     args = p.parse_args(argv)
+    compile_cache.from_args(args)
     try:
         cache_config = parse_cache(args.cache)
         if min(args.batch, args.context, args.chunk) < 1 or args.chunk > args.context:
