@@ -33,7 +33,7 @@ from kvjax.eval.sweep import write_json
 from kvjax.spec import parse_cache
 from models import generate as gen
 from models.config import ModelConfig
-from models.llama import decode_layout, init_params, new_cache
+from models.llama import cache_shape, decode_layout, init_params
 
 
 def lowered_programs(config: ModelConfig, cache_config, *, batch: int, context: int,
@@ -41,19 +41,13 @@ def lowered_programs(config: ModelConfig, cache_config, *, batch: int, context: 
     """``{"prefill": Lowered, "decode": Lowered}`` of the model's programs, from shapes."""
     params = jax.eval_shape(lambda: decode_layout(init_params(jax.random.key(0), config,
                                                               jnp.bfloat16)))
-    cache = jax.eval_shape(lambda: new_cache(config, cache_config, batch=batch,
-                                             max_len=context + new_tokens,
-                                             key=jax.random.key(0)))
-    i32 = jnp.int32
+    cache = cache_shape(config, cache_config, batch=batch, max_len=context + new_tokens)
+    prefill = gen._prefill_jit.lower(*gen.prefill_arguments(params, config, cache, chunk=chunk))
+    logits = jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32)
     return {
-        "prefill": gen._prefill_jit.lower(
-            params, config, None, jax.ShapeDtypeStruct((batch, chunk), i32),
-            jax.ShapeDtypeStruct((batch,), i32), cache),
-        "decode": gen._decode_jit.lower(
-            params, config, None, new_tokens, True,
-            jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32), cache,
-            jax.ShapeDtypeStruct((1,), i32), jax.random.key(1), jnp.float32(1),
-            jnp.float32(1)),
+        "prefill": prefill,
+        "decode": gen._decode_jit.lower(*gen.decode_arguments(
+            params, config, logits, cache, max_new_tokens=new_tokens, greedy=True)),
     }
 
 

@@ -116,22 +116,16 @@ def program_temps(params, config: ModelConfig, cache_config: CacheConfig, *, bat
                   context: int, chunk: int, new_tokens: int) -> tuple[int, int]:
     """XLA's temporary bytes of the compiled prefill chunk and decode loop at ``batch``
     rows (compiled from shapes alone, nothing allocated), the working memory that must
-    fit beside the weights and the cache."""
+    fit beside the weights and the cache. They are the programs a run at that batch
+    then executes (:func:`models.generate.prefill_program` keeps them)."""
     from models import generate as gen
-    from models.llama import new_cache
+    from models.llama import cache_shape
 
-    max_len = context + new_tokens
-    cache = jax.eval_shape(lambda: new_cache(config, cache_config, batch=batch,
-                                             max_len=max_len, key=jax.random.key(0)))
-    i32 = jnp.int32
-    prefill = gen._prefill_jit.lower(
-        params, config, None, jax.ShapeDtypeStruct((batch, min(chunk, context)), i32),
-        jax.ShapeDtypeStruct((batch,), i32), cache).compile()
-    decode = gen._decode_jit.lower(
-        params, config, None, new_tokens, True,
-        jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32), cache,
-        jax.ShapeDtypeStruct((1,), i32), jax.random.key(1), jnp.float32(1),
-        jnp.float32(1)).compile()
+    cache = cache_shape(config, cache_config, batch=batch, max_len=context + new_tokens)
+    prefill = gen.prefill_program(params, config, cache, chunk=min(chunk, context))
+    logits, cache = prefill.out_info[:2]
+    decode = gen.decode_program(params, config, logits, cache, max_new_tokens=new_tokens,
+                                greedy=True, num_eos=0)
     return (prefill.memory_analysis().temp_size_in_bytes,
             decode.memory_analysis().temp_size_in_bytes)
 

@@ -8,7 +8,9 @@ against what XLA's memory analysis of the compiled program says.
 A random-weight model of ``--shape`` (decode layout, as ``bench_e2e.py`` runs it), a new
 cache of ``--cache`` for ``--batch`` rows of ``--context`` tokens (plus 16), and one
 prefill chunk of ``--chunk`` tokens through the model's compiled prefill
-(:mod:`models.generate`), the cache donated. Printed: the cache's bytes, the program's
+(:func:`models.generate.prefill_program`, compiled before the cache is allocated, as
+:func:`models.generate.prefill` does), the cache donated. Printed: the peak bytes while
+compiling (XLA's autotuning allocates there) beyond the weights, the cache's bytes, the program's
 arguments, outputs (and how many of them alias the donated inputs) and temporaries from
 ``compiled.memory_analysis()``, and on a device that keeps memory statistics the peak
 bytes in use during the chunk less the weights and the cache: what the program needed
@@ -33,7 +35,7 @@ from kvjax.eval.memory import MODEL_SHAPES
 from kvjax.spec import parse_cache
 from models import generate as gen
 from models.config import ModelConfig
-from models.llama import decode_layout, init_params, new_cache
+from models.llama import cache_shape, decode_layout, init_params, new_cache
 
 
 def gib(n: float) -> str:
@@ -75,13 +77,16 @@ def main(argv=None) -> int:
                                     num_layers=args.layers)
     params = jax.block_until_ready(decode_layout(init_params(jax.random.key(0), config,
                                                              jnp.bfloat16)))
+    # compiled first, as models.generate does: autotuning's buffers before the cache's
+    shape = cache_shape(config, cache_config, batch=args.batch, max_len=max_len)
+    compiled = gen.prefill_program(params, config, shape, chunk=args.chunk)
+    compiling = in_use(device)
     cache = jax.block_until_ready(new_cache(config, cache_config, batch=args.batch,
                                             max_len=max_len))
     cache_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
     tokens = jnp.asarray(np.random.default_rng(0).integers(
         0, config.vocab_size, (args.batch, args.chunk)), jnp.int32)
     valid = jnp.full((args.batch,), args.chunk, jnp.int32)
-    compiled = gen._prefill_jit.lower(params, config, None, tokens, valid, cache).compile()
     sizes = compiled.memory_analysis()
     print(f"cache {cache_config.spec}: {gib(cache_bytes)} for {args.batch} rows of "
           f"{max_len} tokens")
@@ -92,12 +97,18 @@ def main(argv=None) -> int:
     _, cache = compiled(params, tokens, valid, cache)
     jax.block_until_ready(cache)
     after = in_use(device)
-    if before is None or after is None:
+    if before is None or after is None or compiling is None:
         print("run time: this device keeps no memory statistics")
     else:
+        weights = compiling[0]
+        print(f"compiling: peak {gib(compiling[1])}, of which beyond the weights "
+              f"{gib(compiling[1] - weights)} (before the cache existed)")
         held = before[0]  # the weights and the cache, allocated before the chunk
+        # the device's peak counts from the process's start: a run that needed less
+        # than the compilation leaves it where the compilation put it
+        beyond = "at most " if after[1] == compiling[1] else ""
         print(f"run time: peak {gib(after[1])}, of which beyond the weights and the cache "
-              f"{gib(after[1] - held)} (analysed temporaries "
+              f"{beyond}{gib(after[1] - held)} (analysed temporaries "
               f"{gib(sizes.temp_size_in_bytes)})")
     if args.hlo:
         slots = str(max_len)

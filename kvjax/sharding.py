@@ -208,13 +208,23 @@ def place_cache(mesh: Mesh, cache: KVCache) -> KVCache:
     return jax.device_put(cache, shardings(mesh, cache_specs(cache), cache))
 
 
+def sharded_cache_shape(mesh: Mesh, make: Callable[[], KVCache]) -> KVCache:
+    """The cache ``make()`` would build, as :class:`jax.ShapeDtypeStruct` leaves that
+    carry its sharded layout on ``mesh`` (:func:`new_sharded_cache`'s): nothing is
+    allocated, so a program can be compiled for the cache before it exists."""
+    shape = jax.eval_shape(make)
+    check_cache(mesh, shape)
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(
+        leaf.shape, leaf.dtype, sharding=sharding), shape,
+        shardings(mesh, cache_specs(shape), shape))
+
+
 def new_sharded_cache(mesh: Mesh, make: Callable[[], KVCache]) -> KVCache:
     """The cache ``make()`` builds (e.g. a closure over :func:`kvjax.cache.init_cache`),
     created directly in its sharded layout: no device ever holds the whole cache, so a
     cache larger than one device's memory can be made."""
-    shape = jax.eval_shape(make)
-    check_cache(mesh, shape)
-    return jax.jit(make, out_shardings=shardings(mesh, cache_specs(shape), shape))()
+    shape = sharded_cache_shape(mesh, make)
+    return jax.jit(make, out_shardings=jax.tree.map(lambda leaf: leaf.sharding, shape))()
 
 
 def sharded_zeros(mesh: Mesh, shape: tuple[int, ...], dtype: Any, spec: P) -> jax.Array:

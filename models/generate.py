@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from kvjax.cache import KVCache, check, evict_into, memory_bytes
 from kvjax.checkpoint import CheckpointError, disk_bytes, load_cache, save_cache
@@ -49,6 +49,7 @@ from models.config import ModelConfig
 from models.llama import (
     Params,
     attention_observer,
+    cache_shape,
     hidden_states,
     lm_logits,
     new_cache,
@@ -192,6 +193,59 @@ def _compiled(name, jitted, static, args, static_argnums):
     if key not in _COMPILED:
         _COMPILED[key] = jitted.lower(*args).compile()
     return _COMPILED[key]
+
+
+def _placed(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    """A small argument's shape, its placement left to the program (as an array made
+    without one): always passed as this shape, so its key never changes."""
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def prefill_arguments(params: Params, config: ModelConfig, cache: KVCache, *, chunk: int,
+                      mesh: Mesh | None = None) -> tuple:
+    """The arguments the prefill program is compiled for: one chunk of ``chunk`` tokens
+    of every row of ``cache`` (a cache or :func:`models.llama.cache_shape`'s), the
+    tokens and lengths as shapes."""
+    i32 = jnp.int32
+    return (params, config, mesh, _placed((cache.batch, chunk), i32),
+            _placed((cache.batch,), i32), cache)
+
+
+def prefill_program(params: Params, config: ModelConfig, cache: KVCache, *, chunk: int,
+                    mesh: Mesh | None = None):
+    """The compiled prefill of one ``chunk``-token piece of every row into ``cache`` (a
+    cache or its shape, :func:`models.llama.cache_shape`), called as
+    ``program(params, tokens [B, chunk], valid [B], cache) -> (logits, cache)`` with the
+    cache donated. Compiled once per shape in a process: the program :func:`prefill`
+    runs. Compile it from the cache's shape before the cache exists and XLA's
+    compile-time scratch does not compete with the cache for memory."""
+    return _compiled("prefill", _prefill_jit, (config, mesh),
+                     prefill_arguments(params, config, cache, chunk=chunk, mesh=mesh), (1, 2))
+
+
+def decode_arguments(params: Params, config: ModelConfig, logits: Any, cache: KVCache, *,
+                     max_new_tokens: int, greedy: bool, num_eos: int = 1,
+                     mesh: Mesh | None = None) -> tuple:
+    """The arguments the decode loop is compiled for, ``logits [B, V]`` and ``cache``
+    arrays or shapes, the stop tokens (``num_eos`` of them), the sampling key and the
+    sampling parameters as shapes."""
+    f32 = jnp.float32
+    return (params, config, mesh, max_new_tokens, greedy, logits, cache,
+            _placed((max(1, num_eos),), jnp.int32), _placed((2,), jnp.uint32),
+            _placed((), f32), _placed((), f32))
+
+
+def decode_program(params: Params, config: ModelConfig, logits: Any, cache: KVCache, *,
+                   max_new_tokens: int, greedy: bool, num_eos: int = 1,
+                   mesh: Mesh | None = None):
+    """The compiled decode loop of ``max_new_tokens`` steps over ``cache`` (arrays or
+    shapes, as :func:`prefill_program`'s), called as ``program(params, logits, cache,
+    eos [num_eos], key, temperature, top_p) -> (tokens, cache)``: the program
+    :func:`decode` runs, compiled once per shape in a process."""
+    return _compiled("decode", _decode_jit, (config, mesh, max_new_tokens, greedy),
+                     decode_arguments(params, config, logits, cache,
+                                      max_new_tokens=max_new_tokens, greedy=greedy,
+                                      num_eos=num_eos, mesh=mesh), (1, 2, 3, 4))
 
 
 class OutOfMemoryError(MemoryError):
@@ -377,6 +431,10 @@ class _MemoryBoundary:
                             devices=self.devices, free_at_start=self.free_at_start) from err
 
 
+def _stop_tokens(config: ModelConfig, eos_token_ids: Sequence[int] | None) -> tuple[int, ...]:
+    return tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+
+
 def _validate_sampling(max_new_tokens, temperature, top_p):
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -419,6 +477,8 @@ class Prefill:
     cache: KVCache
     seconds: float
     compile_s: float
+    #: seconds spent compiling the decode loop ahead of the cache (:func:`generate`)
+    decode_compile_s: float = 0.0
 
 
 def prefill(
@@ -446,9 +506,20 @@ def prefill(
     ``key`` draws the codec parameters. ``mesh`` (:func:`kvjax.sharding.make_mesh`):
     the model runs tensor-parallel over it and the cache is split over its rows and kv
     heads (:func:`models.llama.hidden_states`); the prompts must split over its data
-    axis. A cache or program that does not fit in device memory raises
-    :class:`OutOfMemoryError`.
+    axis. The program is compiled before the cache is allocated (for the cache's shape),
+    so that XLA's compile-time buffers never sit beside it. A cache or program that does
+    not fit in device memory raises :class:`OutOfMemoryError`.
     """
+    return _prefill_prompts(params, config, prompts, cache_config=cache_config, max_len=max_len,
+                    room=room, cache_dtype=cache_dtype, chunk=chunk, key=key,
+                    calibration=calibration, mesh=mesh)
+
+
+def _prefill_prompts(params, config, prompts, *, cache_config, max_len, room, cache_dtype,
+                     chunk, key, calibration, mesh,
+                     decode_ahead: tuple[int, bool, int] | None = None) -> Prefill:
+    """:func:`prefill`; ``decode_ahead = (max_new_tokens, greedy, num_eos)`` also
+    compiles the decode loop that will follow, before the cache exists."""
     batch = len(prompts)
     if mesh is not None:  # shard_params checks the heads
         check_split(mesh, rows=batch)
@@ -467,43 +538,62 @@ def prefill(
     tokens = jnp.asarray(tokens)
     key = jax.random.PRNGKey(0) if key is None else key
     policy = cache_config.evict
-    # the cache is allocated here too: where a batch that does not fit fails first
+    observe = policy is not None and policy.observes
+    if policy is None:
+        made = dict(cache_config=cache_config, batch=batch, max_len=max_len, dtype=cache_dtype,
+                    key=key, calibration=calibration, mesh=mesh)
+    else:
+        exact = CacheConfig(k="f32" if jnp.dtype(cache_dtype) == jnp.float32 else "bf16")
+        made = dict(cache_config=exact, batch=batch, max_len=width, dtype=cache_dtype,
+                    mesh=mesh)
+    mass_shape = (config.num_layers, batch, config.num_kv_heads, width)
+
+    def arguments(start, cache, mass):
+        piece = tokens[:, start:start + chunk]
+        args = (params, config, mesh, piece, jnp.clip(valid - start, 0, chunk), cache)
+        if not observe:
+            return args
+        positions = start + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        weights = policy.query_weights(jnp.broadcast_to(positions, piece.shape), valid)
+        return (*args, weights, mass)
+
     boundary = _MemoryBoundary("prefill", batch=batch, context=max_len, mesh=mesh,
                                detail=f" (prompts of {width} tokens, {chunk} at a time)")
     with boundary:
-        if policy is None:
-            cache = new_cache(config, cache_config, batch=batch, max_len=max_len,
-                              dtype=cache_dtype, key=key, calibration=calibration, mesh=mesh)
+        t0 = time.perf_counter()
+        shape = cache_shape(config, **made)
+        if observe:
+            mass = jax.ShapeDtypeStruct(mass_shape, jnp.float32, sharding=(
+                jnp.zeros(()).sharding if mesh is None
+                else NamedSharding(mesh, ROWS_HEADS)))
+            compiled = _compiled("prefill_observed", _observed_prefill_jit, (config, mesh),
+                                 arguments(0, shape, mass), (1, 2))
         else:
-            exact = CacheConfig(k="f32" if jnp.dtype(cache_dtype) == jnp.float32 else "bf16")
-            cache = new_cache(config, exact, batch=batch, max_len=width, dtype=cache_dtype,
-                              mesh=mesh)
-        observe = policy is not None and policy.observes
+            compiled = prefill_program(params, config, shape, chunk=chunk, mesh=mesh)
+        boundary.compiled = compiled
+        t1 = time.perf_counter()
+        decode_compile_s = 0.0
+        if decode_ahead is not None:
+            logits_shape, final = compiled.out_info[:2]
+            if policy is not None:
+                final = cache_shape(config, cache_config, batch=batch,
+                                    max_len=policy.capacity(width) + room, dtype=cache_dtype,
+                                    key=key, calibration=calibration, mesh=mesh)
+            new_tokens, greedy, num_eos = decode_ahead
+            decode_program(params, config, logits_shape, final, max_new_tokens=new_tokens,
+                           greedy=greedy, num_eos=num_eos, mesh=mesh)
+            decode_compile_s = time.perf_counter() - t1
+        # the cache is allocated here too: where a batch that does not fit fails first
+        cache = new_cache(config, **made)
         mass = None
         if observe:
-            shape = (config.num_layers, batch, config.num_kv_heads, width)
             # on a mesh made split as the cache is: no device holds every row's scores
-            mass = (jnp.zeros(shape, jnp.float32) if mesh is None
-                    else sharded_zeros(mesh, shape, jnp.float32, ROWS_HEADS))
-
-        def arguments(start):
-            piece = tokens[:, start:start + chunk]
-            args = (params, config, mesh, piece, jnp.clip(valid - start, 0, chunk), cache)
-            if not observe:
-                return args
-            positions = start + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-            weights = policy.query_weights(jnp.broadcast_to(positions, piece.shape), valid)
-            return (*args, weights, mass)
-
-        name, jitted = (("prefill_observed", _observed_prefill_jit) if observe
-                        else ("prefill", _prefill_jit))
-        t0 = time.perf_counter()
-        compiled = boundary.compiled = _compiled(name, jitted, (config, mesh), arguments(0),
-                                                 (1, 2))
-        t1 = time.perf_counter()
+            mass = (jnp.zeros(mass_shape, jnp.float32) if mesh is None
+                    else sharded_zeros(mesh, mass_shape, jnp.float32, ROWS_HEADS))
+        t2 = time.perf_counter()
         logits = None
         for start in range(0, width, chunk):
-            params_, _, _, *rest = arguments(start)
+            params_, _, _, *rest = arguments(start, cache, mass)
             chunk_logits, cache, *observed = compiled(params_, *rest)
             if observe:
                 mass = observed[0]
@@ -517,8 +607,8 @@ def prefill(
             cache = (evict_into(cache, mass, target) if mesh is None
                      else sharded_evict_into(mesh, cache, mass, target))
         jax.block_until_ready((logits, cache))
-    return Prefill(logits=logits, cache=cache, seconds=time.perf_counter() - t1,
-                   compile_s=t1 - t0)
+    return Prefill(logits=logits, cache=cache, seconds=time.perf_counter() - t2,
+                   compile_s=t1 - t0, decode_compile_s=decode_compile_s)
 
 
 def generate(
@@ -571,10 +661,13 @@ def generate(
     with warnings.catch_warnings():
         # CPU backends cannot donate buffers and say so on every call
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        pre = prefill(params, config, prompts, cache_config=cache_config, max_len=max_len,
-                      room=max_new_tokens, cache_dtype=cache_dtype, chunk=prefill_chunk,
-                      key=jax.random.fold_in(jax.random.PRNGKey(seed), 0),
-                      calibration=calibration, mesh=mesh)
+        # both programs compiled before the cache exists
+        pre = _prefill_prompts(
+            params, config, prompts, cache_config=cache_config, max_len=max_len,
+            room=max_new_tokens, cache_dtype=cache_dtype, chunk=prefill_chunk,
+            key=jax.random.fold_in(jax.random.PRNGKey(seed), 0), calibration=calibration,
+            mesh=mesh, decode_ahead=(max_new_tokens, temperature == 0,
+                                     len(_stop_tokens(config, eos_token_ids))))
     if save_prompt is not None:
         save_prompt_cache(save_prompt, pre, params=params, config=config, prompts=prompts,
                           seed=seed, overwrite=True)
@@ -620,7 +713,7 @@ def decode(
         raise ValueError(f"{last} prompt positions + max_new_tokens = "
                          f"{last + max_new_tokens} exceeds max_position_embeddings="
                          f"{config.max_position_embeddings}")
-    eos = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    eos = _stop_tokens(config, eos_token_ids)
     eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
     greedy = temperature == 0
     temperature_arr = jnp.float32(temperature if not greedy else 1.0)
@@ -632,11 +725,9 @@ def decode(
     with warnings.catch_warnings(), boundary:
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         t2 = time.perf_counter()
-        dec_args = (params, config, mesh, max_new_tokens, greedy, logits, cache, eos_arr,
-                    sample_key, temperature_arr, top_p_arr)
-        compiled = boundary.compiled = _compiled(
-            "decode", _decode_jit, (config, mesh, max_new_tokens, greedy), dec_args,
-            (1, 2, 3, 4))
+        compiled = boundary.compiled = decode_program(
+            params, config, logits, cache, max_new_tokens=max_new_tokens, greedy=greedy,
+            num_eos=len(eos), mesh=mesh)
         t3 = time.perf_counter()
         out, cache = compiled(params, logits, cache, eos_arr, sample_key,
                               temperature_arr, top_p_arr)
@@ -654,9 +745,9 @@ def decode(
         tokens=new_tokens,
         prefill_s=pre.seconds,
         decode_s=decode_s,
-        compile_s=pre.compile_s + (t3 - t2),
+        compile_s=pre.compile_s + pre.decode_compile_s + (t3 - t2),
         prefill_compile_s=pre.compile_s,
-        decode_compile_s=t3 - t2,
+        decode_compile_s=pre.decode_compile_s + (t3 - t2),
         decode_tok_per_s=decoded / decode_s if decode_s > 0 else float("nan"),
         cache_bytes=memory_bytes(cache),
         cache=cache,

@@ -57,6 +57,7 @@ from kvjax.sharding import (
     check_split,
     new_sharded_cache,
     per_shard,
+    sharded_cache_shape,
     shardings,
 )
 from kvjax.spec import CacheConfig
@@ -613,6 +614,16 @@ def new_cache(
     :func:`kvjax.calibration.fitted_of`). ``mesh``: made split over it, rows over
     ``data`` and kv heads over ``model`` (:func:`kvjax.sharding.new_sharded_cache`),
     the same values as without."""
+    make = _cache_maker(config, cache_config, batch=batch, max_len=max_len, dtype=dtype,
+                        key=key, calibration=calibration)
+    if mesh is None:
+        return make()
+    check_mesh(config, mesh, rows=batch)
+    return new_sharded_cache(mesh, make)
+
+
+def _cache_maker(config: ModelConfig, cache_config: CacheConfig, *, batch: int, max_len: int,
+                 dtype: Any, key: jax.Array | None, calibration: Any) -> Callable[[], KVCache]:
     fitted = fitted_of(cache_config) if cache_config.fit else None
 
     def make() -> KVCache:
@@ -623,10 +634,28 @@ def new_cache(
             fitted=fitted,
         )
 
-    if mesh is None:
-        return make()
-    check_mesh(config, mesh, rows=batch)
-    return new_sharded_cache(mesh, make)
+    return make
+
+
+def cache_shape(
+    config: ModelConfig, cache_config: CacheConfig, *, batch: int, max_len: int,
+    dtype: Any = jnp.bfloat16, key: jax.Array | None = None, calibration: Any = None,
+    mesh: Mesh | None = None,
+) -> KVCache:
+    """The cache :func:`new_cache` makes with the same arguments, as
+    :class:`jax.ShapeDtypeStruct` leaves carrying the shardings its arrays will have
+    (the default device's without ``mesh``): nothing is allocated. Programs compiled
+    for it take the cache itself, and compiling them before the cache exists leaves
+    XLA's compile-time scratch (autotuning buffers) the memory the cache will take."""
+    make = _cache_maker(config, cache_config, batch=batch, max_len=max_len, dtype=dtype,
+                        key=key, calibration=calibration)
+    if mesh is not None:
+        check_mesh(config, mesh, rows=batch)
+        return sharded_cache_shape(mesh, make)
+    here = jnp.zeros(()).sharding  # where an array made without a placement goes
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                          sharding=here),
+                        jax.eval_shape(make))
 
 
 def logits_no_cache(

@@ -4,6 +4,7 @@ import json
 import math
 
 import jax
+import numpy as np
 import pytest
 
 from experiments import bench_e2e
@@ -165,3 +166,25 @@ def test_program_temps_compile_from_shapes():
     prefill, decode = bench_e2e.program_temps(params, config, parse_cache("int:4"),
                                               batch=2, context=40, chunk=16, new_tokens=2)
     assert prefill > 0 and decode > 0
+
+
+def test_the_checked_programs_are_the_ones_that_run(monkeypatch):
+    """A run at the checked batch compiles nothing more: the temporaries measured are
+    those of the programs it executes, compiled before its cache existed."""
+    import jax.numpy as jnp
+
+    from models import generate as gen
+    from models.llama import init_params
+
+    monkeypatch.setattr(gen, "_COMPILED", {})
+    config, cache_config = _one_layer_tiny(), parse_cache("int:4")
+    params = init_params(jax.random.key(0), config, jnp.bfloat16)
+    bench_e2e.program_temps(params, config, cache_config, batch=2, context=40, chunk=16,
+                            new_tokens=2)
+    checked = dict(gen._COMPILED)
+    assert sorted(key[0] for key in checked) == ["decode", "prefill"]
+    rng = np.random.default_rng(0)
+    gen.generate(params, config, rng.integers(0, config.vocab_size, (2, 40)).tolist(),
+                 cache_config=cache_config, max_new_tokens=2, eos_token_ids=(), max_len=42,
+                 prefill_chunk=16)
+    assert gen._COMPILED == checked

@@ -103,6 +103,33 @@ def test_decode_compiles_once(params):
     assert first.tokens != second.tokens
 
 
+def programs_at_allocation(monkeypatch, generate):
+    """The names of the programs compiled when each cache of ``generate()`` was
+    allocated, and the programs compiled in all."""
+    monkeypatch.setattr(gen, "_COMPILED", {})
+    seen, real = [], gen.new_cache
+
+    def new_cache(*args, **kw):
+        seen.append(sorted(key[0] for key in gen._COMPILED))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gen, "new_cache", new_cache)
+    generate()
+    return seen, sorted(key[0] for key in gen._COMPILED)
+
+
+@pytest.mark.parametrize("spec,prefill", [("bf16", "prefill"),
+                                          ("bf16 evict=h2o:16", "prefill_observed")])
+def test_both_programs_compile_before_the_cache_exists(params, monkeypatch, spec, prefill):
+    """XLA's compile-time buffers (autotuning's among them) never sit beside the cache;
+    the decode compiled ahead is the one that runs (compiled once)."""
+    seen, compiled = programs_at_allocation(
+        monkeypatch, lambda: _generate(params, PROMPTS, cache_config=parse_cache(spec),
+                                       max_new_tokens=8))
+    assert seen and all(names == ["decode", prefill] for names in seen)
+    assert compiled == ["decode", prefill]
+
+
 @pytest.mark.parametrize("every", [1, 3])
 def test_done_checked_every_few_steps_gives_the_same_tokens(params, batch_result,
                                                               monkeypatch, every):
@@ -389,8 +416,8 @@ class _Exhausted:
     def __init__(self, compiled, message=EXHAUSTED):
         self.compiled, self.message = compiled, message
 
-    def memory_analysis(self):
-        return self.compiled.memory_analysis()
+    def __getattr__(self, name):  # memory_analysis, out_info: the real program's
+        return getattr(self.compiled, name)
 
     def __call__(self, *args):
         raise jax.errors.JaxRuntimeError(self.message)
@@ -451,7 +478,10 @@ def test_a_prefill_that_does_not_compile_names_its_chunk(params, monkeypatch):
             r"context, a smaller prefill chunk or a more compressed cache")):
         _generate(params, PROMPTS, prefill_chunk=8)
     # another runtime error is not a memory error
-    monkeypatch.setattr(gen, "_compiled", lambda *args: _Exhausted(None, "INTERNAL: boom"))
+    monkeypatch.undo()
+    real = gen._compiled
+    monkeypatch.setattr(gen, "_compiled",
+                        lambda *args: _Exhausted(real(*args), "INTERNAL: boom"))
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: boom"):
         _generate(params, PROMPTS)
 

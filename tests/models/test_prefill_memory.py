@@ -30,7 +30,7 @@ from jax.extend import core as jcore
 from kvjax.spec import parse_cache
 from models import llama
 from models.config import ModelConfig
-from models.generate import _prefill, _prefill_jit
+from models.generate import _prefill, prefill_arguments, prefill_program
 
 CONFIG = ModelConfig(family="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -48,11 +48,8 @@ SPECS = ("bf16", "int:4", "turboquant:b4", "hqmq:s96,r4", "octopus:b2,qjl")
 def _shapes(spec: str, context: int):
     params = jax.eval_shape(lambda: llama.init_params(jax.random.key(0), CONFIG,
                                                       jnp.bfloat16))
-    cache = jax.eval_shape(lambda: llama.new_cache(CONFIG, parse_cache(spec), batch=BATCH,
-                                                   max_len=context, key=jax.random.key(0)))
-    tokens = jax.ShapeDtypeStruct((BATCH, CHUNK), jnp.int32)
-    valid = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
-    return (params, CONFIG, None, tokens, valid, cache), cache
+    cache = llama.cache_shape(CONFIG, parse_cache(spec), batch=BATCH, max_len=context)
+    return prefill_arguments(params, CONFIG, cache, chunk=CHUNK), cache
 
 
 def _nbytes(tree) -> int:
@@ -63,8 +60,8 @@ def _nbytes(tree) -> int:
 def test_compiled_prefill_temporaries_do_not_grow_with_the_context(spec):
     temps, caches = [], []
     for context in CONTEXTS:
-        args, cache = _shapes(f"{spec} attn=xla", context)
-        compiled = _prefill_jit.lower(*args).compile()
+        (params, *_), cache = _shapes(f"{spec} attn=xla", context)
+        compiled = prefill_program(params, CONFIG, cache, chunk=CHUNK)
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
         caches.append(_nbytes(cache))
     short, long = temps

@@ -16,6 +16,7 @@ from models import llama
 from models.config import ModelConfig
 from models.evaluate import cache_perplexity
 from models.generate import decode, generate, load_prompt_cache, prefill, save_prompt_cache
+from tests.models.test_generate import programs_at_allocation
 
 #: 8 query heads over 4 kv heads (GQA 2), MLP units and vocabulary that split by 2, 4, 8
 CONFIG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
@@ -76,12 +77,18 @@ def test_sharded_prefill_equals_one_device(params, mesh_shape):
     ("bf16 evict=h2o:16", "data=2,model=2"),   # observed prefill, eviction per device
     ("int:4 attn=int_decode,reference", "data=2,model=2"),  # the fused kernel per device
 ])
-def test_sharded_generation_gives_the_same_tokens(params, spec, mesh_shape):
+def test_sharded_generation_gives_the_same_tokens(params, spec, mesh_shape, monkeypatch):
+    got = []
     cc = parse_cache(spec)
     kw = {"cache_config": cc, "max_new_tokens": NEW, "cache_dtype": jnp.float32,
           "eos_token_ids": ()}
     want = generate(params, CONFIG, PROMPTS, **kw)
-    got = generate(params, CONFIG, PROMPTS, mesh=make_mesh(mesh_shape), **kw)
+    seen, compiled = programs_at_allocation(
+        monkeypatch, lambda: got.append(generate(params, CONFIG, PROMPTS,
+                                                 mesh=make_mesh(mesh_shape), **kw)))
+    got = got[0]
+    # the programs compiled for the sharded cache's shape are the ones that ran
+    assert all(set(names) >= {"decode"} for names in seen) and compiled.count("decode") == 1
     assert got.tokens == want.tokens
     assert memory_bytes(got.cache) == memory_bytes(want.cache)
     np.testing.assert_array_equal(got.cache.lengths, want.cache.lengths)
