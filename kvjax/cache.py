@@ -443,6 +443,36 @@ def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array) -> KVCache:
         dataclasses.replace(seg, k=copy(seg.k), v=copy(seg.v)) for seg in cache.segments))
 
 
+@jax.jit
+def reset_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+    """``cache`` with the rows ``rows [B]`` (bool) empty again, as :func:`init_cache`
+    makes them: no tokens, no flags, the raw window and sinks zero, a key transform of
+    ``first`` neutral until the row's next first append. Their codes stay where they are
+    (no read goes past a row's length); a paged row keeps its block table
+    (:func:`with_pages` gives it another). A serving engine refills a retired row so."""
+    def clear(store: Store) -> Store:
+        def where(a, value):  # the stacks' rows are their second axis
+            mask = rows.reshape((1, -1) + (1,) * (a.ndim - 2))
+            return jnp.where(mask, jnp.asarray(value, a.dtype), a)
+
+        return dataclasses.replace(
+            store, raw=where(store.raw, 0), sink=where(store.sink, 0),
+            nonfinite=where(store.nonfinite, False), saturated=where(store.saturated, 0),
+            shift=(store.shift if store.shift is None or store.center != "first"
+                   else where(store.shift, 0.0)),
+            scale=(store.scale if store.scale is None or store.smooth != "first"
+                   else where(store.scale, 1.0)))
+
+    def zero(a):
+        return None if a is None else jnp.where(rows, jnp.zeros_like(a), a)
+
+    return dataclasses.replace(
+        cache, segments=tuple(dataclasses.replace(seg, k=clear(seg.k), v=clear(seg.v))
+                              for seg in cache.segments),
+        lengths=zero(cache.lengths), overflowed=zero(cache.overflowed),
+        bad_valid=zero(cache.bad_valid), evicted=zero(cache.evicted))
+
+
 def _with_tables(view: Segment, pages: jax.Array | None) -> Segment:
     """A layer view whose paged stores carry the block tables ``pages`` (None: none, as
     the segments' stacks hold them)."""

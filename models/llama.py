@@ -606,16 +606,17 @@ jit_forward = jax.jit(forward, static_argnums=1, static_argnames="mesh")
 def new_cache(
     config: ModelConfig, cache_config: CacheConfig, *, batch: int, max_len: int,
     dtype: Any = jnp.bfloat16, key: jax.Array | None = None, calibration: Any = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | None = None, num_pages: int | None = None,
 ) -> KVCache:
     """An empty kvjax cache shaped for this model (``calibration``: the key calibration
     of a spec with ``calib`` clauses, :func:`models.evaluate.calibrate_keys`; codecs that
     take fitted parameters read the checkpoint of the spec's ``fit=`` clause,
     :func:`kvjax.calibration.fitted_of`). ``mesh``: made split over it, rows over
     ``data`` and kv heads over ``model`` (:func:`kvjax.sharding.new_sharded_cache`),
-    the same values as without."""
+    the same values as without. ``num_pages``: a paged spec's pool, its tables empty
+    (:func:`kvjax.cache.init_cache`)."""
     make = _cache_maker(config, cache_config, batch=batch, max_len=max_len, dtype=dtype,
-                        key=key, calibration=calibration)
+                        key=key, calibration=calibration, num_pages=num_pages)
     if mesh is None:
         return make()
     check_mesh(config, mesh, rows=batch)
@@ -623,7 +624,8 @@ def new_cache(
 
 
 def _cache_maker(config: ModelConfig, cache_config: CacheConfig, *, batch: int, max_len: int,
-                 dtype: Any, key: jax.Array | None, calibration: Any) -> Callable[[], KVCache]:
+                 dtype: Any, key: jax.Array | None, calibration: Any,
+                 num_pages: int | None) -> Callable[[], KVCache]:
     fitted = fitted_of(cache_config) if cache_config.fit else None
 
     def make() -> KVCache:
@@ -631,7 +633,7 @@ def _cache_maker(config: ModelConfig, cache_config: CacheConfig, *, batch: int, 
             jax.random.PRNGKey(0) if key is None else key, cache_config,
             num_layers=config.num_layers, batch=batch, num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim, max_len=max_len, dtype=dtype, calibration=calibration,
-            fitted=fitted,
+            fitted=fitted, num_pages=num_pages,
         )
 
     return make
@@ -640,7 +642,7 @@ def _cache_maker(config: ModelConfig, cache_config: CacheConfig, *, batch: int, 
 def cache_shape(
     config: ModelConfig, cache_config: CacheConfig, *, batch: int, max_len: int,
     dtype: Any = jnp.bfloat16, key: jax.Array | None = None, calibration: Any = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | None = None, num_pages: int | None = None,
 ) -> KVCache:
     """The cache :func:`new_cache` makes with the same arguments, as
     :class:`jax.ShapeDtypeStruct` leaves carrying the shardings its arrays will have
@@ -648,7 +650,7 @@ def cache_shape(
     for it take the cache itself, and compiling them before the cache exists leaves
     XLA's compile-time scratch (autotuning buffers) the memory the cache will take."""
     make = _cache_maker(config, cache_config, batch=batch, max_len=max_len, dtype=dtype,
-                        key=key, calibration=calibration)
+                        key=key, calibration=calibration, num_pages=num_pages)
     if mesh is not None:
         check_mesh(config, mesh, rows=batch)
         return sharded_cache_shape(mesh, make)

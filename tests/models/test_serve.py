@@ -1,0 +1,170 @@
+"""The continuous-batching engine on a tiny random llama: each request's greedy tokens
+are generate's alone, rows refill without recompiling, admission waits for pages,
+sampling follows the request's seed, bad requests are refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.cache import init_cache, reset_rows
+from kvjax.paging import OutOfPagesError
+from kvjax.spec import parse_cache
+from models import generate as gen
+from models.config import ModelConfig
+from models.llama import init_params
+from models.serve import MAX_STOP, Engine, Request
+
+CONFIG = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     max_position_embeddings=128, eos_token_ids=(3,))
+MAX_LEN, CHUNK = 64, 8
+_rng = np.random.default_rng(0)
+#: more requests than rows, prompts shorter and longer than a chunk
+PROMPTS = [_rng.integers(4, 128, n).tolist() for n in (5, 19, 3, 33, 12)]
+NEW = [9, 4, 12, 6, 10]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(jax.random.PRNGKey(0), CONFIG)
+
+
+def _engine(params, spec, **kw):
+    kw = {"rows": 3, "max_len": MAX_LEN, "chunk": CHUNK, "cache_dtype": jnp.float32, **kw}
+    return Engine(params, CONFIG, parse_cache(spec), **kw)
+
+
+def _alone(params, spec, prompt, new, **kw):
+    return gen.generate(params, CONFIG, [prompt], cache_config=parse_cache(spec),
+                        max_new_tokens=new, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                        cache_dtype=jnp.float32, **kw).tokens[0]
+
+
+@pytest.mark.parametrize("spec", [
+    "bf16",                                               # contiguous rows
+    "int:4 page=16",                                      # the INT codes in pages
+    "k=saw:h16 v=turboquant:b4 window=4 sinks=2 center=first page=32",  # every row state
+])
+def test_each_request_gets_the_tokens_generate_gives_it_alone(params, spec):
+    engine = _engine(params, spec, decode_steps=2)
+    events = []
+    done = engine.run([Request(p, n, stop=()) for p, n in zip(PROMPTS, NEW, strict=True)],
+                      on_event=events.append)
+    for prompt, new, completion in zip(PROMPTS, NEW, done, strict=True):
+        assert completion.tokens == _alone(params, spec, prompt, new, eos_token_ids=())
+        assert completion.reason == "length" and len(completion.token_times) == new
+    # streamed in order, each request's done event after its tokens
+    for completion in done:
+        mine = [e for e in events if e.id == completion.id]
+        assert [e.token for e in mine[:-1]] == completion.tokens
+        assert mine[-1].done and mine[-1].token is None
+    assert engine.idle and engine.pages_used == 0
+
+
+def test_rows_are_refilled_without_compiling_again(params, monkeypatch):
+    monkeypatch.setattr(gen, "_COMPILED", {})
+    before = gen.TRACE_COUNTS["engine_decode"]
+    engine = _engine(params, "int:4 page=16", rows=2)
+    engine.run([Request(p, n, stop=()) for p, n in zip(PROMPTS, NEW, strict=True)])
+    engine.run([Request(PROMPTS[0], 3, stop=())])
+    assert sorted(key[0] for key in gen._COMPILED) == ["prefill"]
+    assert gen.TRACE_COUNTS["engine_decode"] - before <= 1  # once, unless cached already
+
+
+def test_admission_waits_for_pages_in_arrival_order(params):
+    spec = "int:4 page=16"
+    engine = _engine(params, spec, num_pages=3)
+    requests = [Request(PROMPTS[3], 6, stop=()), Request(PROMPTS[0], 9, stop=()),
+                Request(PROMPTS[2], 12, stop=())]
+    assert [engine.pages_needed(r) for r in requests] == [3, 1, 1]
+    ids = [engine.submit(r) for r in requests]
+    peak = 0
+    while not engine.idle:
+        engine.step()
+        peak = max(peak, engine.pages_used)
+        assert engine.pages_used <= 3
+    done = [engine.completions[i] for i in ids]
+    # the first held every page: the others waited for it, then ran side by side
+    assert done[1].admitted >= done[0].finished and done[2].admitted >= done[0].finished
+    assert done[1].admitted == done[2].admitted and peak == 3
+    for request, completion in zip(requests, done, strict=True):
+        assert completion.tokens == _alone(params, spec, list(request.prompt),
+                                           request.max_new_tokens, eos_token_ids=())
+    with pytest.raises(OutOfPagesError, match="4 needed"):
+        engine.submit(Request(PROMPTS[3], 30, stop=()))
+
+
+def test_stop_tokens_end_a_request_and_are_not_returned(params):
+    want = _alone(params, "bf16", PROMPTS[1], 12, eos_token_ids=())
+    stop = want[5]
+    cut = want[:want.index(stop)]
+    engine = _engine(params, "bf16")
+    named, default = engine.run([Request(PROMPTS[1], 12, stop=(stop,)),
+                                 Request(PROMPTS[1], 12)])
+    assert named.tokens == cut and named.reason == "stop"
+    # without stop=, the model's end-of-sequence tokens stop it, as generate's default
+    assert default.tokens == _alone(params, "bf16", PROMPTS[1], 12)
+
+
+def test_sampling_follows_the_request_seed_not_its_neighbours(params):
+    def sample(seed, others):
+        engine = _engine(params, "int:4 page=16")
+        requests = [Request(PROMPTS[0], 10, temperature=0.8, top_p=0.9, seed=seed, stop=())]
+        requests += [Request(p, 5, temperature=1.0, seed=9, stop=()) for p in others]
+        return engine.run(requests)[0].tokens
+
+    alone = sample(1, [])
+    assert sample(1, PROMPTS[1:4]) == alone
+    assert sample(2, []) != alone
+
+
+def test_bad_requests_and_engines_are_refused(params):
+    engine = _engine(params, "int:4 page=16", num_pages=2)
+    for request, match in [
+        (Request([], 4), "non-empty"),
+        (Request([1, 500], 4), "token ids must lie in 0..127"),
+        (Request([1, 2], 0), "max_new_tokens must be a positive int"),
+        (Request([1] * 60, 6), "need 65 slots; a row holds 64"),
+        (Request([1, 2], 4, temperature=float("nan")), "temperature"),
+        (Request([1, 2], 4, top_p=0.0), "top_p"),
+        (Request([1, 2], 4, stop=tuple(range(MAX_STOP + 1))), f"at most {MAX_STOP} stop"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            engine.submit(request)
+    with pytest.raises(OutOfPagesError):
+        engine.submit(Request([1] * 40, 10))
+    assert engine.idle
+    with pytest.raises(ValueError, match="evict"):
+        _engine(params, "bf16 evict=h2o:16")
+    with pytest.raises(ValueError, match="not paged"):
+        _engine(params, "int:4", num_pages=4)
+    with pytest.raises(ValueError, match="rows must be a positive int"):
+        _engine(params, "bf16", rows=0)
+
+
+def test_reset_rows_empties_the_rows_named_and_no_other():
+    cc = parse_cache("int:4 window=4 sinks=2 center=first")
+    cache = init_cache(jax.random.PRNGKey(0), cc, num_layers=2, batch=3, num_kv_heads=2,
+                       head_dim=16, max_len=32)
+    # every row as if written: ones everywhere a row keeps state
+    used = jax.tree.map(jnp.ones_like, cache)
+    reset = reset_rows(used, jnp.asarray([True, False, True]))
+    (seg,), (was,) = reset.segments, used.segments
+    for store, before in ((seg.k, was.k), (seg.v, was.v)):
+        for name, empty in (("raw", 0), ("sink", 0), ("nonfinite", False),
+                            ("saturated", 0), ("shift", 0)):
+            got = getattr(store, name)
+            if got is None:
+                continue
+            got = np.asarray(got)
+            assert (got[:, [0, 2]] == empty).all(), name
+            np.testing.assert_array_equal(got[:, 1], np.asarray(getattr(before, name))[:, 1])
+        # codes stay: nothing reads past a row's length
+        for a, b in zip(jax.tree.leaves(store.codes),
+                        jax.tree.leaves(before.codes), strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert seg.k.shift is not None
+    np.testing.assert_array_equal(reset.lengths, [0, 1, 0])
+    np.testing.assert_array_equal(reset.overflowed, [False, True, False])
+    np.testing.assert_array_equal(reset.evicted, [0, 1, 0])
