@@ -118,6 +118,40 @@ def _seed(text: str) -> int:
     return value
 
 
+def _rate(text: str) -> float:
+    """A ``--rate``: requests per second > 0, or ``inf``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected requests per second > 0 or inf, got "
+                                         f"'{text}'")
+    return value
+
+
+def _span(text: str) -> tuple[int, int]:
+    """A ``LO:HI`` token range (one number: both)."""
+    low, _, high = text.partition(":")
+    try:
+        span = (_positive(low), _positive(high or low))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI token counts, got '{text}'") from None
+    if span[0] > span[1]:
+        raise argparse.ArgumentTypeError(f"expected LO <= HI, got '{text}'")
+    return span
+
+
+def _shared(text: str) -> tuple[float, int]:
+    """A ``FRACTION:TOKENS`` shared prompt."""
+    fraction, _, tokens = text.partition(":")
+    try:
+        return _finite(0, 1, "a fraction in [0, 1]")(fraction), _positive(tokens)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected FRACTION:TOKENS (e.g. 0.5:64), got "
+                                         f"'{text}'") from None
+
+
 def _cache(text: str) -> CacheConfig:
     """A ``--cache`` value: the spec parsed, or a usage error with the grammar's message."""
     try:
@@ -276,6 +310,38 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--progress", action="store_true", help="a progress bar over prompts")
     n.add_argument("--json", action="store_true",
                    help=f"one JSON list of every answer; {JSON_HELP}")
+
+    b = sub.add_parser("serve-bench", help="a synthetic request stream through the "
+                                           "continuous-batching engine, per cache")
+    _add_cache(b, "repeat for several; default: bf16 (a page=N clause pages it)",
+               action="append")
+    b.add_argument("--model", default=None, metavar="NAME_OR_PATH",
+                   help="registered name, .gguf file or HF checkpoint dir "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--shape", default=None, metavar="SHAPE",
+                   help="random weights of a named model shape instead of --model "
+                        "(e.g. llama-3-8b)")
+    b.add_argument("--layers", type=_positive, default=None,
+                   help="with --shape: fewer transformer blocks than the shape's")
+    b.add_argument("--requests", type=_positive, default=16)
+    b.add_argument("--rate", type=_rate, nargs="+", default=[math.inf], metavar="R",
+                   help="Poisson arrivals, requests per second (inf: all at once); several "
+                        "make a throughput-against-rate curve")
+    b.add_argument("--prompt-len", type=_span, default=(32, 128), metavar="LO:HI")
+    b.add_argument("--output-len", type=_span, default=(16, 32), metavar="LO:HI")
+    b.add_argument("--shared", type=_shared, default=(0.0, 0), metavar="FRACTION:TOKENS",
+                   help="a FRACTION of the requests start with one TOKENS-token prompt")
+    b.add_argument("--rows", type=_positive, default=8, help="cache rows (concurrent requests)")
+    b.add_argument("--num-pages", type=_positive, default=None,
+                   help="a paged cache's pool (default: what --rows contiguous rows hold)")
+    b.add_argument("--chunk", type=_positive, default=128, help="prefill tokens per row per step")
+    b.add_argument("--decode-steps", type=_positive, default=1,
+                   help="decode tokens per row per step")
+    b.add_argument("--seed", type=_seed, default=0, help="seed of the workload and codecs")
+    b.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="tokens/s against request rate, a line per cache")
+    b.add_argument("--json", action="store_true",
+                   help=f"one JSON list, a row per (cache, rate); {JSON_HELP}")
 
     c = sub.add_parser("calibrate", help="key statistics for center=calib / smooth=calib, "
                                          "or fitted codec parameters for fit=DIR")
@@ -646,6 +712,69 @@ def _allocate(args, config, params, windows) -> int:
     return 0
 
 
+def _cmd_serve_bench(args) -> int:
+    import jax
+    import jax.numpy as jnp
+    from tqdm.auto import tqdm
+
+    import models
+    from kvjax.eval.memory import MODEL_SHAPES
+    from models import workload as wl
+    from models.config import ModelConfig
+    from models.llama import decode_layout, init_params
+    from models.serve import Engine
+
+    caches = args.cache or [parse_cache("bf16")]
+    workloads = [wl.Workload(requests=args.requests, rate=rate, prompt_len=args.prompt_len,
+                          output_len=args.output_len, shared_fraction=args.shared[0],
+                          shared_tokens=args.shared[1]) for rate in args.rate]
+    max_len = workloads[0].longest
+    gpu = jax.default_backend() == "gpu"
+    if args.shape is not None:
+        if args.model is not None:
+            raise ValueError("give --model or --shape, not both")
+        if args.shape not in MODEL_SHAPES:
+            raise ValueError(f"unknown --shape '{args.shape}'; known: "
+                             f"{', '.join(MODEL_SHAPES)}")
+        config = ModelConfig.from_shape(MODEL_SHAPES[args.shape], max_len=max_len,
+                                        num_layers=args.layers)
+        params = init_params(jax.random.key(args.seed), config, jnp.bfloat16)
+        params = decode_layout(params) if gpu else params
+        name = f"{args.shape} (random weights)"
+    else:
+        if args.layers is not None:
+            raise ValueError("--layers goes with --shape")
+        name = args.model or models.DEFAULT_MODEL
+        config, params, _ = models.load(name, per_layer=gpu, tokenizer=False)
+    if max_len > config.max_position_embeddings:
+        raise ValueError(f"the longest request needs {max_len} positions; the model has "
+                         f"{config.max_position_embeddings}")
+    for cache_config in caches:
+        check_context(cache_config, max_len, "the longest request")
+    rows = []
+    for cache_config in caches:
+        for workload in workloads:
+            engine = Engine(params, config, cache_config, rows=args.rows, max_len=max_len,
+                            num_pages=args.num_pages if cache_config.page_tokens else None,
+                            chunk=args.chunk, decode_steps=args.decode_steps,
+                            seed=args.seed)
+            timed = wl.requests(workload, config.vocab_size, seed=args.seed)
+            with tqdm(total=workload.requests, desc=f"{cache_config.spec} @ {workload.rate}/s",
+                      unit="req", file=sys.stderr, disable=args.json) as bar:
+                trace = wl.drive(engine, timed, progress=bar.update)
+            rows.append({"model": name, "cache": cache_config.spec, "rate": workload.rate,
+                         "rows": args.rows, "pool_pages": (0 if engine.pool is None
+                                                           else engine.pool.num_pages),
+                         "max_len": max_len, **wl.summary(trace)})
+    if args.plot:
+        wl.plot_throughput(rows, args.plot, title=f"{name}: {args.requests} requests")
+    if args.json:
+        print(strict_json(rows))
+    else:
+        print(wl.markdown_table(rows))
+    return 0
+
+
 def format_probe_table(rows: list[dict]) -> str:
     """A markdown table of probe results."""
     cols = [("cache", "cache", "{}"), ("bits", "bits_per_element_measured", "{:.3f}"),
@@ -678,6 +807,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_needle(args)
         if args.command == "calibrate":
             return _cmd_calibrate(args)
+        if args.command == "serve-bench":
+            return _cmd_serve_bench(args)
     # CodecError, CacheSpecError and ModelFileError are ValueErrors
     except (ValueError, OSError, CorpusDownloadError) as err:
         print(f"kvjax: error: {_one_line(err)}", file=sys.stderr)

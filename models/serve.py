@@ -41,7 +41,7 @@ from kvjax.cache import KVCache, reset_rows, row_pages, with_pages
 from kvjax.paging import OutOfPagesError, PagePool
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig
-from models.generate import TRACE_COUNTS, _choose, prefill_program
+from models.generate import TRACE_COUNTS, _choose, _compiled, prefill_program
 from models.llama import Params, cache_shape, hidden_states, lm_logits, new_cache
 
 #: stop tokens a request may name (a fixed width: one compiled decode for all requests)
@@ -148,6 +148,21 @@ def _decode_rows(params, config, steps, logits, cache, live, emitted, budget, st
 _decode_rows_jit = jax.jit(_decode_rows, static_argnums=(1, 2), donate_argnums=(3, 4))
 
 
+def _decode_program(params, config: ModelConfig, steps: int, cache: KVCache):
+    """:func:`_decode_rows` compiled for ``cache``'s rows (a cache or its shape), once
+    per shape in a process."""
+    rows = cache.batch
+
+    def shape(*dims, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(dims, dtype)
+
+    args = (params, config, steps, shape(rows, config.vocab_size, dtype=jnp.float32), cache,
+            shape(rows, dtype=bool), shape(rows), shape(rows), shape(rows, MAX_STOP),
+            shape(rows, 2, dtype=jnp.uint32), shape(rows, dtype=jnp.float32),
+            shape(rows, dtype=jnp.float32))
+    return _compiled("engine_decode", _decode_rows_jit, (config, steps), args, (1, 2))
+
+
 @jax.jit
 def _take_logits(logits, fresh, rows):
     return jnp.where(rows[:, None], fresh, logits)
@@ -198,9 +213,10 @@ class Engine:
                     key=jax.random.fold_in(jax.random.PRNGKey(seed), 0),
                     calibration=calibration,
                     num_pages=None if self.pool is None else self.pool.num_pages)
-        # compiled before the cache exists, as generate does
-        self._prefill = prefill_program(params, config, cache_shape(
-            config, cache_config, **made), chunk=self.chunk)
+        # both programs compiled before the cache exists, as generate does
+        shape = cache_shape(config, cache_config, **made)
+        self._prefill = prefill_program(params, config, shape, chunk=self.chunk)
+        self._decode = _decode_program(params, config, self.decode_steps, shape)
         self.cache: KVCache = new_cache(config, cache_config, **made)
         self._tables = np.full((self.rows, self.row_pages), -1, np.int32)
         self._logits = jnp.zeros((self.rows, config.vocab_size), jnp.float32)
@@ -227,8 +243,9 @@ class Engine:
         coded = max(0, stored - cc.sink_tokens - cc.residual_window)
         return -(-coded // cc.page_tokens)
 
-    def submit(self, request: Request) -> int:
-        """Queue ``request``; returns its id. Raises ``ValueError`` for a request that
+    def submit(self, request: Request, at: float | None = None) -> int:
+        """Queue ``request`` (``at``: when it arrived, on :attr:`clock`; default: now);
+        returns its id. Raises ``ValueError`` for a request that
         no row could hold (a bad prompt, too long for ``max_len``, too many stop
         tokens, bad sampling values) and :class:`kvjax.paging.OutOfPagesError` for one
         needing more pages than the whole pool has."""
@@ -257,7 +274,8 @@ class Engine:
             raise OutOfPagesError(self.pages_needed(request), self.pool.free,
                                   self.pool.num_pages)
         rid = next(self._ids)
-        self.completions[rid] = Completion(id=rid, request=request, submitted=self.clock())
+        self.completions[rid] = Completion(id=rid, request=request,
+                                           submitted=self.clock() if at is None else at)
         self._waiting.append(rid)
         return rid
 
@@ -357,11 +375,10 @@ class Engine:
         decoding = np.array([slot is not None and not slot.prefilling
                              for slot in self._slots])
         if decoding.any():
-            out, self._logits, self.cache, emitted, live = _decode_rows_jit(
-                self.params, self.config, self.decode_steps, self._logits, self.cache,
-                jnp.asarray(decoding), jnp.asarray(self._emitted), jnp.asarray(self._budget),
-                jnp.asarray(self._stop), jnp.asarray(self._keys),
-                jnp.asarray(self._temperature), jnp.asarray(self._top_p))
+            out, self._logits, self.cache, emitted, live = self._decode(
+                self.params, self._logits, self.cache, *map(jnp.asarray, (
+                    decoding, self._emitted, self._budget, self._stop, self._keys,
+                    self._temperature, self._top_p)))
             out, emitted, live = np.asarray(out), np.asarray(emitted), np.asarray(live)
             now = self.clock()
             for r in np.nonzero(decoding)[0]:
