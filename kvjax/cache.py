@@ -444,12 +444,17 @@ def copy_pages(cache: KVCache, source: jax.Array, target: jax.Array) -> KVCache:
 
 
 @jax.jit
-def reset_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+def reset_rows(cache: KVCache, rows: jax.Array, lengths: jax.Array | None = None) -> KVCache:
     """``cache`` with the rows ``rows [B]`` (bool) empty again, as :func:`init_cache`
     makes them: no tokens, no flags, the raw window and sinks zero, a key transform of
     ``first`` neutral until the row's next first append. Their codes stay where they are
     (no read goes past a row's length); a paged row keeps its block table
-    (:func:`with_pages` gives it another). A serving engine refills a retired row so."""
+    (:func:`with_pages` gives it another). A serving engine refills a retired row so.
+
+    ``lengths [B]``: the tokens each reset row starts with instead of none, for a paged
+    row whose table begins with pages it shares (a prompt prefix another row wrote):
+    only whole pages of a spec without sinks or a raw window, so that every one of
+    those tokens is in the codes."""
     def clear(store: Store) -> Store:
         def where(a, value):  # the stacks' rows are their second axis
             mask = rows.reshape((1, -1) + (1,) * (a.ndim - 2))
@@ -466,10 +471,12 @@ def reset_rows(cache: KVCache, rows: jax.Array) -> KVCache:
     def zero(a):
         return None if a is None else jnp.where(rows, jnp.zeros_like(a), a)
 
+    start = zero(cache.lengths) if lengths is None else jnp.where(rows, lengths,
+                                                                   cache.lengths)
     return dataclasses.replace(
         cache, segments=tuple(dataclasses.replace(seg, k=clear(seg.k), v=clear(seg.v))
                               for seg in cache.segments),
-        lengths=zero(cache.lengths), overflowed=zero(cache.overflowed),
+        lengths=start.astype(cache.lengths.dtype), overflowed=zero(cache.overflowed),
         bad_valid=zero(cache.bad_valid), evicted=zero(cache.evicted))
 
 

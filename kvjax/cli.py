@@ -337,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk", type=_positive, default=128, help="prefill tokens per row per step")
     b.add_argument("--decode-steps", type=_positive, default=1,
                    help="decode tokens per row per step")
+    b.add_argument("--no-share", action="store_true",
+                   help="feed every prompt whole: no request reads another's prefix pages")
     b.add_argument("--seed", type=_seed, default=0, help="seed of the workload and codecs")
     b.add_argument("--plot", metavar="FILE.png", default=None,
                    help="tokens/s against request rate, a line per cache")
@@ -757,7 +759,7 @@ def _cmd_serve_bench(args) -> int:
             engine = Engine(params, config, cache_config, rows=args.rows, max_len=max_len,
                             num_pages=args.num_pages if cache_config.page_tokens else None,
                             chunk=args.chunk, decode_steps=args.decode_steps,
-                            seed=args.seed)
+                            seed=args.seed, share_prefixes=not args.no_share)
             timed = wl.requests(workload, config.vocab_size, seed=args.seed)
             with tqdm(total=workload.requests, desc=f"{cache_config.spec} @ {workload.rate}/s",
                       unit="req", file=sys.stderr, disable=args.json) as bar:
@@ -765,7 +767,8 @@ def _cmd_serve_bench(args) -> int:
             rows.append({"model": name, "cache": cache_config.spec, "rate": workload.rate,
                          "rows": args.rows, "pool_pages": (0 if engine.pool is None
                                                            else engine.pool.num_pages),
-                         "max_len": max_len, **wl.summary(trace)})
+                         "max_len": max_len, "prefilled_tokens": engine.prefilled_tokens,
+                         "shared_tokens": engine.shared_tokens, **wl.summary(trace)})
     if args.plot:
         wl.plot_throughput(rows, args.plot, title=f"{name}: {args.requests} requests")
     if args.json:

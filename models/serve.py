@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -101,10 +102,28 @@ class _Row:
     prompt: np.ndarray
     fed: int = 0  # prompt tokens in the cache
     pages: list[int] = dataclasses.field(default_factory=list)
+    #: prompt pages whose prefix is registered for sharing, and the key of the last
+    registered: int = 0
+    key: str = ""
 
     @property
     def prefilling(self) -> bool:
         return self.fed < len(self.prompt)
+
+
+@dataclasses.dataclass
+class _Prefix:
+    """A registered prompt prefix of whole pages: its last page (its parent holds the
+    ones before), held by the registry so that it outlives the request that wrote it."""
+
+    page: int
+    parent: str
+    children: int = 0
+    used: int = 0
+
+
+def _prefix_key(parent: str, tokens: np.ndarray) -> str:
+    return hashlib.sha256(parent.encode() + np.asarray(tokens, np.int64).tobytes()).hexdigest()
 
 
 def _decode_rows(params, config, steps, logits, cache, live, emitted, budget, stop, keys,
@@ -184,7 +203,7 @@ class Engine:
     def __init__(self, params: Params, config: ModelConfig, cache_config: CacheConfig, *,
                  rows: int, max_len: int, num_pages: int | None = None, chunk: int = 256,
                  decode_steps: int = 1, cache_dtype: Any = jnp.bfloat16, seed: int = 0,
-                 calibration: Any = None,
+                 calibration: Any = None, share_prefixes: bool = True,
                  clock: Callable[[], float] = time.perf_counter):
         for name, value in (("rows", rows), ("max_len", max_len), ("chunk", chunk),
                             ("decode_steps", decode_steps)):
@@ -230,6 +249,14 @@ class Engine:
         self._waiting: collections.deque[int] = collections.deque()
         self.completions: dict[int, Completion] = {}
         self._ids = itertools.count()
+        self.sharing = bool(share_prefixes) and self.pool is not None and not (
+            cache_config.sink_tokens or cache_config.residual_window
+            or "first" in (cache_config.center, cache_config.smooth))
+        self._prefixes: dict[str, _Prefix] = {}
+        self._uses = itertools.count(1)
+        #: prompt tokens the prefill program fed, and those shared pages spared it
+        self.prefilled_tokens = 0
+        self.shared_tokens = 0
 
     # -- requests --------------------------------------------------------------------
 
@@ -300,13 +327,69 @@ class Engine:
 
     @property
     def pages_used(self) -> int:
-        """Pool pages held by running requests (0 for a contiguous cache)."""
+        """Pool pages held by running requests or kept for their prompt prefixes (0
+        for a contiguous cache)."""
         return 0 if self.pool is None else self.pool.used
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages of registered prompt prefixes, kept for later requests to share."""
+        return len(self._prefixes)
 
     # -- stepping -------------------------------------------------------------------
 
-    def _admit(self) -> np.ndarray:
+    def _shared_prefix(self, prompt: np.ndarray) -> tuple[list[int], list[str]]:
+        """The pages (and their keys) of the longest registered prefix of ``prompt`` that
+        leaves at least one token to feed and ends where a chunk would (so the rest is
+        fed in the chunks the request alone would be fed in)."""
+        page = self.cache_config.page_tokens
+        pages, keys, key = [], [], ""
+        for k in range(1, (len(prompt) - 1) // page + 1):
+            key = _prefix_key(key, prompt[(k - 1) * page:k * page])
+            if key not in self._prefixes:
+                break
+            pages.append(self._prefixes[key].page)
+            keys.append(key)
+        while pages and (len(pages) * page) % self.chunk:
+            pages.pop()
+            keys.pop()
+        return pages, keys
+
+    def _evict_prefixes(self, needed: int, keep: set[str]) -> None:
+        """Drop registered prefixes, least recently used leaves first, until ``needed``
+        pages are free or none is left to drop (``keep``: prefixes about to be used)."""
+        while self.pool.free < needed:
+            leaves = [(p.used, key) for key, p in self._prefixes.items()
+                      if not p.children and key not in keep]
+            if not leaves:
+                return
+            _, key = min(leaves)
+            prefix = self._prefixes.pop(key)
+            if prefix.parent:
+                self._prefixes[prefix.parent].children -= 1
+            self.pool.release([prefix.page])
+
+    def _register(self, row: _Row) -> None:
+        """Register the whole prompt pages the row has fed (its shared ones are)."""
+        page = self.cache_config.page_tokens
+        while (row.registered + 1) * page <= row.fed:
+            if row.key and row.key not in self._prefixes:
+                return  # its prefix was dropped for room: the chain ends there
+            k = row.registered
+            key = _prefix_key(row.key, row.prompt[k * page:(k + 1) * page])
+            if key in self._prefixes:
+                self._prefixes[key].used = next(self._uses)
+            else:
+                self.pool.share([row.pages[k]])
+                self._prefixes[key] = _Prefix(page=row.pages[k], parent=row.key,
+                                              used=next(self._uses))
+                if row.key:
+                    self._prefixes[row.key].children += 1
+            row.registered, row.key = k + 1, key
+
+    def _admit(self) -> tuple[np.ndarray, np.ndarray]:
         admitted = np.zeros(self.rows, bool)
+        starts = np.zeros(self.rows, np.int32)
         now = self.clock()
         while self._waiting:
             free = [r for r, slot in enumerate(self._slots) if slot is None]
@@ -314,15 +397,28 @@ class Engine:
                 break
             rid = self._waiting[0]
             request = self.completions[rid].request
+            prompt = np.asarray(list(request.prompt), np.int32)
             pages: list[int] = []
+            shared, keys = [], []
             if self.pool is not None:
-                if self.pages_needed(request) > self.pool.free:
+                if self.sharing:
+                    shared, keys = self._shared_prefix(prompt)
+                needed = self.pages_needed(request) - len(shared)
+                if self.sharing and needed > self.pool.free:
+                    self._evict_prefixes(needed, set(keys))
+                if needed > self.pool.free:
                     break  # in arrival order: the first waits for pages, the rest behind it
-                pages = self.pool.allocate(self.pages_needed(request))
+                self.pool.share(shared)
+                pages = shared + self.pool.allocate(needed)
             self._waiting.popleft()
             r = free[0]
-            self._slots[r] = _Row(id=rid, prompt=np.asarray(list(request.prompt), np.int32),
-                                  pages=pages)
+            start = len(shared) * (self.cache_config.page_tokens or 0)
+            self._slots[r] = _Row(id=rid, prompt=prompt, pages=pages, fed=start,
+                                  registered=len(shared), key=keys[-1] if keys else "")
+            for key in keys:
+                self._prefixes[key].used = next(self._uses)
+            self.shared_tokens += start
+            starts[r] = start
             self._tables[r] = -1
             self._tables[r, :len(pages)] = pages
             stop = self._stop_tokens(request)
@@ -334,7 +430,7 @@ class Engine:
             self._temperature[r], self._top_p[r] = request.temperature, request.top_p
             self.completions[rid].admitted = now
             admitted[r] = True
-        return admitted
+        return admitted, starts
 
     def _retire(self, r: int, reason: str, now: float, events: list[Event]) -> None:
         row = self._slots[r]
@@ -350,9 +446,9 @@ class Engine:
         """One round: admit, one prompt chunk of every prefilling row, ``decode_steps``
         tokens of every decoding row. Returns the new tokens and finished requests."""
         events: list[Event] = []
-        admitted = self._admit()
+        admitted, starts = self._admit()
         if admitted.any():
-            self.cache = reset_rows(self.cache, jnp.asarray(admitted))
+            self.cache = reset_rows(self.cache, jnp.asarray(admitted), jnp.asarray(starts))
             if self.pool is not None:
                 self.cache = with_pages(self.cache, self._tables)
         prefilling = [r for r, slot in enumerate(self._slots)
@@ -366,8 +462,12 @@ class Engine:
                 tokens[r, :len(piece)] = piece
                 valid[r] = len(piece)
                 row.fed += len(piece)
+            self.prefilled_tokens += int(valid.sum())
             logits, self.cache = self._prefill(self.params, jnp.asarray(tokens),
                                                jnp.asarray(valid), self.cache)
+            if self.sharing:
+                for r in prefilling:
+                    self._register(self._slots[r])
             ready = np.zeros(self.rows, bool)
             ready[[r for r in prefilling if not self._slots[r].prefilling]] = True
             if ready.any():

@@ -157,19 +157,25 @@ def _ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{1e3 * seconds:.1f}"
 
 
+def _rate(rate: float | None) -> float:
+    return math.inf if rate is None else rate  # strict JSON writes inf as null
+
+
 def markdown_table(rows: Sequence[dict]) -> str:
     """The rows of a serving benchmark (:func:`summary`'s figures with ``cache``,
-    ``rate``, ``pool_pages``) as a markdown table."""
+    ``rate``, ``pool_pages``, and the engine's ``prefilled_tokens`` and
+    ``shared_tokens``) as a markdown table."""
     lines = ["| cache | rate/s | requests | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
-             "| peak pages | peak running |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| peak pages | peak running | prompt tokens fed (shared) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pages = f"{r['peak_pages']}/{r['pool_pages']}" if r["pool_pages"] else "-"
         lines.append(
-            f"| {r['cache']} | {r['rate']:g} | {r['requests']} | {r['tok_per_s']:.1f} "
+            f"| {r['cache']} | {_rate(r['rate']):g} | {r['requests']} | {r['tok_per_s']:.1f} "
             f"| {_ms(r['ttft_p50_s'])}/{_ms(r['ttft_p99_s'])} "
             f"| {_ms(r['itl_p50_s'])}/{_ms(r['itl_p99_s'])} | {pages} "
-            f"| {r['peak_running']} |")
+            f"| {r['peak_running']} | {r.get('prefilled_tokens', '-')} "
+            f"({r.get('shared_tokens', 0)}) |")
     return "\n".join(lines)
 
 
@@ -181,6 +187,7 @@ def plot_throughput(rows: Sequence[dict], path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [{**r, "rate": _rate(r["rate"])} for r in rows]
     finite = [r["rate"] for r in rows if math.isfinite(r["rate"])]
     edge = 2 * max(finite) if finite else 1.0
     fig, ax = plt.subplots(figsize=(6, 4))

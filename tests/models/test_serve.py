@@ -59,7 +59,8 @@ def test_each_request_gets_the_tokens_generate_gives_it_alone(params, spec):
         mine = [e for e in events if e.id == completion.id]
         assert [e.token for e in mine[:-1]] == completion.tokens
         assert mine[-1].done and mine[-1].token is None
-    assert engine.idle and engine.pages_used == 0
+    # what stays held is the prompt prefixes kept for sharing, and nothing else
+    assert engine.idle and engine.pages_used == engine.cached_pages
 
 
 def test_rows_are_refilled_without_compiling_again(params, monkeypatch):
@@ -86,6 +87,7 @@ def test_admission_waits_for_pages_in_arrival_order(params):
         engine.step()
         peak = max(peak, engine.pages_used)
         assert engine.pages_used <= 3
+    assert engine.pages_used == engine.cached_pages
     done = [engine.completions[i] for i in ids]
     # the first held every page: the others waited for it, then ran side by side
     assert done[1].admitted >= done[0].finished and done[2].admitted >= done[0].finished
@@ -170,3 +172,36 @@ def test_reset_rows_empties_the_rows_named_and_no_other():
     np.testing.assert_array_equal(reset.lengths, [0, 1, 0])
     np.testing.assert_array_equal(reset.overflowed, [False, True, False])
     np.testing.assert_array_equal(reset.evicted, [0, 1, 0])
+
+
+def test_requests_share_the_pages_of_a_common_prompt_prefix(params):
+    """A system prompt of 40 tokens: its 2 whole pages are fed once and read by every
+    later request; the tokens stay those each request gets alone."""
+    spec = "int:4 page=16"
+    system = PROMPTS[3][:40] if len(PROMPTS[3]) >= 40 else (PROMPTS[3] * 2)[:40]
+    prompts = [system + PROMPTS[i] for i in (0, 2, 4)]
+    requests = [Request(p, 6, stop=()) for p in prompts]
+    shared = _engine(params, spec, rows=1)
+    got = shared.run(requests)
+    for prompt, completion in zip(prompts, got, strict=True):
+        assert completion.tokens == _alone(params, spec, prompt, 6, eos_token_ids=())
+    total = sum(len(p) for p in prompts)
+    assert shared.shared_tokens == 2 * 32  # the later two each skip 2 pages
+    assert shared.prefilled_tokens == total - shared.shared_tokens
+    alone = _engine(params, spec, rows=1, share_prefixes=False)
+    assert [c.tokens for c in alone.run(requests)] == [c.tokens for c in got]
+    assert alone.shared_tokens == 0 and alone.prefilled_tokens == total
+    assert alone.cached_pages == 0 and alone.pages_used == 0
+    # a raw window keeps the newest tokens outside the pages: nothing is shared
+    windowed = _engine(params, "int:4 window=4 page=16", rows=1)
+    windowed.run(requests)
+    assert windowed.shared_tokens == 0 and not windowed.sharing
+
+
+def test_kept_prefixes_give_their_pages_back_when_a_request_needs_them(params):
+    engine = _engine(params, "int:4 page=16", rows=1, num_pages=4)
+    engine.run([Request(PROMPTS[3], 6, stop=())])   # 33 prompt tokens: 2 pages kept
+    assert engine.cached_pages == 2 and engine.pool.free == 2
+    # 40 + 12 - 1 tokens need 4 pages: the kept prefix is dropped to make room
+    (done,) = engine.run([Request(PROMPTS[1] * 2 + PROMPTS[0] + [9, 9, 9], 12, stop=())])
+    assert len(done.tokens) == 12 and engine.pages_used <= 4

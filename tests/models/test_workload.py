@@ -88,7 +88,7 @@ def test_drive_submits_at_arrival_and_measures_every_request():
     assert figures["tok_per_s"] == pytest.approx(figures["tokens"] / (trace.end - trace.start))
     assert 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"]
     assert 0 < figures["peak_pages"] <= engine.pool.num_pages
-    assert figures["peak_running"] <= 2 and engine.pages_used == 0
+    assert figures["peak_running"] <= 2 and engine.pages_used == engine.cached_pages
 
 
 def test_summary_reads_the_timelines():
@@ -123,6 +123,16 @@ def test_serve_bench_cli_rows_table_and_plot(capsys, tmp_path):
     assert main(["serve-bench", *SMALL, "--cache", "int:4 page=16"]) == 0
     table = capsys.readouterr().out
     assert table.startswith("| cache | rate/s |") and "| int:4 page=16 | inf | 3 |" in table
+    # every request starts with one 16-token page: with rows to spare all come at once,
+    # so one row at a time lets the later ones read the first's page
+    shared = [*SMALL, "--cache", "int:4 page=16", "--prompt-len", "20:24", "--shared",
+              "1:16", "--rows", "1", "--json"]
+    assert main(["serve-bench", *shared]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert main(["serve-bench", *shared, "--no-share"]) == 0
+    (whole,) = json.loads(capsys.readouterr().out)
+    assert row["shared_tokens"] == 2 * 16 and whole["shared_tokens"] == 0
+    assert row["prefilled_tokens"] == whole["prefilled_tokens"] - 32
 
 
 @pytest.mark.parametrize("args,match", [
