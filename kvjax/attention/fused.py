@@ -398,7 +398,8 @@ def hqmq_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry
         return entry(qg, *k_fmt.arrays(k_store.codes), *v_fmt.arrays(v_store.codes), n_comp,
                      hqmq_tables(k_fmt, k_store.params), hqmq_tables(v_fmt, v_store.params),
                      k_store.layer, **hqmq_outliers(k_fmt, k_store.codes, v_fmt, v_store.codes),
-                     layout=k_fmt.layout(head_dim), sm_scale=scale, **options)
+                     layout=k_fmt.layout(head_dim), sm_scale=scale, **page_options(k_store),
+                     **options)
 
     return merged_attention(q, layer, lengths, scale, coded, positions)
 
@@ -409,7 +410,8 @@ def hqmq_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],
     takes the arrays of :func:`pallas_kernels.hqmq_decode.api.hqmq_decode`'s signature,
     ``unsupported(layout, head_dim)`` says what it cannot read."""
     return kernel_impl(name, entry, functools.partial(hqmq_reads, unsupported=unsupported),
-                       functools.partial(hqmq_codes_decode, entry=entry), auto=auto)
+                       functools.partial(hqmq_codes_decode, entry=entry), auto=auto,
+                       paged=True)
 
 
 # -- kernels over Rice-coded HyperQuant blocks ------------------------------------------

@@ -22,9 +22,11 @@ from pallas_kernels.flash import (
     MIN_DOT,
     NUM_WARPS,
     check_lengths,
+    check_pages,
     check_query,
     check_stack,
     pad_query_rows,
+    page_block,
     schedule,
 )
 from pallas_kernels.hqmq_decode.kernel import COMPONENTS, LOOKUPS, codes_partial
@@ -89,14 +91,16 @@ def check_outliers(name: str, outliers, stream, layout: HqmqLayout) -> int | Non
 
 
 def check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table, v_table,
-                 layout: HqmqLayout | None, k_outliers=None, v_outliers=None) -> int | None:
+                 layout: HqmqLayout | None, k_outliers=None, v_outliers=None, pages=None,
+                 page_tokens: int = 0) -> tuple[int | None, int]:
     """The checks of :func:`hqmq_decode` (and of its reference): ``NotImplementedError``
     where the kernel cannot serve the arrays, ``ValueError`` where they are malformed.
-    Returns the Med-C outlier block in tokens (None without outliers)."""
+    Returns the Med-C outlier block in tokens (None without outliers) and the token
+    capacity of a row (:func:`~pallas_kernels.flash.check_pages`)."""
     batch, heads, head_dim = check_query("hqmq_decode", q,
                                          functools.partial(unsupported, layout))
-    check_stack("k_stream", k_stream, batch, heads, layer, layout.size,
-                f"H = {layout.size} bytes", axes="S, H")
+    check_stack("k_stream", k_stream, 1 if pages is not None else batch, heads, layer,
+                layout.size, f"H = {layout.size} bytes", axes="S, H")
     shape = k_stream.shape
     for name, a, want in (("v_stream", v_stream, shape), ("k_scale", k_scale, shape[:-1]),
                           ("v_scale", v_scale, shape[:-1])):
@@ -115,9 +119,15 @@ def check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_tabl
     blocks = tuple(check_outliers(name, o, k_stream, layout)
                    for name, o in (("k", k_outliers), ("v", v_outliers)) if o is not None)
     reason = unsupported(layout, head_dim, blocks)
+    if reason is None and pages is not None and any(len(o) == 3 for o in (
+            k_outliers, v_outliers) if o is not None):
+        reason = "pooled outliers are one pool per row, not pages"
+    if reason is None and pages is not None and blocks and page_tokens % blocks[0]:
+        reason = f"pages of {page_tokens} tokens hold no whole outlier blocks of {blocks[0]}"
     if reason is not None:
         raise NotImplementedError(f"hqmq_decode: {reason}")
-    return blocks[0] if blocks else None
+    capacity = check_pages(pages, page_tokens, batch, k_stream.shape[-2])
+    return (blocks[0] if blocks else None), capacity
 
 
 def pairs(k_flags, k_outliers, v_flags, v_outliers, k_start=None, v_start=None):
@@ -139,7 +149,7 @@ def pairs(k_flags, k_outliers, v_flags, v_outliers, k_start=None, v_start=None):
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "lookup"),
+                     "interpret", "lookup", "page_tokens"),
 )
 def hqmq_decode(
     q: jax.Array,         # [B, K, G, D] float: the query rows that read kv head k
@@ -157,6 +167,7 @@ def hqmq_decode(
     v_outliers: jax.Array | None = None,       # like k_outliers
     k_outlier_start: jax.Array | None = None,  # uint32 [B, K, NB, 1]: pooled outliers
     v_outlier_start: jax.Array | None = None,  # like k_outlier_start
+    pages: jax.Array | None = None,  # int32 [B, P]: block tables into a paged pool
     *,
     layout: HqmqLayout,      # where the stream holds each chunk's fields
     sm_scale: float,         # logits are sm_scale * q . k
@@ -166,6 +177,7 @@ def hqmq_decode(
     num_stages: int | None = None,
     interpret: bool | None = None,  # Pallas interpret mode; default: off a GPU
     lookup: str = LOOKUPS[0],  # how codewords are formed (.kernel's doc)
+    page_tokens: int = 0,      # tokens of a page, with pages
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmax of the query rows over the first ``lengths[b]`` coded tokens:
     ``o [B, K, G, D]``, ``m [B, K, G]``, ``l [B, K, G]`` in float32; a row with no coded
@@ -176,27 +188,31 @@ def hqmq_decode(
     chunks in the flags' order), a flagged chunk is its stored value (its codes decode
     to zero: the codec encoded it zeroed); the blocks are then the outlier blocks. With
     ``*_outlier_start`` the role's chunks ``[B, K, E, 4 P]`` are one pool of ``E P``
-    slots per row and an outlier block's chunks lie from slot ``start`` on.
+    slots per row and an outlier block's chunks lie from slot ``start`` on. With
+    ``pages`` the streams, scales and fixed outlier slots are a paged pool ``[L, 1, K,
+    ...]`` that row ``b`` reads through its table: its token ``t`` is the pool's token
+    ``pages[b, t // page_tokens] * page_tokens + t % page_tokens`` (a page holds whole
+    outlier blocks; pooled outliers are per row and refused).
     Raises ``NotImplementedError`` when the kernel
     cannot serve these arrays (:func:`unsupported`), ``ValueError`` when they are
     malformed."""
     k_med, v_med = pairs(k_outlier_flags, k_outliers, v_outlier_flags, v_outliers,
                          k_outlier_start, v_outlier_start)
-    block = check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table,
-                         v_table, layout, k_med, v_med)
+    block, capacity = check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer,
+                                   k_table, v_table, layout, k_med, v_med, pages, page_tokens)
     if block is not None and block_s not in (None, block):
         raise ValueError(f"block_s {block_s}: with outliers the kernel reads one outlier "
                          f"block of {block} tokens at a time")
     if lookup not in LOOKUPS:
         raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
     batch, heads, group, head_dim = q.shape
-    slots = k_stream.shape[-2]
-    if slots == 0:
+    if capacity == 0:
         return empty_partial(q)
     block_s, num_stages, splits, interpret = schedule(
-        batch, heads, slots, block_s=block_s,
+        batch, heads, capacity, block_s=block_s,
         num_stages=num_stages or (OUTLIER_STAGES if block else None), splits=splits,
         num_warps=num_warps, interpret=interpret, group=q.shape[2], block=block or BLOCK_S)
+    block_s = page_block(block_s, page_tokens)
     # a head dim short of whole chunks: the codec zero-pads the last chunk, so the
     # query's padded columns are zero too and the output's are dropped
     width = COMPONENTS * layout.chunks
@@ -204,7 +220,8 @@ def hqmq_decode(
     rows = pad_query_rows(q, layout.chunks)
     o, m, l = codes_partial(
         rows, k_stream, k_scale, v_stream, v_scale, lengths, k_table, v_table, layer,
-        k_med, v_med, layout=layout, sm_scale=sm_scale, block_s=block_s, splits=splits,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret, lookup=lookup)
+        k_med, v_med, pages, layout=layout, sm_scale=sm_scale, block_s=block_s,
+        splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        lookup=lookup, page_tokens=page_tokens)
     return merge_partials((o[..., :group, :head_dim], m[..., :group], l[..., :group]),
                           axis=2)

@@ -161,7 +161,8 @@ def _outlier_tiles(load, flags_ref, chunks_ref, start_ref=None, *, block: int,
 
 
 def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_ref, vt_ref,
-            *refs, layout, block_s, split_len, splits, sm_scale, lookup, k_outliers, v_outliers):
+            *refs, layout, block_s, split_len, splits, sm_scale, lookup, k_outliers, v_outliers,
+            page_tokens):
     o_ref, m_ref, l_ref = refs[-3:]
     extra = list(refs[:-3])
     k_med = [extra.pop(0) for _ in range(k_outliers)] or None
@@ -201,7 +202,8 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
     init = tuple(jnp.zeros((rows, chunks), jnp.float32) for _ in range(COMPONENTS))
     acc, m, l = split_softmax(
         n_ref, layer_ref, rows=rows, slots=ks_ref.shape[1], block_s=block_s,
-        split_len=split_len, splits=splits, scores=scores, accumulate=accumulate, init=init)
+        split_len=split_len, splits=splits, scores=scores, accumulate=accumulate, init=init,
+        page_tokens=page_tokens)
     for c in range(COMPONENTS):
         o_ref[:, pl.ds(c * chunks, chunks)] = acc[c]
     m_ref[...] = m
@@ -211,12 +213,13 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "lookup"),
+                     "interpret", "lookup", "page_tokens"),
 )
 def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_table,
-                  layer=None, k_outliers=None, v_outliers=None, *, layout: HqmqLayout,
-                  sm_scale: float, block_s: int, splits: int, num_warps: int, num_stages: int,
-                  interpret: bool, lookup: str = LOOKUPS[0]):
+                  layer=None, k_outliers=None, v_outliers=None, pages=None, *,
+                  layout: HqmqLayout, sm_scale: float, block_s: int, splits: int,
+                  num_warps: int, num_stages: int, interpret: bool, lookup: str = LOOKUPS[0],
+                  page_tokens: int = 0):
     """Per-split partial softmaxes over the coded tokens: ``q [B, K, R, D]`` with ``R``
     query rows already padded (:func:`pallas_kernels.flash.pad_query_rows`), the streams
     and scales stacked ``[L, B, K, S, ...]`` (``layer`` None reads a stack of one), the
@@ -224,8 +227,10 @@ def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_ta
     columns of unit 0); ``k_outliers``, ``v_outliers``: None, or Med-C ``(flags [L, B,
     K, NB, W], chunks [L, B, K, NB, 4 P])`` per outlier block of ``block_s`` tokens,
     with ``start [L, B, K, NB, 1]`` after them where the chunks are one pool per row.
-    Returns ``o [B, K, splits, R, D]``, ``m, l [B, K, splits, R]`` (float32) in dim
-    order; no check (:func:`.api.hqmq_decode` does them)."""
+    With ``pages`` (block tables ``[B, P]`` of ``page_tokens`` pages) every stack is a
+    paged pool ``[L, 1, K, ...]`` that each row reads through its table. Returns ``o [B,
+    K, splits, R, D]``, ``m, l [B, K, splits, R]`` (float32) in dim order; no check
+    (:func:`.api.hqmq_decode` does them)."""
     batch, heads, rows, head_dim = q.shape
     if layer is None:
         k_stream, k_scale, v_stream, v_scale = (
@@ -234,17 +239,19 @@ def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_ta
                                   for o in (k_outliers, v_outliers))
         layer = 0
     layers, slots = k_stream.shape[0], k_stream.shape[3]
+    row_slots = slots if pages is None else pages.shape[1] * page_tokens
     perm = query_columns(layout.chunks)
     kernel = functools.partial(_kernel, layout=layout, block_s=block_s,
-                               split_len=split_len(slots, splits, block_s), splits=splits,
+                               split_len=split_len(row_slots, splits, block_s), splits=splits,
                                sm_scale=sm_scale,
                                lookup=lookup, k_outliers=len(k_outliers or ()),
-                               v_outliers=len(v_outliers or ()))
+                               v_outliers=len(v_outliers or ()), page_tokens=page_tokens)
     if lookup == "product":  # codeword 24 s is q_s times the unit 1
         k_table, v_table = k_table[..., ::NUM_HURWITZ], v_table[..., ::NUM_HURWITZ]
-    args, in_specs = leading_inputs(n_comp, layer, q[..., perm], splits)
-    stream_spec = stacked_spec(layers, slots, k_stream.shape[4])
-    scale_spec = stacked_spec(layers, slots)
+    args, in_specs = leading_inputs(n_comp, layer, q[..., perm], splits, pages)
+    shared = pages is not None
+    stream_spec = stacked_spec(layers, slots, k_stream.shape[4], shared=shared)
+    scale_spec = stacked_spec(layers, slots, shared=shared)
     table_spec = pl.BlockSpec((None, COMPONENTS, k_table.shape[-1]), lambda b, h, j: (h, 0, 0))
     args += [k_stream, k_scale, v_stream, v_scale, k_table.astype(OPERAND),
              v_table.astype(OPERAND)]
@@ -252,7 +259,8 @@ def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_ta
     for arrays in (k_outliers, v_outliers):
         if arrays is not None:
             args += list(arrays)
-            in_specs += [stacked_spec(layers, a.shape[3], a.shape[4]) for a in arrays]
+            in_specs += [stacked_spec(layers, a.shape[3], a.shape[4], shared=shared)
+                         for a in arrays]
     o, m, l = decode_call(kernel, args, in_specs, batch=batch, heads=heads, splits=splits,
                           rows=rows, head_dim=head_dim, num_warps=num_warps,
                           num_stages=num_stages, interpret=interpret,

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.primitives.quaternion import HqmqLayout, replace_outliers
-from pallas_kernels.flash import NUM_WARPS, layer_arrays, visible_slots
+from pallas_kernels.flash import NUM_WARPS, layer_arrays, paged_rows, visible_slots
 from pallas_kernels.hqmq_decode.api import check_arrays, pairs
 from pallas_kernels.hqmq_decode.kernel import COMPONENTS
 from pallas_kernels.partial import dense_partial
@@ -54,7 +54,7 @@ def with_outliers(x: jax.Array, outliers, block: int) -> jax.Array:
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "lookup"),
+                     "interpret", "lookup", "page_tokens"),
 )
 def hqmq_decode(
     q: jax.Array,
@@ -72,6 +72,7 @@ def hqmq_decode(
     v_outliers: jax.Array | None = None,
     k_outlier_start: jax.Array | None = None,
     v_outlier_start: jax.Array | None = None,
+    pages: jax.Array | None = None,
     *,
     layout: HqmqLayout,
     sm_scale: float,
@@ -81,6 +82,7 @@ def hqmq_decode(
     num_stages: int | None = None,
     interpret: bool | None = None,
     lookup: str = "product",
+    page_tokens: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The specification of :func:`.api.hqmq_decode`: same arguments, same checks, the
     exact partial. The blocking, interpret and lookup arguments only shape how the kernel
@@ -88,17 +90,21 @@ def hqmq_decode(
     del block_s, splits, num_warps, num_stages, interpret, lookup
     k_med, v_med = pairs(k_outlier_flags, k_outliers, v_outlier_flags, v_outliers,
                          k_outlier_start, v_outlier_start)
-    block = check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table,
-                         v_table, layout, k_med, v_med)
-    k_stream, k_scale, v_stream, v_scale = layer_arrays(
-        (k_stream, k_scale, v_stream, v_scale), layer)
+    block, _ = check_arrays(q, k_stream, k_scale, v_stream, v_scale, lengths, layer, k_table,
+                            v_table, layout, k_med, v_med, pages, page_tokens)
+    pool = k_stream.shape[-2]
+
+    def rows(arrays):  # one layer's arrays, a paged pool's gathered per row
+        return paged_rows(layer_arrays(arrays, layer), pages, page_tokens, pool)
+
+    k_stream, k_scale, v_stream, v_scale = rows((k_stream, k_scale, v_stream, v_scale))
     per_head = jax.vmap(dequantize, in_axes=(1, 1, 0, None), out_axes=1)
     head_dim = q.shape[-1]  # the codec's padding of the last chunk dropped
     keys = per_head(k_stream, k_scale, k_table, layout)[..., :head_dim]
     values = per_head(v_stream, v_scale, v_table, layout)[..., :head_dim]
     if k_med is not None:
-        keys = with_outliers(keys, layer_arrays(k_med, layer), block)
+        keys = with_outliers(keys, rows(k_med), block)
     if v_med is not None:
-        values = with_outliers(values, layer_arrays(v_med, layer), block)
+        values = with_outliers(values, rows(v_med), block)
     valid = visible_slots(lengths, k_stream.shape[2])
     return dense_partial(q.astype(jnp.float32), keys, values, valid, sm_scale=sm_scale)

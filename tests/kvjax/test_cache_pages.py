@@ -118,11 +118,13 @@ def test_copied_pages_read_back_as_the_source():
                                        ("bf16 window=4 sinks=2", "dense_decode"),
                                        ("turboquant:b3,qjl window=2", "codebook_decode"),
                                        ("octopus:b3 sinks=2", "octopus_decode"),
-                                       ("polarquant:b3", "polar_decode")])
+                                       ("polarquant:b3", "polar_decode"),
+                                       ("hqmq:s96,r4,med3,mb16 window=2", "hqmq_decode")])
 def test_kernels_read_pages_through_the_tables(spec, impl):
     """Chunks and decode steps of a kernel that reads pages (Pallas interpret mode off a
     GPU) over scattered tables, against the reference over the contiguous cache."""
-    head_dim = 64 if impl == "polar_decode" else HEAD_DIM  # its full-depth layout
+    # the polar kernel's full-depth layout, and HQMQ's 16 chunks of 4 at the least
+    head_dim = 64 if impl in ("polar_decode", "hqmq_decode") else HEAD_DIM
     want, _ = _run(_new(spec, head_dim=head_dim), impls=("reference",))
     got, cache = _run(_scrambled(_new(spec + " page=32", num_pages=9, head_dim=head_dim)),
                       impls=(impl,))
@@ -137,7 +139,7 @@ def test_a_kernel_without_pages_refuses_them_and_auto_falls_back():
     view = kc.append(cache.layer(0), *(jnp.ones((BATCH, 1, HEADS, HEAD_DIM)),) * 2, step)
     q = jnp.ones((BATCH, 1, 2 * HEADS, HEAD_DIM))
     with pytest.raises(NoImplementationError, match="reads contiguous caches, not pages"):
-        attend(q, view, step, impl="hqmq_decode")
+        attend(q, view, step, impl="rice_decode")
     attend(q, view, step, impl="auto")
 
 

@@ -215,7 +215,11 @@ class PagedSuite:
     PAGE_TOKENS = 32
 
     def test_paged_pool_matches_the_contiguous_rows(self):
-        case = self.CASES[0]
+        self.check_paged(self.CASES[0], self.PAGED_ARRAYS)
+
+    def check_paged(self, case, arrays: dict[str, int]):
+        """``case`` through pages: the inputs named in ``arrays`` (name -> tokens per
+        entry) as a scattered pool, against the contiguous arrays."""
         kw = self.inputs(case)
         batch = kw["q"].shape[0]
         count = -(-case.slots // self.PAGE_TOKENS)
@@ -226,7 +230,7 @@ class PagedSuite:
             tables[row, -(-length // self.PAGE_TOKENS):] = -1  # pages it never reached
         paged = {**kw, "pages": jnp.asarray(tables), "page_tokens": self.PAGE_TOKENS}
         layered = kw.get("layer") is not None
-        for name, per in self.PAGED_ARRAYS.items():
+        for name, per in arrays.items():
             if kw.get(name) is not None:
                 paged[name] = to_pool(kw[name], self.PAGE_TOKENS, order, layered, per)
         want = normalized(self.reference(**kw))

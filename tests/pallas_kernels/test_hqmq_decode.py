@@ -23,7 +23,7 @@ from kvjax.spec import parse_codec
 from pallas_kernels.hqmq_decode import api, reference
 from pallas_kernels.hqmq_decode.kernel import LOOKUPS
 from pallas_kernels.partial import normalize
-from tests.pallas_kernels.suite import KernelSuite, Shape
+from tests.pallas_kernels.suite import KernelSuite, PagedSuite, Shape
 
 MED = "hqmq:s96,r4,med3"
 #: the paper's uncapped Med-C: a slot for every chunk (512 per block of 32 tokens at
@@ -111,10 +111,12 @@ CASES = (
 )
 
 
-class TestHqmqDecode(KernelSuite):
+class TestHqmqDecode(PagedSuite, KernelSuite):
     entry = staticmethod(api.hqmq_decode)
     reference = staticmethod(reference.hqmq_decode)
     CASES = CASES
+    PAGED_ARRAYS: ClassVar[dict[str, int]] = {
+        name: 1 for name in ("k_stream", "k_scale", "v_stream", "v_scale")}
     UNSUPPORTED = (
         (Case(1, 1, 4, 20, 128, (20,), spec="hqmq:s24,r3"), "not whole bytes and nibbles"),
         (Case(1, 1, 4, 20, 80, (20,)), "head_dim 80"),
@@ -158,6 +160,26 @@ class TestHqmqDecode(KernelSuite):
 
     def lengths(self, case: Case) -> list[int]:
         return list(case.lengths)
+
+    def test_paged_pool_with_outliers_matches_the_contiguous_rows(self):
+        """Med-C outliers in pages: their flags and chunks are per outlier block, whole
+        blocks of a page."""
+        case = Case(2, 2, 4, 96, 128, (96, 45), spec=MED, block_s=None, splits=2)
+        block = parse_codec(MED).kernel_formats()[0].outliers.block
+        assert self.PAGE_TOKENS % block == 0
+        self.check_paged(case, {**self.PAGED_ARRAYS, **{
+            f"{role}_{name}": block for role in "kv" for name in ("outlier_flags",
+                                                                  "outliers")}})
+
+    def test_pages_refuse_pooled_outliers_and_split_blocks(self):
+        # one row: its arrays are a pool of its own pages
+        kw = self.inputs(Case(1, 1, 4, 64, 64, (64,), spec=MED_POOL, block_s=32))
+        with pytest.raises(NotImplementedError, match="pooled outliers"):
+            api.hqmq_decode(**{**kw, "pages": jnp.asarray([[0, 1]]), "page_tokens": 32})
+        kw = self.inputs(Case(1, 1, 4, 64, 64, (64,), spec=MED, block_s=32))
+        with pytest.raises(NotImplementedError, match="no whole outlier blocks"):
+            api.hqmq_decode(**{**kw, "pages": jnp.asarray([[0, 1, 2, 3]]),
+                               "page_tokens": 16})
 
     def test_malformed_arrays_raise_value_errors(self):
         kw = self.inputs(Case(2, 1, 4, 20, 64, (20, 3)))
