@@ -215,23 +215,18 @@ class KernelImpl(Impl):
 
     entry: Entry | None = None
     reads: Callable[[Codec, Codec, int], tuple | str] | None = None
-    paged: bool = False
 
 
 def kernel_impl(name: str, entry: Entry, reads: Callable[[Codec, Codec, int], tuple | str],
-                decode: Callable[..., jax.Array], auto: bool = True,
-                paged: bool = False) -> KernelImpl:
+                decode: Callable[..., jax.Array], auto: bool = True) -> KernelImpl:
     """The registry entry of a fused kernel over codes: it serves a call whose codecs it
     ``reads``, a decode (``decode(q [B, N, D], layer, lengths, scale=...)``) or a
     chunk's queries (``q [B, T, N, D]`` with ``positions=``), walking the coded tokens in
-    place tile by tile either way; over paged caches too where ``paged`` (its entry
-    takes :func:`page_options`)."""
+    place tile by tile either way, through a paged cache's block tables too (its
+    ``decode`` passes the entry :func:`page_options`)."""
 
     def supports(call: Call) -> str | None:
         reason = decode_reason(call)
-        if reason is None and not paged and (call.layer.k.page_blocks
-                                             or call.layer.v.page_blocks):
-            reason = "it reads contiguous caches, not pages"
         if reason is None:
             formats = reads(call.layer.k.codec, call.layer.v.codec, call.head_dim)
             reason = formats if isinstance(formats, str) else None
@@ -244,7 +239,7 @@ def kernel_impl(name: str, entry: Entry, reads: Callable[[Codec, Codec, int], tu
                       positions=call.step.positions(call.num_tokens), num_warps=CHUNK_WARPS)
 
     return KernelImpl(name=name, supports=supports, run=run, fused=True, auto=auto,
-                      entry=entry, reads=reads, paged=paged)
+                      entry=entry, reads=reads)
 
 
 def int_codes_kernel(name: str, entry: Entry,
@@ -254,7 +249,7 @@ def int_codes_kernel(name: str, entry: Entry,
     ``unsupported(bits, head_dim)`` says what it cannot read."""
     return kernel_impl(name, entry,
                        functools.partial(int_reads, unsupported=unsupported),
-                       functools.partial(int_codes_decode, entry=entry), paged=True)
+                       functools.partial(int_codes_decode, entry=entry))
 
 
 # -- kernels over rotated keys and GroupIntFormat values -----------------------------------
@@ -330,7 +325,7 @@ def rotated_kernel(name: str, entry: Entry, key_format: type[RotatedKeyFormat],
                        functools.partial(rotated_reads, key_format=key_format,
                                          unsupported=unsupported),
                        functools.partial(rotated_codes_decode, entry=entry,
-                                         key_format=key_format), auto=auto, paged=True)
+                                         key_format=key_format), auto=auto)
 
 
 # -- kernels over HQMQ codes ---------------------------------------------------------------
@@ -410,8 +405,7 @@ def hqmq_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None],
     takes the arrays of :func:`pallas_kernels.hqmq_decode.api.hqmq_decode`'s signature,
     ``unsupported(layout, head_dim)`` says what it cannot read."""
     return kernel_impl(name, entry, functools.partial(hqmq_reads, unsupported=unsupported),
-                       functools.partial(hqmq_codes_decode, entry=entry), auto=auto,
-                       paged=True)
+                       functools.partial(hqmq_codes_decode, entry=entry), auto=auto)
 
 
 # -- kernels over Rice-coded HyperQuant blocks ------------------------------------------
@@ -459,7 +453,7 @@ def rice_codes_decode(q: jax.Array, layer: Segment, lengths: jax.Array, *, entry
         return rice_entry(qg, k_store.params, v_store.params, *k_fmt.arrays(k_store.codes),
                           *v_fmt.arrays(v_store.codes), n_comp, k_store.layer, entry=entry,
                           k_fmt=k_fmt, v_fmt=v_fmt, layout=k_fmt.layout(head_dim),
-                          sm_scale=scale, **options)
+                          sm_scale=scale, **page_options(k_store), **options)
 
     return merged_attention(q, layer, lengths, scale, coded, positions)
 
@@ -518,8 +512,7 @@ def dense_kernel(name: str, entry: Entry, unsupported: Callable[..., str | None]
     the arrays of :func:`pallas_kernels.dense_decode.api.dense_decode`'s signature,
     ``unsupported(dtype, head_dim)`` says what it cannot read."""
     return kernel_impl(name, entry, functools.partial(dense_reads, unsupported=unsupported),
-                       functools.partial(dense_codes_decode, entry=entry), auto=auto,
-                       paged=True)
+                       functools.partial(dense_codes_decode, entry=entry), auto=auto)
 
 
 def encoded_cache(k_codec: Codec, v_codec: Codec, *, batch: int, heads: int, slots: int,

@@ -20,9 +20,11 @@ import jax.numpy as jnp
 from pallas_kernels.flash import (
     MIN_DOT,
     check_lengths,
+    check_pages,
     check_query,
     check_stack,
     pad_query_rows,
+    page_block,
     schedule,
 )
 from pallas_kernels.partial import empty_partial, merge_partials
@@ -58,13 +60,14 @@ def unsupported(layout, head_dim: int) -> str | None:
 
 
 def check_arrays(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, lengths, layer,
-                 layout) -> None:
+                 layout, pages=None, page_tokens: int = 0) -> int:
     """The checks of :func:`rice_decode` (and of its reference): ``NotImplementedError``
-    where the kernel cannot serve the arrays, ``ValueError`` where they are malformed."""
+    where the kernel cannot serve the arrays, ``ValueError`` where they are malformed.
+    Returns the token capacity of a row (:func:`~pallas_kernels.flash.check_pages`)."""
     batch, heads, head_dim = check_query("rice_decode", q,
                                          functools.partial(unsupported, layout))
-    check_stack("k_stream", k_stream, batch, heads, layer, layout.words,
-                f"W = {layout.words} words per block", axes="NB, W")
+    check_stack("k_stream", k_stream, 1 if pages is not None else batch, heads, layer,
+                layout.words, f"W = {layout.words} words per block", axes="NB, W")
     shape = k_stream.shape
     blocks = shape[:-1]
     for name, a, want, dtype in (
@@ -81,12 +84,16 @@ def check_arrays(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, length
     check_lengths(lengths, batch, q.shape[2])
     if head_dim % GROUP:
         raise NotImplementedError(f"rice_decode: head_dim {head_dim} is not whole E8 points")
+    if pages is not None and page_tokens % layout.block:
+        raise NotImplementedError(f"rice_decode: pages of {page_tokens} tokens hold no whole "
+                                  f"Rice blocks of {layout.block}")
+    return check_pages(pages, page_tokens, batch, k_stream.shape[-2] * layout.block)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret"),
+                     "interpret", "page_tokens"),
 )
 def rice_decode(
     q: jax.Array,         # [B, K, G, D] float: query rows in the codec's rotated frame
@@ -98,6 +105,7 @@ def rice_decode(
     v_norm: jax.Array,    # like k_norm
     lengths: jax.Array,   # int32 [B], or [B, G] per query row: coded tokens seen
     layer: jax.Array | None = None,  # int32 []: the layer of stacked codes to read
+    pages: jax.Array | None = None,  # int32 [B, P]: block tables into a paged pool
     *,
     layout,               # kvjax.primitives.rice_blocks.RiceLayout of the blocks
     sm_scale: float,      # logits are sm_scale * q . k
@@ -106,29 +114,34 @@ def rice_decode(
     num_warps: int = WARPS,
     num_stages: int | None = None,
     interpret: bool | None = None,  # Pallas interpret mode; default: off a GPU
+    page_tokens: int = 0,  # tokens of a page, with pages
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmax of the (rotated) query rows over the first ``lengths[b]`` coded
     tokens: ``o [B, K, G, D]`` (rotated frame), ``m [B, K, G]``, ``l [B, K, G]`` in
     float32; a row with no coded token gets ``o = 0, l = 0, m = NEG``. Each token is its
     block's :func:`kvjax.primitives.rice_blocks.rotated_tokens`. Raises
     ``NotImplementedError`` when the kernel cannot serve these arrays
-    (:func:`unsupported`), ``ValueError`` when they are malformed."""
-    check_arrays(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, lengths, layer,
-                 layout)
+    (:func:`unsupported`), ``ValueError`` when they are malformed. With ``pages`` the
+    blocks are a paged pool ``[L, 1, K, NB, ...]`` that row ``b`` reads through its
+    table (its token ``t`` at the pool's ``pages[b, t // page_tokens] * page_tokens + t
+    % page_tokens``; a page holds whole Rice blocks)."""
+    capacity = check_arrays(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm,
+                            lengths, layer, layout, pages, page_tokens)
     if block_s is not None and (block_s % layout.block or block_s < MIN_DOT
                                 or block_s & (block_s - 1)):
         raise ValueError(f"block_s {block_s}: a power of two >= {MIN_DOT} of whole blocks "
                          f"of {layout.block} tokens")
     batch, heads, group, _ = q.shape
-    slots = k_stream.shape[-2] * layout.block
-    if slots == 0:
+    if capacity == 0:
         return empty_partial(q)
     block_s, num_stages, splits, interpret = schedule(
-        batch, heads, slots, block_s=block_s, num_stages=num_stages or NUM_STAGES,
+        batch, heads, capacity, block_s=block_s, num_stages=num_stages or NUM_STAGES,
         splits=splits, num_warps=num_warps, interpret=interpret, group=q.shape[2], block=BLOCK_S)
+    block_s = page_block(block_s, page_tokens)
     rows = pad_query_rows(q.astype(jnp.float32), layout.head_dim)
     o, m, l = codes_partial(
-        rows, k_stream, k_index, k_norm, v_stream, v_index, v_norm, lengths, layer,
+        rows, k_stream, k_index, k_norm, v_stream, v_index, v_norm, lengths, layer, pages,
         layout=layout, sm_scale=sm_scale, block_s=block_s, splits=splits,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        page_tokens=page_tokens)
     return merge_partials((o[..., :group, :], m[..., :group], l[..., :group]), axis=2)

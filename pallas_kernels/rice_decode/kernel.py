@@ -229,7 +229,7 @@ def _sign_scales(load, stream_ref, layout, t: jax.Array) -> jax.Array:
 
 def _kernel(n_ref, layer_ref, q_ref, ks_ref, ki_ref, kn_ref, vs_ref, vi_ref, vn_ref,
             o_ref, m_ref, l_ref, scratch_ref, *, layout, block_s, split_len, splits, sm_scale,
-            interpret):
+            interpret, page_tokens):
     rows = q_ref.shape[0]
     # interpret mode runs a program's lanes in lockstep: nothing to wait for
     barrier = (lambda: None) if interpret else plgpu.debug_barrier
@@ -249,7 +249,7 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, ki_ref, kn_ref, vs_ref, vi_ref, vn_
     acc, m, l = split_softmax(
         n_ref, layer_ref, rows=rows, slots=ks_ref.shape[1] * layout.block, block_s=block_s,
         split_len=split_len, splits=splits, scores=scores, accumulate=accumulate,
-        init=jnp.zeros((rows, layout.head_dim), jnp.float32))
+        init=jnp.zeros((rows, layout.head_dim), jnp.float32), page_tokens=page_tokens)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -258,29 +258,33 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, ki_ref, kn_ref, vs_ref, vi_ref, vn_
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret"),
+                     "interpret", "page_tokens"),
 )
 def codes_partial(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, n_comp,
-                  layer=None, *, layout, sm_scale: float, block_s: int, splits: int,
-                  num_warps: int, num_stages: int, interpret: bool):
+                  layer=None, pages=None, *, layout, sm_scale: float, block_s: int,
+                  splits: int, num_warps: int, num_stages: int, interpret: bool,
+                  page_tokens: int = 0):
     """Per-split partial softmaxes over the coded tokens: ``q [B, K, R, D]`` (rotated,
     ``R`` rows padded), the blocks stacked ``[L, B, K, NB, ...]`` (``layer`` None reads a
-    stack of one). Returns ``o [B, K, splits, R, D]`` (rotated frame), ``m, l [B, K,
-    splits, R]`` (float32); no check (:func:`.api.rice_decode` does them)."""
+    stack of one; with ``pages``, block tables ``[B, P]`` of ``page_tokens`` pages, a
+    paged pool ``[L, 1, K, NB, ...]`` that each row reads through its table). Returns
+    ``o [B, K, splits, R, D]`` (rotated frame), ``m, l [B, K, splits, R]`` (float32); no
+    check (:func:`.api.rice_decode` does them)."""
     batch, heads, rows, head_dim = q.shape
     arrays = (k_stream, k_index, k_norm, v_stream, v_index, v_norm)
     if layer is None:
         arrays = tuple(a[None] for a in arrays)
         layer = 0
     layers, blocks = arrays[0].shape[0], arrays[0].shape[3]
-    slots = blocks * layout.block
+    slots = blocks * layout.block if pages is None else pages.shape[1] * page_tokens
     kernel = functools.partial(_kernel, layout=layout, block_s=block_s,
                                split_len=split_len(slots, splits, block_s), splits=splits,
-                               sm_scale=sm_scale,
-                               interpret=interpret)
-    args, in_specs = leading_inputs(n_comp, layer, q, splits)
+                               sm_scale=sm_scale, interpret=interpret,
+                               page_tokens=page_tokens)
+    args, in_specs = leading_inputs(n_comp, layer, q, splits, pages)
     args += list(arrays)
-    in_specs += [stacked_spec(layers, blocks, a.shape[4]) for a in arrays]
+    in_specs += [stacked_spec(layers, blocks, a.shape[4], shared=pages is not None)
+                 for a in arrays]
     o, m, l = decode_call(
         kernel, args, in_specs, batch=batch, heads=heads, splits=splits, rows=rows,
         head_dim=head_dim, num_warps=num_warps, num_stages=num_stages, interpret=interpret,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.primitives.rice_blocks import rotated_tokens
-from pallas_kernels.flash import NUM_WARPS, layer_arrays, visible_slots
+from pallas_kernels.flash import NUM_WARPS, layer_arrays, paged_rows, visible_slots
 from pallas_kernels.partial import dense_partial
 from pallas_kernels.rice_decode.api import check_arrays
 
@@ -24,7 +24,7 @@ from pallas_kernels.rice_decode.api import check_arrays
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret"),
+                     "interpret", "page_tokens"),
 )
 def rice_decode(
     q: jax.Array,
@@ -36,6 +36,7 @@ def rice_decode(
     v_norm: jax.Array,
     lengths: jax.Array,
     layer: jax.Array | None = None,
+    pages: jax.Array | None = None,
     *,
     layout,
     sm_scale: float,
@@ -44,14 +45,17 @@ def rice_decode(
     num_warps: int = NUM_WARPS,
     num_stages: int | None = None,
     interpret: bool | None = None,
+    page_tokens: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The specification of :func:`.api.rice_decode`: same arguments, same checks, the
     exact partial. The blocking and interpret arguments only shape the kernel's schedule
     and are ignored here."""
     del block_s, splits, num_warps, num_stages, interpret
     check_arrays(q, k_stream, k_index, k_norm, v_stream, v_index, v_norm, lengths, layer,
-                 layout)
-    arrays = layer_arrays((k_stream, k_index, k_norm, v_stream, v_index, v_norm), layer)
+                 layout, pages, page_tokens)
+    arrays = paged_rows(
+        layer_arrays((k_stream, k_index, k_norm, v_stream, v_index, v_norm), layer), pages,
+        page_tokens, k_stream.shape[-2] * layout.block)
 
     def tokens(stream, index, norm):
         x = rotated_tokens(layout, stream, index, norm)

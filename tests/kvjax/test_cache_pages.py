@@ -119,7 +119,8 @@ def test_copied_pages_read_back_as_the_source():
                                        ("turboquant:b3,qjl window=2", "codebook_decode"),
                                        ("octopus:b3 sinks=2", "octopus_decode"),
                                        ("polarquant:b3", "polar_decode"),
-                                       ("hqmq:s96,r4,med3,mb16 window=2", "hqmq_decode")])
+                                       ("hqmq:s96,r4,med3,mb16 window=2", "hqmq_decode"),
+                                       ("hyperquant:e8,3bps sinks=2", "rice_decode")])
 def test_kernels_read_pages_through_the_tables(spec, impl):
     """Chunks and decode steps of a kernel that reads pages (Pallas interpret mode off a
     GPU) over scattered tables, against the reference over the contiguous cache."""
@@ -133,13 +134,15 @@ def test_kernels_read_pages_through_the_tables(spec, impl):
         np.testing.assert_allclose(b, a, atol=2e-2)
 
 
-def test_a_kernel_without_pages_refuses_them_and_auto_falls_back():
-    cache = _new("int:4 page=32")
-    step = kc.make_step(cache, 1, jnp.asarray([1, 1]))
-    view = kc.append(cache.layer(0), *(jnp.ones((BATCH, 1, HEADS, HEAD_DIM)),) * 2, step)
-    q = jnp.ones((BATCH, 1, 2 * HEADS, HEAD_DIM))
-    with pytest.raises(NoImplementationError, match="reads contiguous caches, not pages"):
-        attend(q, view, step, impl="rice_decode")
+def test_the_flash_chunk_kernel_refuses_pages_and_auto_falls_back():
+    """``chunk_flash`` reads a 16-bit cache where every token sits at its position: a
+    paged one's do not, and "auto" then takes the dense kernel through the tables."""
+    cache = _new("bf16 page=32")
+    step = kc.make_step(cache, 4, jnp.asarray([4, 4]))
+    view = kc.append(cache.layer(0), *(jnp.ones((BATCH, 4, HEADS, HEAD_DIM)),) * 2, step)
+    q = jnp.ones((BATCH, 4, 2 * HEADS, HEAD_DIM))
+    with pytest.raises(NoImplementationError, match="is paged: its tokens are not at"):
+        attend(q, view, step, impl="chunk_flash")
     attend(q, view, step, impl="auto")
 
 

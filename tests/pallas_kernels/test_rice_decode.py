@@ -20,7 +20,7 @@ import pytest
 
 from kvjax.spec import parse_codec
 from pallas_kernels.rice_decode import api, reference
-from tests.pallas_kernels.suite import KernelSuite, Shape
+from tests.pallas_kernels.suite import KernelSuite, PagedSuite, Shape
 
 RICE = "hyperquant:e8,3bps"
 
@@ -91,10 +91,14 @@ CASES = (
 )
 
 
-class TestRiceDecode(KernelSuite):
+class TestRiceDecode(PagedSuite, KernelSuite):
     entry = staticmethod(api.rice_decode)
     reference = staticmethod(reference.rice_decode)
     CASES = CASES
+    #: one entry per Rice block of 8 tokens
+    PAGED_ARRAYS: ClassVar[dict[str, int]] = {
+        f"{role}_{name}": api.RICE_BLOCK for role in "kv" for name in ("stream", "index",
+                                                                       "norm")}
     UNSUPPORTED = (
         (Case(1, 1, 4, 16, 128, (16,), spec="hyperquant:d4,3bps"), "reads E8 streams"),
     )
