@@ -334,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rows", type=_positive, default=8, help="cache rows (concurrent requests)")
     b.add_argument("--num-pages", type=_positive, default=None,
                    help="a paged cache's pool (default: what --rows contiguous rows hold)")
+    b.add_argument("--cache-gb", type=_finite(0, math.inf, "a number of GB > 0",
+                                              low_open=True), default=None, metavar="G",
+                   help="every cache in G GB (1e9 bytes): a contiguous one gets the rows "
+                        "that fit, a paged one --rows rows and the pages that fit")
     b.add_argument("--chunk", type=_positive, default=128, help="prefill tokens per row per step")
     b.add_argument("--decode-steps", type=_positive, default=1,
                    help="decode tokens per row per step")
@@ -714,12 +718,43 @@ def _allocate(args, config, params, windows) -> int:
     return 0
 
 
+def _serving_memory(args, config, cache_config: CacheConfig, max_len: int
+                    ) -> tuple[int, int | None]:
+    """A serving cache's rows and pool pages: ``--rows`` and ``--num-pages``, or with
+    ``--cache-gb`` the rows (contiguous) or pages (paged) that fit in that memory."""
+    from kvjax.eval.memory import pool_pages, row_bytes
+
+    if not cache_config.page_tokens:
+        if args.num_pages is not None:
+            raise ValueError(f"--num-pages: cache spec '{cache_config.spec}' is not paged")
+        if args.cache_gb is None:
+            return args.rows, None
+    if args.cache_gb is None:
+        return args.rows, args.num_pages
+    dims = dict(context=max_len, num_layers=config.num_layers,
+                num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    budget = args.cache_gb * 1e9
+    if cache_config.page_tokens:
+        pages = pool_pages(cache_config, budget=budget, rows=args.rows, **dims)
+        if pages < 1:
+            raise ValueError(f"--cache-gb {args.cache_gb:g}: {args.rows} rows of "
+                             f"'{cache_config.spec}' leave no room for a page")
+        return args.rows, pages
+    per_row, fixed = row_bytes(cache_config, **dims)
+    fits = int((budget - fixed) // per_row)
+    if fits < 1:
+        raise ValueError(f"--cache-gb {args.cache_gb:g} holds no row of {max_len} tokens "
+                         f"of '{cache_config.spec}'")
+    return fits, None
+
+
 def _cmd_serve_bench(args) -> int:
     import jax
     import jax.numpy as jnp
     from tqdm.auto import tqdm
 
     import models
+    from kvjax.cache import memory_bytes
     from kvjax.eval.memory import MODEL_SHAPES
     from models import workload as wl
     from models.config import ModelConfig
@@ -753,19 +788,24 @@ def _cmd_serve_bench(args) -> int:
                          f"{config.max_position_embeddings}")
     for cache_config in caches:
         check_context(cache_config, max_len, "the longest request")
+    if args.cache_gb is not None and args.num_pages is not None:
+        raise ValueError("give --cache-gb or --num-pages, not both")
     rows = []
     for cache_config in caches:
+        cache_rows, pages = _serving_memory(args, config, cache_config, max_len)
         for workload in workloads:
-            engine = Engine(params, config, cache_config, rows=args.rows, max_len=max_len,
-                            num_pages=args.num_pages if cache_config.page_tokens else None,
-                            chunk=args.chunk, decode_steps=args.decode_steps,
-                            seed=args.seed, share_prefixes=not args.no_share)
+            engine = Engine(params, config, cache_config, rows=cache_rows, max_len=max_len,
+                            num_pages=pages, chunk=args.chunk,
+                            decode_steps=args.decode_steps, seed=args.seed,
+                            share_prefixes=not args.no_share)
             timed = wl.requests(workload, config.vocab_size, seed=args.seed)
             with tqdm(total=workload.requests, desc=f"{cache_config.spec} @ {workload.rate}/s",
                       unit="req", file=sys.stderr, disable=args.json) as bar:
                 trace = wl.drive(engine, timed, progress=bar.update)
             rows.append({"model": name, "cache": cache_config.spec, "rate": workload.rate,
-                         "rows": args.rows, "pool_pages": (0 if engine.pool is None
+                         "rows": cache_rows, "cache_gb": args.cache_gb,
+                         "cache_bytes": memory_bytes(engine.cache),
+                         "pool_pages": (0 if engine.pool is None
                                                            else engine.pool.num_pages),
                          "max_len": max_len, "prefilled_tokens": engine.prefilled_tokens,
                          "shared_tokens": engine.shared_tokens, **wl.summary(trace)})

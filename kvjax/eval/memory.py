@@ -178,6 +178,38 @@ def row_bytes(
     return per_row, size(1) - per_row
 
 
+def pool_pages(
+    config: CacheConfig | str,
+    *,
+    budget: float,
+    rows: int,
+    context: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any = jnp.bfloat16,
+) -> int:
+    """The most pages a paged cache (a spec with ``page=N``) of ``rows`` rows of up to
+    ``context`` tokens can keep in ``budget`` bytes with its rows' own arrays (raw
+    window, sinks, flags, block tables) and codec parameters, read from
+    ``jax.eval_shape`` of :func:`kvjax.cache.init_cache` (``num_pages=``); 0 when not
+    even one fits. The comparison at equal memory: a contiguous cache's rows from
+    :func:`row_bytes`, a paged one's pool from here."""
+    config, (layers, heads, dim), rows = _checked(config, num_layers, num_kv_heads,
+                                                  head_dim, rows)
+    if not config.page_tokens:
+        raise ValueError(f"cache spec '{config.spec}' is not paged (add page=N)")
+    context = _positive("context", context)
+
+    def size(pages: int) -> int:
+        return _nbytes(jax.eval_shape(lambda: init_cache(
+            jax.random.key(0), config, num_layers=layers, batch=rows, num_kv_heads=heads,
+            head_dim=dim, max_len=context, dtype=dtype, num_pages=pages)))
+
+    page = size(2) - size(1)
+    return max(0, int((budget - (size(1) - page)) // page))
+
+
 def cache_bytes(
     config: CacheConfig | str,
     *,

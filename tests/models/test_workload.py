@@ -135,6 +135,21 @@ def test_serve_bench_cli_rows_table_and_plot(capsys, tmp_path):
     assert row["prefilled_tokens"] == whole["prefilled_tokens"] - 32
 
 
+def test_serve_bench_puts_every_cache_in_the_same_memory(capsys):
+    """--cache-gb: bf16 rows and int:4 pages from one budget, and the caches the
+    engines made stay within it."""
+    budget = 0.002  # GB: a few rows of the one-layer shape at 23 tokens
+    assert main(["serve-bench", *SMALL, "--cache", "bf16", "--cache", "int:4 page=16",
+                 "--cache-gb", str(budget), "--json"]) == 0
+    bf16, int4 = json.loads(capsys.readouterr().out)
+    assert bf16["pool_pages"] == 0 and bf16["rows"] >= 1
+    assert int4["rows"] == 2 and int4["pool_pages"] > 0
+    for row in (bf16, int4):
+        assert row["cache_bytes"] <= budget * 1e9 and row["requests"] == 3
+    # a row's worth of bytes more would not have fit
+    assert bf16["cache_bytes"] * (bf16["rows"] + 1) / bf16["rows"] > budget * 1e9
+
+
 @pytest.mark.parametrize("args,match", [
     (["--rate", "0"], "requests per second > 0"),
     (["--prompt-len", "9:3"], "LO <= HI"),
@@ -142,6 +157,10 @@ def test_serve_bench_cli_rows_table_and_plot(capsys, tmp_path):
     (["--shared", "0.5:8"], "shorter than the shortest prompt"),
     (["--model", "x"], "--model or --shape"),
     (["--cache", "bf16 evict=h2o:16"], "evict"),
+    (["--cache-gb", "1e-9"], "holds no row"),
+    (["--cache", "int:4 page=16", "--cache-gb", "1e-9"], "leave no room for a page"),
+    (["--cache", "int:4", "--num-pages", "4"], "is not paged"),
+    (["--cache", "int:4 page=16", "--num-pages", "4", "--cache-gb", "1"], "not both"),
 ])
 def test_serve_bench_bad_input_is_one_line(capsys, args, match):
     assert main(["serve-bench", *SMALL, *args]) == 2

@@ -16,6 +16,7 @@ from kvjax.eval.memory import (
     cache_bytes,
     max_context,
     model_shape,
+    pool_pages,
     row_bytes,
 )
 from kvjax.probe import BASELINE_CODECS
@@ -208,3 +209,19 @@ def test_max_context_is_exact_at_every_budget(spec):
     smallest = cache_bytes(spec, context=max(1, parse_cache(spec).sink_tokens), **shape)
     assert max_context(spec, budget_bytes=smallest, **shape) >= 1
     assert max_context(spec, budget_bytes=smallest - 1, **shape) == 0
+
+
+@pytest.mark.parametrize("spec", ["int:4 page=16", "kivi:2,g32 window=8 sinks=4 page=32"])
+def test_pool_pages_is_the_most_that_fits(spec):
+    dims = dict(num_layers=2, num_kv_heads=2, head_dim=64)
+
+    def made(pages):
+        return memory_bytes(init_cache(jax.random.key(0), parse_cache(spec), batch=3,
+                                       max_len=100, num_pages=pages, **dims))
+
+    budget = made(7) + made(8) >> 1  # between 7 and 8 pages
+    assert pool_pages(spec, budget=budget, rows=3, context=100, **dims) == 7
+    assert pool_pages(spec, budget=made(7), rows=3, context=100, **dims) == 7
+    assert pool_pages(spec, budget=made(1) - 1, rows=3, context=100, **dims) == 0
+    with pytest.raises(ValueError, match="not paged"):
+        pool_pages("int:4", budget=1e9, rows=3, context=100, **dims)
