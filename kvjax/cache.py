@@ -480,6 +480,59 @@ def reset_rows(cache: KVCache, rows: jax.Array, lengths: jax.Array | None = None
         bad_valid=zero(cache.bad_valid), evicted=zero(cache.evicted))
 
 
+def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+    """The cache of rows ``rows [n]`` (distinct indices) of ``cache``: every per-row
+    array gathered, a paged store's pool (shared by every row) and the codec parameters
+    as they are. :func:`put_rows` writes such a cache back; between the two, the rows
+    run as a cache of ``n`` rows (a prefill of a few rows among many)."""
+    def store(st: Store) -> Store:
+        def take(a):
+            return None if a is None else jnp.take(a, rows, axis=1)
+
+        return dataclasses.replace(
+            st, codes=st.codes if st.page_blocks else jax.tree.map(take, st.codes),
+            raw=take(st.raw), sink=take(st.sink), nonfinite=take(st.nonfinite),
+            saturated=take(st.saturated), shift=take(st.shift), scale=take(st.scale))
+
+    def take0(a):
+        return None if a is None else jnp.take(a, rows, axis=0)
+
+    return dataclasses.replace(
+        cache, segments=tuple(dataclasses.replace(seg, k=store(seg.k), v=store(seg.v))
+                              for seg in cache.segments),
+        lengths=take0(cache.lengths), overflowed=take0(cache.overflowed),
+        bad_valid=take0(cache.bad_valid), evicted=take0(cache.evicted),
+        pages=take0(cache.pages))
+
+
+def put_rows(cache: KVCache, rows: jax.Array, part: KVCache) -> KVCache:
+    """``cache`` with rows ``rows [n]`` (distinct) replaced by ``part``'s (a
+    :func:`take_rows` cache of them, run since), and a paged store's pool taken from
+    ``part`` whole (the rows wrote their pages there)."""
+    def store(st: Store, new: Store) -> Store:
+        def put(a, b):
+            return None if a is None else a.at[:, rows].set(b)
+
+        return dataclasses.replace(
+            st, codes=new.codes if st.page_blocks else jax.tree.map(put, st.codes, new.codes),
+            raw=put(st.raw, new.raw), sink=put(st.sink, new.sink),
+            nonfinite=put(st.nonfinite, new.nonfinite),
+            saturated=put(st.saturated, new.saturated), shift=put(st.shift, new.shift),
+            scale=put(st.scale, new.scale))
+
+    def put0(a, b):
+        return None if a is None else a.at[rows].set(b)
+
+    return dataclasses.replace(
+        cache, segments=tuple(dataclasses.replace(seg, k=store(seg.k, new.k),
+                                                  v=store(seg.v, new.v))
+                              for seg, new in zip(cache.segments, part.segments, strict=True)),
+        lengths=put0(cache.lengths, part.lengths),
+        overflowed=put0(cache.overflowed, part.overflowed),
+        bad_valid=put0(cache.bad_valid, part.bad_valid),
+        evicted=put0(cache.evicted, part.evicted), pages=put0(cache.pages, part.pages))
+
+
 def _with_tables(view: Segment, pages: jax.Array | None) -> Segment:
     """A layer view whose paged stores carry the block tables ``pages`` (None: none, as
     the segments' stacks hold them)."""

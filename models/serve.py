@@ -2,13 +2,14 @@
 others go on, over a paged (or contiguous) kvjax cache.
 
 :class:`Engine` keeps ``rows`` cache rows and two compiled programs, whatever the
-requests: a prefill chunk of ``chunk`` tokens for every row (:func:`models.generate.
-prefill_program`; rows not prefilling append nothing) and a decode of ``decode_steps``
-tokens for every row (:func:`_decode_rows`; rows not decoding append nothing). Each
-:meth:`Engine.step` admits waiting requests into free rows, feeds one chunk of every
-prefilling row's prompt, then decodes every row whose prompt is in; a row whose request
-is done is retired (:func:`kvjax.cache.reset_rows`) and refilled by the next request
-without recompiling anything.
+requests: a prompt chunk of ``chunk`` tokens for ``prefill_rows`` of the rows
+(:func:`_prefill_rows`: those rows taken out of the cache, run, put back; the work of a
+step does not grow with the rows) and a decode of ``decode_steps`` tokens for every row
+(:func:`_decode_rows`; rows not decoding append nothing). Each :meth:`Engine.step`
+admits waiting requests into free rows, feeds one chunk of the oldest prefilling rows'
+prompts, then decodes every row whose prompt is in; a row whose request is done is
+retired (:func:`kvjax.cache.reset_rows`) and refilled by the next request without
+recompiling anything.
 
 Admission is by memory. A paged cache (``page=N``) keeps one pool of pages
 (:class:`kvjax.paging.PagePool`): a request is admitted when a row is free and the pool
@@ -38,15 +39,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, reset_rows, row_pages, with_pages
+from kvjax.cache import KVCache, put_rows, reset_rows, row_pages, take_rows, with_pages
 from kvjax.paging import OutOfPagesError, PagePool
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig
-from models.generate import TRACE_COUNTS, _choose, _compiled, prefill_program
+from models.generate import TRACE_COUNTS, _choose, _compiled, _last_logits
 from models.llama import Params, cache_shape, hidden_states, lm_logits, new_cache
 
 #: stop tokens a request may name (a fixed width: one compiled decode for all requests)
 MAX_STOP = 8
+#: prompt tokens a step feeds at most by default (``prefill_rows`` rows of a chunk):
+#: the prefill's work per step, which the decoding rows wait for
+PREFILL_TOKENS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,9 +186,34 @@ def _decode_program(params, config: ModelConfig, steps: int, cache: KVCache):
     return _compiled("engine_decode", _decode_rows_jit, (config, steps), args, (1, 2))
 
 
+def _prefill_rows(params, config, tokens, valid, rows, cache):
+    """One prompt chunk ``tokens [P, C]`` (``valid [P]`` of them real) of cache rows
+    ``rows [P]`` (distinct), the others untouched: the rows taken out, run as a cache of
+    ``P`` rows, put back (:func:`kvjax.cache.take_rows`). Returns each of the ``P`` rows'
+    next-token logits and the cache."""
+    TRACE_COUNTS["engine_prefill"] += 1
+    part = take_rows(cache, rows)
+    h, part = hidden_states(params, config, tokens, part, valid)
+    return _last_logits(params, config, h, valid), put_rows(cache, rows, part)
+
+
+_prefill_rows_jit = jax.jit(_prefill_rows, static_argnums=(1,), donate_argnums=(5,))
+
+
+def _prefill_program(params, config: ModelConfig, rows: int, chunk: int, cache: KVCache):
+    """:func:`_prefill_rows` of ``rows`` rows of ``chunk`` tokens compiled for ``cache``
+    (a cache or its shape), once per shape in a process."""
+    i32 = jnp.int32
+    args = (params, config, jax.ShapeDtypeStruct((rows, chunk), i32),
+            jax.ShapeDtypeStruct((rows,), i32), jax.ShapeDtypeStruct((rows,), i32), cache)
+    return _compiled("engine_prefill", _prefill_rows_jit, (config,), args, (1,))
+
+
 @jax.jit
-def _take_logits(logits, fresh, rows):
-    return jnp.where(rows[:, None], fresh, logits)
+def _take_logits(logits, fresh, rows, ready):
+    """``logits [B, V]`` with rows ``rows [P]`` replaced by ``fresh [P, V]`` where
+    ``ready [P]``."""
+    return logits.at[rows].set(jnp.where(ready[:, None], fresh, logits[rows]))
 
 
 class Engine:
@@ -192,7 +221,9 @@ class Engine:
     ``cache_config`` (``max_len`` tokens a row; a paged config's pool has ``num_pages``
     pages, by default as many as ``rows`` contiguous rows would fill).
 
-    ``chunk``: prompt tokens each prefilling row feeds per step; ``decode_steps``:
+    ``chunk``: prompt tokens each prefilling row feeds per step, ``prefill_rows`` rows
+    a step (default: as many as make :data:`PREFILL_TOKENS`, at most ``rows``);
+    ``decode_steps``:
     tokens each decoding row makes per step (more amortise the host's work per call,
     fewer stream tokens sooner). ``seed`` draws the codec parameters (rotations,
     codebooks) as :func:`models.generate.generate`'s does; ``calibration`` serves a
@@ -204,6 +235,7 @@ class Engine:
                  rows: int, max_len: int, num_pages: int | None = None, chunk: int = 256,
                  decode_steps: int = 1, cache_dtype: Any = jnp.bfloat16, seed: int = 0,
                  calibration: Any = None, share_prefixes: bool = True,
+                 prefill_rows: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         for name, value in (("rows", rows), ("max_len", max_len), ("chunk", chunk),
                             ("decode_steps", decode_steps)):
@@ -221,6 +253,12 @@ class Engine:
                              f"'{cache_config.spec}', which is not paged (add page=N)")
         self.params, self.config, self.cache_config = params, config, cache_config
         self.rows, self.max_len, self.chunk = int(rows), int(max_len), int(chunk)
+        if prefill_rows is None:
+            prefill_rows = min(self.rows, max(1, PREFILL_TOKENS // self.chunk))
+        if not isinstance(prefill_rows, int | np.integer) or not 1 <= prefill_rows <= rows:
+            raise ValueError(f"prefill_rows must be an int in 1..rows={rows}, got "
+                             f"{prefill_rows!r}")
+        self.prefill_rows = int(prefill_rows)
         self.decode_steps, self.clock = int(decode_steps), clock
         self.row_pages = row_pages(cache_config, max_len)
         if cache_config.page_tokens:
@@ -234,7 +272,8 @@ class Engine:
                     num_pages=None if self.pool is None else self.pool.num_pages)
         # both programs compiled before the cache exists, as generate does
         shape = cache_shape(config, cache_config, **made)
-        self._prefill = prefill_program(params, config, shape, chunk=self.chunk)
+        self._prefill = _prefill_program(params, config, self.prefill_rows, self.chunk,
+                                         shape)
         self._decode = _decode_program(params, config, self.decode_steps, shape)
         self.cache: KVCache = new_cache(config, cache_config, **made)
         self._tables = np.full((self.rows, self.row_pages), -1, np.int32)
@@ -451,27 +490,35 @@ class Engine:
             self.cache = reset_rows(self.cache, jnp.asarray(admitted), jnp.asarray(starts))
             if self.pool is not None:
                 self.cache = with_pages(self.cache, self._tables)
-        prefilling = [r for r, slot in enumerate(self._slots)
-                      if slot is not None and slot.prefilling]
+        # the oldest requests' prompts first, ``prefill_rows`` of them a step
+        prefilling = sorted((r for r, slot in enumerate(self._slots)
+                             if slot is not None and slot.prefilling),
+                            key=lambda r: self._slots[r].id)[:self.prefill_rows]
         if prefilling:
-            tokens = np.zeros((self.rows, self.chunk), np.int32)
-            valid = np.zeros(self.rows, np.int32)
-            for r in prefilling:
+            # rows with nothing to feed fill the program's other places (valid 0:
+            # they come back as they were)
+            idle = [r for r in range(self.rows) if r not in prefilling]
+            rows = prefilling + idle[:self.prefill_rows - len(prefilling)]
+            tokens = np.zeros((self.prefill_rows, self.chunk), np.int32)
+            valid = np.zeros(self.prefill_rows, np.int32)
+            for i, r in enumerate(prefilling):
                 row = self._slots[r]
                 piece = row.prompt[row.fed:row.fed + self.chunk]
-                tokens[r, :len(piece)] = piece
-                valid[r] = len(piece)
+                tokens[i, :len(piece)] = piece
+                valid[i] = len(piece)
                 row.fed += len(piece)
             self.prefilled_tokens += int(valid.sum())
             logits, self.cache = self._prefill(self.params, jnp.asarray(tokens),
-                                               jnp.asarray(valid), self.cache)
+                                               jnp.asarray(valid), jnp.asarray(rows, jnp.int32),
+                                               self.cache)
             if self.sharing:
                 for r in prefilling:
                     self._register(self._slots[r])
-            ready = np.zeros(self.rows, bool)
-            ready[[r for r in prefilling if not self._slots[r].prefilling]] = True
+            ready = np.array([i < len(prefilling) and not self._slots[r].prefilling
+                              for i, r in enumerate(rows)])
             if ready.any():
-                self._logits = _take_logits(self._logits, logits, jnp.asarray(ready))
+                self._logits = _take_logits(self._logits, logits,
+                                            jnp.asarray(rows, jnp.int32), jnp.asarray(ready))
         decoding = np.array([slot is not None and not slot.prefilling
                              for slot in self._slots])
         if decoding.any():

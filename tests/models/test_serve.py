@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache import init_cache, reset_rows
+from kvjax.cache import init_cache, put_rows, reset_rows, take_rows
 from kvjax.paging import OutOfPagesError
 from kvjax.spec import parse_cache
 from models import generate as gen
@@ -63,12 +63,43 @@ def test_each_request_gets_the_tokens_generate_gives_it_alone(params, spec):
     assert engine.idle and engine.pages_used == engine.cached_pages
 
 
+@pytest.mark.parametrize("spec", ["bf16", "int:4 window=4 page=16"])
+def test_one_prompt_row_a_step_among_many_gives_the_same_tokens(params, spec):
+    """prefill_rows=1: each step feeds one row's chunk, the others wait or decode."""
+    engine = _engine(params, spec, prefill_rows=1)
+    done = engine.run([Request(p, n, stop=()) for p, n in zip(PROMPTS, NEW, strict=True)])
+    for prompt, new, completion in zip(PROMPTS, NEW, done, strict=True):
+        assert completion.tokens == _alone(params, spec, prompt, new, eos_token_ids=())
+    with pytest.raises(ValueError, match=r"prefill_rows must be an int in 1\.\.rows=3"):
+        _engine(params, spec, prefill_rows=4)
+
+
+def test_rows_taken_out_and_put_back_change_only_themselves():
+    for spec in ("int:4 window=4 sinks=2 center=first", "int:4 window=4 page=16"):
+        cache = init_cache(jax.random.PRNGKey(0), parse_cache(spec), num_layers=2, batch=4,
+                           num_kv_heads=2, head_dim=16, max_len=40)
+        cache = jax.tree.map(lambda a: jnp.asarray(
+            np.random.default_rng(0).integers(0, 3, a.shape)).astype(a.dtype), cache)
+        rows = jnp.asarray([2, 0])
+        part = take_rows(cache, rows)
+        assert part.batch == 2
+        back = put_rows(cache, rows, part)
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(cache), strict=True):
+            np.testing.assert_array_equal(a, b)
+        moved = put_rows(cache, rows, jax.tree.map(
+            lambda a: ~a if a.dtype == jnp.bool_ else a + 1, part))
+        np.testing.assert_array_equal(moved.lengths, cache.lengths + np.asarray([1, 0, 1, 0]))
+        raw, was = np.asarray(moved.segments[0].k.raw), np.asarray(cache.segments[0].k.raw)
+        np.testing.assert_array_equal(raw[:, [1, 3]], was[:, [1, 3]])
+        np.testing.assert_array_equal(raw[:, [0, 2]], was[:, [0, 2]] + 1)
+
+
 def test_rows_are_refilled_without_compiling_again(params, monkeypatch):
     monkeypatch.setattr(gen, "_COMPILED", {})
     engine = _engine(params, "int:4 page=16", rows=2)
     programs = dict(gen._COMPILED)
     # both compiled with the engine, before its cache existed
-    assert sorted(key[0] for key in programs) == ["engine_decode", "prefill"]
+    assert sorted(key[0] for key in programs) == ["engine_decode", "engine_prefill"]
     traced = gen.TRACE_COUNTS.copy()
     engine.run([Request(p, n, stop=()) for p, n in zip(PROMPTS, NEW, strict=True)])
     engine.run([Request(PROMPTS[0], 3, stop=())])
