@@ -22,14 +22,14 @@ def _new(spec, num_pages=None, head_dim=HEAD_DIM):
                          max_len=MAX_LEN, num_pages=num_pages)
 
 
-def _run(cache, impls=("reference", "auto")):
-    """Every append of :data:`APPENDS` through both layers; the attention outputs of
-    each by each of ``impls`` (default: the reference and the "auto" list, XLA's windows
-    for chunks off a GPU), and the cache."""
+def _run(cache, impls=("reference", "auto"), appends=APPENDS):
+    """Every append of ``appends`` through both layers; the attention outputs of each by
+    each of ``impls`` (default: the reference and the "auto" list, XLA's windows for
+    chunks off a GPU), and the cache."""
     outs = []
     key = jax.random.key(0)
     head_dim = cache.segments[0].k.raw.shape[-1]
-    for n, (tokens, valid) in enumerate(APPENDS):
+    for n, (tokens, valid) in enumerate(appends):
         k, v, q = (jax.random.normal(jax.random.fold_in(key, 3 * n + i), shape)
                    for i, shape in enumerate([(BATCH, tokens, HEADS, head_dim)] * 2
                                              + [(BATCH, tokens, 2 * HEADS, head_dim)]))
@@ -144,6 +144,29 @@ def test_the_flash_chunk_kernel_refuses_pages_and_auto_falls_back():
     with pytest.raises(NoImplementationError, match="is paged: its tokens are not at"):
         attend(q, view, step, impl="chunk_flash")
     attend(q, view, step, impl="auto")
+
+
+@pytest.mark.parametrize("spec,impl", [("int:4", "int_decode"), ("bf16", "dense_decode")])
+def test_kernels_read_a_page_two_rows_share(spec, impl):
+    """Row 0 writes 40 tokens; row 1 starts with row 0's first page in its table and 32
+    tokens (what a serving engine does for a shared prompt prefix), then both append a
+    chunk and a decode step: the kernel reads the shared page as the reference does."""
+    cache = kc.with_pages(_new(spec + " page=32", num_pages=9),
+                          [[7, 1, 3, 5], [-1, -1, -1, -1]])
+    _, cache = _run(cache, impls=(), appends=[(40, [40, 0])])
+    cache = kc.with_pages(cache, [[7, 1, 3, 5], [7, 2, 8, 6]])
+    cache = kc.reset_rows(cache, jnp.asarray([False, True]), jnp.asarray([0, 32]))
+    appends = [(20, [20, 20]), (1, [1, 1])]
+    want, _ = _run(cache, impls=("reference",), appends=appends)
+    got, after = _run(cache, impls=(impl,), appends=appends)
+    kc.check(after)
+    np.testing.assert_array_equal(after.lengths, [61, 53])
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_allclose(b, a, atol=2e-2)
+    # the shared page holds row 0's tokens: row 1 reading it sees them
+    for role in ("k", "v"):
+        dense = kc.dense(getattr(after.layer(0), role), after.lengths)
+        np.testing.assert_array_equal(dense[1, :, :32], dense[0, :, :32])
 
 
 def test_page_spec_and_bad_paging_are_clear():

@@ -152,6 +152,7 @@ class TestIntDecode(PagedSuite, KernelSuite):
     PAGED_ARRAYS: ClassVar[dict[str, int]] = {name: 1 for name in (
         "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")}
     NEEDLE_SPECS = ("int:4 window=16 sinks=4", "k=saw:h32,signs v=int:4 window=16 sinks=4",
+                    "int:4 window=16 sinks=4 page=64",  # the whole cache through pages
                     "hyperquant:e8,4bps,int8 window=16 sinks=4")
 
     def inputs(self, case: Case) -> dict:
