@@ -34,6 +34,8 @@ the query use the same one) and counted by :func:`kvjax.cache.stored_bits`.
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from pathlib import Path
 
 import jax
@@ -131,8 +133,23 @@ class KeyCalibration:
         return tuple(self.center.shape)
 
     def save(self, path: str | Path) -> None:
-        """Write to an ``.npz`` file (:meth:`load` reads it back)."""
-        np.savez(path, center=self.center, rms=self.rms, tokens=self.tokens)
+        """Write to an ``.npz`` file (:meth:`load` reads it back), named as given: written
+        beside it and renamed into place, so an interrupted save leaves what was there.
+        ``ValueError`` for an empty path or a directory."""
+        if not str(path).strip():
+            raise ValueError("a calibration file path must not be empty")
+        path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"{path} is a directory: name the calibration file (.npz)")
+        fd, staging = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".saving",
+                                       dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                np.savez(out, center=self.center, rms=self.rms, tokens=self.tokens)
+            os.replace(staging, path)
+        finally:
+            if os.path.exists(staging):
+                os.unlink(staging)
 
     @classmethod
     def load(cls, path: str | Path) -> KeyCalibration:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -68,35 +70,104 @@ def _checked_path(path: str | Path) -> Path:
     return path
 
 
+def is_checkpoint_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a directory that holds a kvjax checkpoint and nothing else (a
+    finished one, or the arrays an interrupted save left), or nothing at all: what
+    :func:`save_arrays` may replace."""
+    path = Path(path)
+    if not path.is_dir() or path.is_symlink():
+        return False
+    names = {entry.name for entry in path.iterdir()}
+    if not names <= {METADATA_FILE, ARRAYS_DIR}:
+        return False
+    if METADATA_FILE in names:
+        try:
+            record = json.loads((path / METADATA_FILE).read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(record, dict) and {"format", "kind", "arrays"} <= set(record)
+    return True
+
+
+def _writable_target(path: Path, overwrite: bool) -> None:
+    """Refuse a path whose replacement would take what is not a checkpoint: the working
+    directory or one above it, a file, a directory of other files."""
+    text = str(path)
+    if not text.strip():
+        raise ValueError("a checkpoint path must not be empty")
+    here = Path.cwd().resolve()
+    target = path.resolve()
+    if target == here or target in here.parents or target == Path.home().resolve():
+        raise ValueError(f"{text!r} is the working directory, a directory above it or the "
+                         "home directory: name a checkpoint directory of its own")
+    if not path.exists() and not path.is_symlink():
+        return
+    if not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    if not is_checkpoint_dir(path):
+        raise FileExistsError(f"{path} holds what is not a kvjax checkpoint: it is not "
+                              "replaced (name another path, or remove it yourself)")
+
+
 def save_arrays(path: str | Path, arrays: Mapping[str, Any], metadata: Mapping[str, Any],
                 *, kind: str, overwrite: bool = False) -> int:
     """Write ``arrays`` (name -> array) and ``metadata`` (JSON values) as a checkpoint
     of ``kind`` in the directory ``path``; returns its bytes on disk.
 
-    An existing ``path`` is refused unless ``overwrite``. Arrays of no elements are
+    An existing ``path`` is refused unless ``overwrite``, and even then unless it is a
+    kvjax checkpoint or an empty directory (:func:`is_checkpoint_dir`): nothing else is
+    ever deleted. The empty path, the working directory, one above it and the home
+    directory are refused. The checkpoint is written beside ``path`` first and renamed
+    into place, so an interrupted save leaves what was there. Arrays of no elements are
     recorded by shape and dtype only (orbax stores none).
     """
     import orbax.checkpoint as ocp
 
     from kvjax.eval.provenance import provenance
 
+    _writable_target(Path(path), overwrite)
     path = _checked_path(path)
-    if path.exists():
-        if not overwrite:
-            raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
     host = {name: np.asarray(jax.device_get(a)) for name, a in arrays.items()}
     described = {name: {"shape": list(a.shape), "dtype": _dtype_name(a.dtype),
                         "sha256": _digest(a)} for name, a in host.items()}
     stored = {name: a for name, a in host.items() if a.size}
-    path.mkdir(parents=True)
-    if stored:
-        checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-        checkpointer.save((path / ARRAYS_DIR).absolute(), args=ocp.args.StandardSave(stored))
-    record = {"format": FORMAT, "kind": kind, "kvjax": kvjax.__version__,
-              "provenance": provenance(), "metadata": dict(metadata), "arrays": described}
-    (path / METADATA_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".saving",
+                                    dir=path.parent))
+    try:
+        if stored:
+            checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+            checkpointer.save((staging / ARRAYS_DIR).absolute(),
+                              args=ocp.args.StandardSave(stored))
+        record = {"format": FORMAT, "kind": kind, "kvjax": kvjax.__version__,
+                  "provenance": provenance(), "metadata": dict(metadata),
+                  "arrays": described}
+        (staging / METADATA_FILE).write_text(json.dumps(record, indent=1, sort_keys=True)
+                                             + "\n")
+        _replace(path, staging)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
     return disk_bytes(path)
+
+
+def _replace(path: Path, staging: Path) -> None:
+    """Put the finished ``staging`` directory at ``path``, the checkpoint there (if any)
+    moved aside first and removed only once the new one is in place."""
+    old = None
+    if path.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".replaced",
+                                    dir=path.parent))
+        os.replace(path, old / path.name)
+    try:
+        os.replace(staging, path)
+    except OSError:
+        if old is not None:
+            os.replace(old / path.name, path)
+        raise
+    finally:
+        if old is not None and old.exists():
+            shutil.rmtree(old)
 
 
 def read_metadata(path: str | Path, *, kind: str) -> dict:

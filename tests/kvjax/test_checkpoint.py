@@ -108,6 +108,66 @@ def test_an_existing_directory_is_kept_unless_overwritten(tmp_path, saved):
     ck.load_cache(tmp_path / "c")
 
 
+def test_only_a_checkpoint_or_an_empty_directory_is_ever_replaced(tmp_path, saved):
+    _, cache = saved
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    (tmp_path / "notes.txt").write_text("keep me")
+    for target in (mine, tmp_path / "notes.txt"):
+        with pytest.raises(FileExistsError, match="not a kvjax checkpoint: it is not "
+                                                   "replaced"):
+            ck.save_cache(target, cache, overwrite=True)
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+    # a checkpoint is replaced by the new one, and nothing is left beside it
+    ck.save_cache(tmp_path / "c", cache, metadata={"model": "a"})
+    ck.save_cache(tmp_path / "c", cache, metadata={"model": "b"}, overwrite=True)
+    assert ck.read_metadata(tmp_path / "c", kind=ck.CACHE_KIND)["metadata"]["model"] == "b"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "mine", "notes.txt"]
+
+
+@pytest.mark.parametrize("where", ["", "  ", ".", "..", "HOME"])
+def test_the_working_and_home_directories_are_refused(tmp_path, saved, monkeypatch, where):
+    _, cache = saved
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    (work / "data.csv").write_text("1,2")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(tmp_path / "a"))
+    with pytest.raises(ValueError, match=r"must not be empty|working directory"):
+        ck.save_cache(str(tmp_path / "a") if where == "HOME" else where, cache,
+                      overwrite=True)
+    assert (work / "data.csv").read_text() == "1,2"
+
+
+def test_a_failed_save_leaves_the_old_checkpoint(tmp_path, saved, monkeypatch):
+    _, cache = saved
+    ck.save_cache(tmp_path / "c", cache, metadata={"model": "old"})
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    import kvjax.eval.provenance as prov
+
+    monkeypatch.setattr(prov, "provenance", broken)  # fails after the arrays are written
+    with pytest.raises(OSError, match="disk full"):
+        ck.save_cache(tmp_path / "c", cache, metadata={"model": "new"}, overwrite=True)
+    assert ck.read_metadata(tmp_path / "c", kind=ck.CACHE_KIND)["metadata"]["model"] == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_a_key_calibration_file_is_written_as_named_and_never_empty(tmp_path):
+    calib = KeyCalibration(center=np.zeros((1, 2, 4), np.float32),
+                           rms=np.ones((1, 2, 4), np.float32), tokens=3)
+    calib.save(tmp_path / "k")  # no suffix added
+    assert KeyCalibration.load(tmp_path / "k").tokens == 3
+    for bad, match in (("", "must not be empty"), (tmp_path, "is a directory")):
+        with pytest.raises(ValueError, match=match):
+            calib.save(bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k"]
+
+
 def test_a_path_orbax_would_read_as_a_pattern_is_refused(tmp_path, saved):
     with pytest.raises(ValueError, match="must not contain"):
         ck.save_cache(tmp_path / "layers[0]", saved[1])
