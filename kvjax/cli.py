@@ -249,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="registered name, .gguf file or HF checkpoint dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--max-new-tokens", type=_positive, default=32)
+    g.add_argument("--max-new-tokens", type=_positive, default=None,
+                   help="default: 32, or with --resume the room the stored cache keeps")
     g.add_argument("--temperature", type=_finite(0, math.inf, "a finite number >= 0"),
                    default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=_finite(0, 1, "a number in (0, 1]", low_open=True),
@@ -474,11 +475,14 @@ def _cmd_generate(args) -> int:
                                             per_layer=jax.default_backend() == "gpu")
     if tokenizer is None:
         raise ValueError(f"model '{model_name}' has no tokenizer")
-    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+    sampling = {"max_new_tokens": args.max_new_tokens or 32, "temperature": args.temperature,
                 "top_p": args.top_p}
     stored_bytes = None
     if args.resume is not None:
         stored = load_prompt_cache(args.resume, params=params, config=config)
+        if args.max_new_tokens is None:  # the room the saving call kept
+            cache = stored.prefill.cache
+            sampling["max_new_tokens"] = max(1, cache.max_len - int(cache.lengths.max()) + 1)
         cache_config, stored_bytes = stored.prefill.cache.config, stored.disk_bytes
         result = decode(params, config, stored.prefill, **sampling,
                         seed=stored.seed if args.seed is None else args.seed, mesh=mesh)

@@ -189,6 +189,10 @@ def test_a_prompt_stored_by_one_process_continues_in_another(tmp_path, capsys):
     assert resumed["disk_bytes"] == first["disk_bytes"] > 0
     assert main(["generate", "--resume", str(stored), "--max-new-tokens", "8"]) == 2
     assert "room for 7 new tokens" in capsys.readouterr().err
+    # without --max-new-tokens a resumed prompt fills the room its cache keeps
+    assert main(["generate", "--resume", str(stored), "--json"]) == 0
+    filled = _loads(capsys.readouterr().out)["tokens"]
+    assert filled[:6] == first["tokens"] and len(filled) == 7
 
 
 def test_a_generate_that_does_not_fit_is_one_line(capsys, monkeypatch):
