@@ -58,6 +58,12 @@ class EvictionSpecError(ValueError):
     """An ``evict=`` clause that does not parse."""
 
 
+#: the most tokens any count of a cache spec may name (a window, sinks, a page, an
+#: eviction budget or option): positions are int32 on the device, and sums of such
+#: counts must not wrap
+MAX_TOKENS = 2**30
+
+
 @dataclasses.dataclass(frozen=True)
 class Eviction:
     """A parsed ``evict=`` clause (:func:`parse_eviction`).
@@ -90,6 +96,11 @@ class Eviction:
             raise EvictionSpecError("give the budget as tokens or as a share, one of them")
         if self.budget < 0 or not 0 <= self.share <= 1:
             raise EvictionSpecError(f"budget {self.budget} / share {self.share} out of range")
+        for name in ("budget", "sinks", "recent", "window", "pool"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_TOKENS:
+                raise EvictionSpecError(f"the {name} of {value} tokens is past the most a "
+                                        f"cache spec names, {MAX_TOKENS} (2**30)")
         if self.pool < 1 or self.pool % 2 == 0:
             raise EvictionSpecError(f"snapkv's pooling width must be odd, got {self.pool}")
         if self.window < 1:
@@ -119,9 +130,11 @@ class Eviction:
         lengths = jnp.asarray(lengths, jnp.int32)
         if self.budget:
             return jnp.minimum(lengths, self.budget)
-        # the ceiling of share * length, in integers where the share is a whole percent
+        # the ceiling of share * length, in integers where the share is a whole percent,
+        # and at least one token (as capacity() says) however small the share
         share = jnp.float32(self.share)
-        return jnp.minimum(lengths, jnp.ceil(share * lengths - 1e-4).astype(jnp.int32))
+        kept = jnp.maximum(jnp.ceil(share * lengths - 1e-4).astype(jnp.int32), 1)
+        return jnp.minimum(lengths, kept)
 
     @property
     def observes(self) -> bool:
@@ -272,5 +285,5 @@ def parse_eviction(text: str) -> Eviction:
     return Eviction(policy=name, **fields)
 
 
-__all__ = ["POLICIES", "QUERY_BLOCK", "Eviction", "EvictionSpecError", "attention_mass",
-           "parse_eviction"]
+__all__ = ["MAX_TOKENS", "POLICIES", "QUERY_BLOCK", "Eviction", "EvictionSpecError",
+           "attention_mass", "parse_eviction"]

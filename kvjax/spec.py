@@ -53,7 +53,7 @@ import kvjax.codecs  # noqa: F401  (the built-in codecs register on import)
 from kvjax.centering import MODES as CENTER_MODES
 from kvjax.codec import Codec, CodecError, registry
 from kvjax.codecs.outliers import MedOutlierCodec
-from kvjax.eviction import Eviction, EvictionSpecError, parse_eviction
+from kvjax.eviction import MAX_TOKENS, Eviction, EvictionSpecError, parse_eviction
 
 
 def registered() -> Mapping[str, type[Codec]]:
@@ -205,6 +205,11 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
                 raise CacheSpecError(f"{name} must be a non-negative int, got {value!r}")
+            if value > MAX_TOKENS:
+                clause = {"residual_window": "window", "sink_tokens": "sinks",
+                          "page_tokens": "page"}[name]
+                raise CacheSpecError(f"{clause}={value} is past the most tokens a cache spec "
+                                     f"names, {MAX_TOKENS} (2**30)")
             object.__setattr__(self, name, int(value))
         rules = tuple(self.layers)
         if not all(isinstance(r, LayerRule) for r in rules):

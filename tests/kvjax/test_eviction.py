@@ -194,3 +194,18 @@ def test_evict_into_rejects_a_target_without_the_clause():
     target = _target("f32 evict=all", prompts)
     with pytest.raises(ValueError, match="no evict= clause"):
         kc.evict_into(prompts, None, dataclasses.replace(target, config=parse_cache("f32")))
+
+
+def test_a_tiny_share_keeps_the_one_token_capacity_promises():
+    tiny = parse_eviction("snapkv:0.001%")
+    lengths = jnp.asarray([0, 5, 40, 100_000])
+    np.testing.assert_array_equal(tiny.kept(lengths), [0, 1, 1, 1])
+    assert [tiny.capacity(int(n)) for n in (5, 40, 100_000)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("text,name", [("snapkv:2147483648", "budget"),
+                                       ("h2o:64,r99999999999999999999", "recent"),
+                                       ("snapkv:64,w1073741825", "window")])
+def test_counts_past_the_spec_bound_are_refused_at_parse_time(text, name):
+    with pytest.raises(EvictionSpecError, match=f"the {name} of .* is past the most"):
+        parse_eviction(text)

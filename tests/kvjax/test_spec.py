@@ -212,6 +212,15 @@ def test_bad_fields_of_a_directly_built_config():
         LayerRule(select="0", role="q", codec="bf16")
 
 
+@pytest.mark.parametrize("spec,clause", [("int:4 window=2147483648", "window"),
+                                         ("int:4 sinks=1073741825", "sinks"),
+                                         ("int:4 page=2147483648", "page")])
+def test_token_counts_past_the_bound_are_refused_before_they_overflow(spec, clause):
+    with pytest.raises(CacheSpecError, match=rf"{clause}=\d+ is past the most tokens"):
+        parse_cache(spec)
+    assert parse_cache("int:4 window=1073741824").residual_window == 2**30
+
+
 @pytest.mark.parametrize("spec,message", [
     ("int:4 fit=runs/x", "no codec of this cache takes any"),
     ("saw:c16 fit=", "fit= takes a directory"),
