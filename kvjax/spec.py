@@ -146,14 +146,20 @@ def _selection(select: str, num_layers: int | None) -> set[int]:
                 bounds = [int(b) if b else None for b in item.split(":")]
                 if len(bounds) > 3 or bounds[2:] == [0]:
                     raise ValueError
-                if num_layers is not None:
-                    out.update(range(num_layers)[slice(*bounds)])
-                continue
-            index = int(item)
+                chosen = None if num_layers is None else range(num_layers)[slice(*bounds)]
+            else:
+                index = int(item)
         except ValueError:
             raise CacheSpecError(
                 f"bad layer selection '{item}' in layers[{select}]; give indices and "
                 "slices, e.g. layers[0,-1] or layers[4:12]") from None
+        if ":" in item:
+            if chosen is not None and not chosen:
+                # refused as an index out of range is: the rule would do nothing
+                raise CacheSpecError(f"layers[{select}]: the slice '{item}' selects no layer "
+                                     f"of a model with {num_layers} layers")
+            out.update(chosen or ())
+            continue
         if num_layers is not None:
             if not -num_layers <= index < num_layers:
                 raise CacheSpecError(

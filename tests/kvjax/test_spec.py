@@ -77,6 +77,12 @@ def test_layer_out_of_range_is_caught_against_the_model():
     with pytest.raises(CacheSpecError, match="names layer 7, the model has 3 layers"):
         config.layer_codecs(3)
     assert len(config.layer_codecs(8)) == 8
+    # a slice that selects nothing is refused alike: the rule would silently do nothing
+    for select in ("2:1", "100:200", "-1:0"):
+        with pytest.raises(CacheSpecError, match=f"the slice '{select}' selects no layer "
+                                                 "of a model with 30 layers"):
+            parse_cache(f"int:4 layers[{select}]:k=bf16").layer_codecs(30)
+    assert parse_cache("int:4 layers[28:200]:k=bf16").layer_codecs(30)[29][0].spec == "bf16"
 
 
 def test_defaults_fill_what_the_spec_does_not_say():
