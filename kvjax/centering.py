@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 
 import jax
@@ -153,9 +154,44 @@ class KeyCalibration:
 
     @classmethod
     def load(cls, path: str | Path) -> KeyCalibration:
-        """Read a file written by :meth:`save`."""
-        with np.load(path) as data:
-            return cls(center=data["center"], rms=data["rms"], tokens=int(data["tokens"]))
+        """Read a file written by :meth:`save`. Anything else (another file, a missing or
+        mistyped array, a truncated or corrupt archive, non-finite statistics) is one
+        ``ValueError`` naming the file and what is wrong; a missing file is an
+        ``OSError``."""
+        path = Path(path)
+
+        def wrong(why: str) -> ValueError:
+            return ValueError(f"{path}: not a key calibration file ({why}; "
+                              "python -m kvjax calibrate writes one)")
+
+        if path.is_dir():
+            raise wrong("a directory")
+        try:
+            data = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+            raise wrong(f"unreadable: {type(err).__name__}") from None
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise wrong("a single array, not an .npz archive")
+        with data:
+            missing = sorted({"center", "rms", "tokens"} - set(data.files))
+            if missing:
+                raise wrong(f"no {', '.join(missing)} array")
+            try:
+                arrays = {name: data[name] for name in ("center", "rms", "tokens")}
+            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+                raise wrong(f"an unreadable array: {type(err).__name__}") from None
+        for name in ("center", "rms", "tokens"):
+            if arrays[name].dtype.kind not in "fiu":
+                raise wrong(f"{name} holds {arrays[name].dtype} values, not numbers")
+        if arrays["tokens"].shape != () or arrays["tokens"] < 0:
+            raise wrong("tokens must be one non-negative count")
+        try:
+            return cls(center=arrays["center"], rms=arrays["rms"],
+                       tokens=int(arrays["tokens"]))
+        except ValueError as err:
+            raise wrong(str(err)) from None
 
 
 __all__ = [

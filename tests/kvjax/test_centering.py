@@ -255,3 +255,49 @@ def test_the_probe_measures_the_keys_as_appended():
     k, v = _biased_keys(14, batch=1, tokens=64)
     row = probe("f32 center=first smooth=first", k=np.asarray(k[0]), v=np.asarray(v[0]))
     assert row["rel_mse"] < 1e-10 and row["attn_rel_err"] < 1e-5
+
+
+def _bad_calibration_files(tmp_path):
+    """Files a user might pass as --calibration, none of them a key calibration."""
+    good = tmp_path / "good.npz"
+    np.savez(good, center=np.zeros((2, 2, 8), np.float32), rms=np.ones((2, 2, 8), np.float32),
+             tokens=5)
+    raw = good.read_bytes()
+    files = {
+        "missing_rms.npz": dict(center=np.zeros((2, 2, 8)), tokens=5),
+        "strings.npz": dict(center=np.array(["a"] * 4), rms=np.ones((2, 2, 8)), tokens=5),
+        "nan.npz": dict(center=np.full((2, 2, 8), np.nan), rms=np.ones((2, 2, 8)), tokens=5),
+        "negative_rms.npz": dict(center=np.zeros((2, 2, 8)), rms=-np.ones((2, 2, 8)),
+                                 tokens=5),
+        "shapes.npz": dict(center=np.zeros((2, 2, 8)), rms=np.ones((2, 8)), tokens=5),
+        "tokens_array.npz": dict(center=np.zeros((2, 2, 8)), rms=np.ones((2, 2, 8)),
+                                 tokens=np.arange(3)),
+    }
+    out = []
+    for name, arrays in files.items():
+        np.savez(tmp_path / name, **arrays)
+        out.append(tmp_path / name)
+    np.save(tmp_path / "single.npy", np.zeros((2, 2, 8)))
+    (tmp_path / "objects.npz").write_bytes(b"")  # empty
+    (tmp_path / "text.npz").write_text("center rms tokens\n")
+    (tmp_path / "truncated.npz").write_bytes(raw[: len(raw) // 2])
+    corrupt = bytearray(raw)
+    corrupt[len(raw) // 2: len(raw) // 2 + 64] = bytes(64)
+    (tmp_path / "corrupt.npz").write_bytes(bytes(corrupt))
+    np.savez(tmp_path / "pickled.npz", center=np.array([None, 1], dtype=object),
+             rms=np.ones((2, 2, 8)), tokens=5)
+    out += [tmp_path / n for n in ("single.npy", "objects.npz", "text.npz", "truncated.npz",
+                                    "corrupt.npz", "pickled.npz")]
+    out.append(tmp_path)  # a directory
+    return out
+
+
+def test_every_bad_calibration_file_is_one_line_naming_it(tmp_path):
+    for path in _bad_calibration_files(tmp_path):
+        with pytest.raises(ValueError) as caught:
+            centering.KeyCalibration.load(path)
+        message = str(caught.value)
+        assert len(message.splitlines()) == 1, message
+        assert message.startswith(f"{path}: not a key calibration file"), message
+    with pytest.raises(FileNotFoundError):
+        centering.KeyCalibration.load(tmp_path / "nowhere.npz")
