@@ -196,7 +196,36 @@ def read_metadata(path: str | Path, *, kind: str) -> dict:
         raise CheckpointError(f"{path}: written by kvjax {record.get('kvjax')}, this is "
                               f"kvjax {kvjax.__version__}; codes are only read by the "
                               "version that wrote them")
+    _check_record(file, record)
     return record
+
+
+def _check_record(file: Path, record: dict) -> None:
+    """A :class:`CheckpointError` naming the first field of ``record`` that is not what
+    :func:`save_arrays` writes (an edited or damaged description)."""
+    def wrong(what: str) -> CheckpointError:
+        return CheckpointError(f"{file}: {what}: the description was edited or damaged")
+
+    if not isinstance(record.get("metadata"), dict):
+        raise wrong("'metadata' is not a mapping")
+    if not isinstance(record["arrays"], dict):
+        raise wrong("'arrays' is not a mapping of names to descriptions")
+    for name, d in record["arrays"].items():
+        if not isinstance(d, dict) or set(d) != {"shape", "dtype", "sha256"}:
+            raise wrong(f"array '{name}' is not described by shape, dtype and sha256")
+        shape = d["shape"]
+        if not isinstance(shape, list) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**40
+                for n in shape):
+            raise wrong(f"array '{name}' has the shape {shape!r}")
+        try:
+            jnp.dtype(d["dtype"])
+        except TypeError:
+            raise wrong(f"array '{name}' has the dtype {d['dtype']!r}") from None
+        digest = d["sha256"]
+        if not (isinstance(digest, str) and len(digest) == 64
+                and all(c in "0123456789abcdef" for c in digest)):
+            raise wrong(f"array '{name}' has no SHA-256 digest")
 
 
 def check_expected(path: str | Path, metadata: Mapping[str, Any],

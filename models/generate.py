@@ -813,8 +813,18 @@ def load_prompt_cache(path: str | Path, *, params: Params, config: ModelConfig) 
     if set(extra) != {"logits"} or extra["logits"].shape != (cache.batch, config.vocab_size):
         raise CheckpointError(f"{path}: no next-token logits [{cache.batch}, "
                               f"{config.vocab_size}] stored with the cache")
+    prompts, seed = metadata.get("prompts"), metadata.get("seed")
+    if not (isinstance(prompts, list) and len(prompts) == cache.batch and all(
+            isinstance(p, list) and p and all(
+                isinstance(t, int) and not isinstance(t, bool)
+                and 0 <= t < config.vocab_size for t in p) for p in prompts)):
+        raise CheckpointError(f"{path}: the stored prompts are not {cache.batch} lists of "
+                              f"token ids in 0..{config.vocab_size - 1}: the description "
+                              "was edited or damaged")
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63):
+        raise CheckpointError(f"{path}: the stored seed {seed!r} is not an integer in "
+                              "0..2**63-1: the description was edited or damaged")
     jax.block_until_ready(cache)
     pre = Prefill(logits=extra["logits"], cache=cache, seconds=time.perf_counter() - t0,
                   compile_s=0.0)
-    return PromptCache(prefill=pre, prompts=metadata["prompts"], seed=metadata["seed"],
-                       disk_bytes=disk_bytes(path))
+    return PromptCache(prefill=pre, prompts=prompts, seed=seed, disk_bytes=disk_bytes(path))

@@ -394,6 +394,47 @@ def test_a_stored_prompt_refuses_another_model_and_too_many_tokens(params, tmp_p
         gen.decode(params, CONFIG, stored.prefill, max_new_tokens=MAX_LEN)
 
 
+def _edits(record):
+    """Edits a user might make to a prompt cache's kvjax.json, each a function of the
+    record (seeded: the same every run)."""
+    meta = record["metadata"]
+    name = sorted(record["arrays"])[0]
+    return {
+        "seed a string": lambda r: r["metadata"].update(seed="3"),
+        "seed a float": lambda r: r["metadata"].update(seed=3.5),
+        "seed 2**70": lambda r: r["metadata"].update(seed=2**70),
+        "seed null": lambda r: r["metadata"].update(seed=None),
+        "no seed": lambda r: r["metadata"].pop("seed"),
+        "no prompts": lambda r: r["metadata"].pop("prompts"),
+        "prompts a string": lambda r: r["metadata"].update(prompts="hello"),
+        "a prompt too few": lambda r: r["metadata"].update(prompts=meta["prompts"][:-1]),
+        "a token past the vocabulary": lambda r: r["metadata"].update(
+            prompts=[[CONFIG.vocab_size], *meta["prompts"][1:]]),
+        "metadata a list": lambda r: r.update(metadata=[1, 2]),
+        "arrays a list": lambda r: r.update(arrays=[1, 2]),
+        "a shape of strings": lambda r: r["arrays"][name].update(shape=["a"]),
+        "a dtype unknown": lambda r: r["arrays"][name].update(dtype="float99"),
+        "a digest missing": lambda r: r["arrays"][name].pop("sha256"),
+    }
+
+
+def test_an_edited_prompt_cache_description_is_one_checkpoint_error(params, tmp_path):
+    import json as json_
+
+    _generate(params, PROMPTS, max_new_tokens=4, save_prompt=tmp_path / "p")
+    file = tmp_path / "p" / "kvjax.json"
+    original = file.read_text()
+    for what, edit in _edits(json_.loads(original)).items():
+        record = json_.loads(original)
+        edit(record)
+        file.write_text(json_.dumps(record))
+        with pytest.raises(CheckpointError) as caught:
+            gen.load_prompt_cache(tmp_path / "p", params=params, config=CONFIG)
+        assert len(str(caught.value).splitlines()) == 1, what
+    file.write_text(original)
+    assert gen.load_prompt_cache(tmp_path / "p", params=params, config=CONFIG).seed == 0
+
+
 def test_the_model_fingerprint_follows_the_weights_not_their_layout(params):
     print_ = gen.model_fingerprint(CONFIG, params)
     assert gen.model_fingerprint(CONFIG, unstack_layers(params)) == print_
