@@ -632,6 +632,8 @@ def _cmd_calibrate(args) -> int:
     from models.evaluate import calibrate_keys, check_window_len, load_model_and_windows
 
     model_name = args.model or models.DEFAULT_MODEL
+    if not args.out.strip():
+        raise ValueError("--out must name a file (or with --fit / --allocate a directory)")
     if args.fit is not None and args.allocate is not None:
         raise ValueError("--fit and --allocate are separate runs")
     if args.allocate is not None:

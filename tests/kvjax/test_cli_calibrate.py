@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from kvjax.centering import KeyCalibration
 from kvjax.cli import main
@@ -67,3 +68,10 @@ def test_allocate_refuses_bad_input_before_loading(capsys, tmp_path):
                           (["--allocate", "0"], "> 0")):
         assert main(["calibrate", "--out", out, *args]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out", ["", "   "])
+def test_an_empty_out_is_refused_before_anything_runs(capsys, out):
+    assert main(["calibrate", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "--out must name a file" in err and err.count("\n") == 1
