@@ -405,8 +405,27 @@ def run_sweep(
         _result_path(run_dir, c), settings, cache_configs[c].spec, want_needle)]
     _measure([(settings, c) for c in todo], len(configs) - len(todo), out, cache_configs,
              lambda _: evaluate, progress=progress, devices=devices)
-    rows = [json.loads(_result_path(run_dir, c).read_text()) for c in configs]
-    return rows, run_dir
+    return stored_rows(run_dir, settings, configs), run_dir
+
+
+def stored_rows(run_dir: Path, settings: Settings, first: Sequence[str] = ()) -> list[dict]:
+    """Every configuration stored in ``run_dir/configs`` that was measured with
+    ``settings``: those of ``first`` in that order, then the others by file name. A
+    sweep's reports are built from them all, so a rerun with other configurations into
+    the same run folder adds to its summary and plots rather than replacing them
+    (rerunning with any configuration, e.g. ``--codec bf16``, rebuilds them)."""
+    wanted = json.loads(json.dumps(dataclasses.asdict(settings)))
+    order = {_result_path(run_dir, c).name: i for i, c in enumerate(first)}
+    rows = []
+    for path in sorted((Path(run_dir) / "configs").glob("*.json"),
+                       key=lambda p: (order.get(p.name, len(order)), p.name)):
+        try:
+            row = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # an unreadable file is not a result; the run that wrote it redoes it
+        if isinstance(row, dict) and all(row.get(k) == wanted[k] for k in SETTING_KEYS):
+            rows.append(row)
+    return rows
 
 
 def run_seeds(

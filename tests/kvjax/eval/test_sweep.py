@@ -59,8 +59,13 @@ def test_run_sweep_stores_rows_and_resumes(tmp_path):
     assert not list((run_dir / "configs").glob("*.tmp"))   # written atomically
 
     again = FakeEvaluate()
-    sweep.run_sweep(["int:4", "int:3"], SETTINGS, tmp_path, again, progress=False)
+    rows, _ = sweep.run_sweep(["int:4", "int:3"], SETTINGS, tmp_path, again, progress=False)
     assert again.calls == ["int:3"]
+    # the reports cover every stored configuration, this run's first
+    assert [r["config"] for r in rows] == ["bf16", "int:4", "int:3", "k=int:2 v=int:8"]
+    (run_dir / "configs" / "broken.json").write_text("{")  # not a result: skipped
+    rows, _ = sweep.run_sweep([], SETTINGS, tmp_path, FakeEvaluate(), progress=False)
+    assert sorted(r["config"] for r in rows) == ["bf16", "int:3", "int:4", "k=int:2 v=int:8"]
     forced = FakeEvaluate()
     sweep.run_sweep(["int:4"], SETTINGS, tmp_path, forced, force=True, progress=False)
     assert forced.calls == ["bf16", "int:4"]
