@@ -557,8 +557,21 @@ def _layer_params(key, codec, role, layer, heads, head_dim, fitted):
     return params
 
 
+def _raw_dtype(codec: Codec, dtype: Any) -> Any:
+    """The raw tokens' dtype of a store of ``codec``: ``dtype``, or a lossless codec's
+    own storage where it is wider (an ``f32`` store keeps float32 whatever the cache's
+    raw dtype: every token is rounded to the raw dtype before it is encoded, and its
+    bits must be what the values carry)."""
+    storage = getattr(codec, "storage", None)
+    if codec.lossy or storage is None or jnp.dtype(storage).itemsize <= jnp.dtype(
+            dtype).itemsize:
+        return dtype
+    return jnp.dtype(storage)
+
+
 def _empty_store(key, codec, role, layers, config, batch, heads, head_dim, max_len, dtype,
                  fitted, pool):
+    dtype = _raw_dtype(codec, dtype)
     params = jax.tree.map(
         lambda *a: jnp.stack(a),
         *[_layer_params(key, codec, role, layer, heads, head_dim, fitted) for layer in layers],

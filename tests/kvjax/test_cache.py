@@ -525,3 +525,18 @@ def test_outlier_overflow_with_sinks_and_a_window():
     assert (counts["k_outliers"], counts["k_overflow"], counts["k_chunks"]) == (2, 0, 8 * 2 * 4)
     assert (counts["v_outliers"], counts["v_overflow"], counts["v_chunks"]) == (
         2 * 3, 0, 2 * (8 + 2) * 2 * 4)
+
+
+@pytest.mark.parametrize("spec", ["f32", "f32 window=4 sinks=2", "k=f32 v=int:4 window=2"])
+def test_an_f32_store_is_exact_whatever_the_raw_dtype(spec):
+    """The raw dtype follows a lossless codec wider than it: float32 tokens come back
+    bit for bit from an f32 store of a bf16 cache, and its 32 bits are what they carry."""
+    cache = kc.init_cache(jax.random.key(0), parse_cache(spec), num_layers=1, batch=1,
+                          num_kv_heads=1, head_dim=8, max_len=16, dtype=jnp.bfloat16)
+    assert cache.segments[0].k.raw.dtype == jnp.float32
+    x = jax.random.normal(jax.random.key(1), (1, 10, 1, 8))
+    step = kc.make_step(cache, 10)
+    cache = kc.commit(cache.with_layer(0, kc.append(cache.layer(0), x, x, step)), step)
+    np.testing.assert_array_equal(kc.dense(cache.layer(0).k, cache.lengths)[0, 0, :10],
+                                  x[0, :, 0])
+    assert kc.stored_bits(cache)["k_bits_per_element"] == 32.0
