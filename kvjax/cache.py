@@ -480,57 +480,57 @@ def reset_rows(cache: KVCache, rows: jax.Array, lengths: jax.Array | None = None
         bad_valid=zero(cache.bad_valid), evicted=zero(cache.evicted))
 
 
+#: a store's arrays with a row axis (their second: the stacks lead with the layers),
+#: besides its codes when they are contiguous
+_STORE_ROWS = ("raw", "sink", "nonfinite", "saturated", "shift", "scale")
+#: a cache's arrays of one entry per row
+_CACHE_ROWS = ("lengths", "overflowed", "bad_valid", "evicted", "pages")
+
+
+def _map_rows(cache: KVCache, fn, part: KVCache | None = None) -> KVCache:
+    """``cache`` with ``fn(array, part's array or None, axis)`` in place of every array
+    with a row axis: the per-row arrays of :data:`_STORE_ROWS` and :data:`_CACHE_ROWS`
+    and contiguous codes; a paged pool (shared by every row) is ``part``'s when given,
+    and codec parameters stay."""
+    def store(st: Store, new: Store | None) -> Store:
+        def one(name):
+            a, b = getattr(st, name), None if new is None else getattr(new, name)
+            return None if a is None else fn(a, b, 1)
+
+        if st.page_blocks:
+            codes = st.codes if new is None else new.codes
+        elif new is None:
+            codes = jax.tree.map(lambda a: fn(a, None, 1), st.codes)
+        else:
+            codes = jax.tree.map(lambda a, b: fn(a, b, 1), st.codes, new.codes)
+        return dataclasses.replace(st, codes=codes, **{n: one(n) for n in _STORE_ROWS})
+
+    segments = tuple(dataclasses.replace(
+        seg, k=store(seg.k, None if part is None else new.k),
+        v=store(seg.v, None if part is None else new.v))
+        for seg, new in zip(cache.segments, (part or cache).segments, strict=True))
+    rows = {n: None if getattr(cache, n) is None
+            else fn(getattr(cache, n), None if part is None else getattr(part, n), 0)
+            for n in _CACHE_ROWS}
+    return dataclasses.replace(cache, segments=segments, **rows)
+
+
 def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
     """The cache of rows ``rows [n]`` (distinct indices) of ``cache``: every per-row
     array gathered, a paged store's pool (shared by every row) and the codec parameters
     as they are. :func:`put_rows` writes such a cache back; between the two, the rows
     run as a cache of ``n`` rows (a prefill of a few rows among many)."""
-    def store(st: Store) -> Store:
-        def take(a):
-            return None if a is None else jnp.take(a, rows, axis=1)
-
-        return dataclasses.replace(
-            st, codes=st.codes if st.page_blocks else jax.tree.map(take, st.codes),
-            raw=take(st.raw), sink=take(st.sink), nonfinite=take(st.nonfinite),
-            saturated=take(st.saturated), shift=take(st.shift), scale=take(st.scale))
-
-    def take0(a):
-        return None if a is None else jnp.take(a, rows, axis=0)
-
-    return dataclasses.replace(
-        cache, segments=tuple(dataclasses.replace(seg, k=store(seg.k), v=store(seg.v))
-                              for seg in cache.segments),
-        lengths=take0(cache.lengths), overflowed=take0(cache.overflowed),
-        bad_valid=take0(cache.bad_valid), evicted=take0(cache.evicted),
-        pages=take0(cache.pages))
+    return _map_rows(cache, lambda a, _, axis: jnp.take(a, rows, axis=axis))
 
 
 def put_rows(cache: KVCache, rows: jax.Array, part: KVCache) -> KVCache:
     """``cache`` with rows ``rows [n]`` (distinct) replaced by ``part``'s (a
     :func:`take_rows` cache of them, run since), and a paged store's pool taken from
     ``part`` whole (the rows wrote their pages there)."""
-    def store(st: Store, new: Store) -> Store:
-        def put(a, b):
-            return None if a is None else a.at[:, rows].set(b)
+    def put(a, b, axis):
+        return a.at[rows].set(b) if axis == 0 else a.at[:, rows].set(b)
 
-        return dataclasses.replace(
-            st, codes=new.codes if st.page_blocks else jax.tree.map(put, st.codes, new.codes),
-            raw=put(st.raw, new.raw), sink=put(st.sink, new.sink),
-            nonfinite=put(st.nonfinite, new.nonfinite),
-            saturated=put(st.saturated, new.saturated), shift=put(st.shift, new.shift),
-            scale=put(st.scale, new.scale))
-
-    def put0(a, b):
-        return None if a is None else a.at[rows].set(b)
-
-    return dataclasses.replace(
-        cache, segments=tuple(dataclasses.replace(seg, k=store(seg.k, new.k),
-                                                  v=store(seg.v, new.v))
-                              for seg, new in zip(cache.segments, part.segments, strict=True)),
-        lengths=put0(cache.lengths, part.lengths),
-        overflowed=put0(cache.overflowed, part.overflowed),
-        bad_valid=put0(cache.bad_valid, part.bad_valid),
-        evicted=put0(cache.evicted, part.evicted), pages=put0(cache.pages, part.pages))
+    return _map_rows(cache, put, part)
 
 
 def _with_tables(view: Segment, pages: jax.Array | None) -> Segment:

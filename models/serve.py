@@ -43,7 +43,15 @@ from kvjax.cache import KVCache, put_rows, reset_rows, row_pages, take_rows, wit
 from kvjax.paging import OutOfPagesError, PagePool
 from kvjax.spec import CacheConfig
 from models.config import ModelConfig
-from models.generate import TRACE_COUNTS, _choose, _compiled, _last_logits
+from models.generate import (
+    TRACE_COUNTS,
+    _choose,
+    _compiled,
+    _last_logits,
+    _placed,
+    _stop_tokens,
+    _validate_sampling,
+)
 from models.llama import Params, cache_shape, hidden_states, lm_logits, new_cache
 
 #: stop tokens a request may name (a fixed width: one compiled decode for all requests)
@@ -174,15 +182,11 @@ _decode_rows_jit = jax.jit(_decode_rows, static_argnums=(1, 2), donate_argnums=(
 def _decode_program(params, config: ModelConfig, steps: int, cache: KVCache):
     """:func:`_decode_rows` compiled for ``cache``'s rows (a cache or its shape), once
     per shape in a process."""
-    rows = cache.batch
-
-    def shape(*dims, dtype=jnp.int32):
-        return jax.ShapeDtypeStruct(dims, dtype)
-
-    args = (params, config, steps, shape(rows, config.vocab_size, dtype=jnp.float32), cache,
-            shape(rows, dtype=bool), shape(rows), shape(rows), shape(rows, MAX_STOP),
-            shape(rows, 2, dtype=jnp.uint32), shape(rows, dtype=jnp.float32),
-            shape(rows, dtype=jnp.float32))
+    rows, i32, f32 = cache.batch, jnp.int32, jnp.float32
+    args = (params, config, steps, _placed((rows, config.vocab_size), f32), cache,
+            _placed((rows,), bool), _placed((rows,), i32), _placed((rows,), i32),
+            _placed((rows, MAX_STOP), i32), _placed((rows, 2), jnp.uint32),
+            _placed((rows,), f32), _placed((rows,), f32))
     return _compiled("engine_decode", _decode_rows_jit, (config, steps), args, (1, 2))
 
 
@@ -204,8 +208,8 @@ def _prefill_program(params, config: ModelConfig, rows: int, chunk: int, cache: 
     """:func:`_prefill_rows` of ``rows`` rows of ``chunk`` tokens compiled for ``cache``
     (a cache or its shape), once per shape in a process."""
     i32 = jnp.int32
-    args = (params, config, jax.ShapeDtypeStruct((rows, chunk), i32),
-            jax.ShapeDtypeStruct((rows,), i32), jax.ShapeDtypeStruct((rows,), i32), cache)
+    args = (params, config, _placed((rows, chunk), i32), _placed((rows,), i32),
+            _placed((rows,), i32), cache)
     return _compiled("engine_prefill", _prefill_rows_jit, (config,), args, (1,))
 
 
@@ -304,10 +308,7 @@ class Engine:
         its prompt and all its new tokens but the last fill with codes."""
         if self.pool is None:
             return 0
-        cc = self.cache_config
-        stored = len(request.prompt) + request.max_new_tokens - 1
-        coded = max(0, stored - cc.sink_tokens - cc.residual_window)
-        return -(-coded // cc.page_tokens)
+        return row_pages(self.cache_config, len(request.prompt) + request.max_new_tokens - 1)
 
     def submit(self, request: Request, at: float | None = None) -> int:
         """Queue ``request`` (``at``: when it arrived, on :attr:`clock`; default: now);
@@ -320,19 +321,11 @@ class Engine:
             raise ValueError("a request's prompt must be a non-empty sequence of token ids")
         if prompt.min() < 0 or prompt.max() >= self.config.vocab_size:
             raise ValueError(f"prompt token ids must lie in 0..{self.config.vocab_size - 1}")
-        if not isinstance(request.max_new_tokens, int | np.integer) \
-                or request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got "
-                             f"{request.max_new_tokens!r}")
+        _validate_sampling(request.max_new_tokens, request.temperature, request.top_p)
         if len(prompt) + request.max_new_tokens - 1 > self.max_len:
             raise ValueError(f"{len(prompt)} prompt tokens + {request.max_new_tokens} new "
                              f"need {len(prompt) + request.max_new_tokens - 1} slots; a row "
                              f"holds {self.max_len}")
-        if not (np.isfinite(request.temperature) and request.temperature >= 0):
-            raise ValueError(f"temperature must be finite and >= 0, got "
-                             f"{request.temperature!r}")
-        if not (0 < request.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {request.top_p!r}")
         if len(self._stop_tokens(request)) > MAX_STOP:
             raise ValueError(f"a request names at most {MAX_STOP} stop tokens, got "
                              f"{len(self._stop_tokens(request))}")
@@ -346,7 +339,7 @@ class Engine:
         return rid
 
     def _stop_tokens(self, request: Request) -> tuple[int, ...]:
-        return tuple(self.config.eos_token_ids if request.stop is None else request.stop)
+        return _stop_tokens(self.config, request.stop)
 
     # -- state ----------------------------------------------------------------------
 
