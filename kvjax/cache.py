@@ -95,7 +95,9 @@ class Store:
     nonfinite: ``[L, B]`` set when a row received NaN/Inf.
     saturated: ``[L, B]`` uint8, a bit per cause of a row's finite values being altered to
     fit the storage: :data:`SATURATED_RAW` (clipped to the raw dtype's range),
-    :data:`SATURATED_CODEC` (an encoded token outside the codec's limits).
+    :data:`SATURATED_CODEC` (an encoded token outside the codec's limits),
+    :data:`DROPPED_NO_PAGE` (a paged token with no page), :data:`STATISTICS_CLIPPED`
+    (a first chunk's outlying keys clipped for ``center=first`` / ``smooth=first``).
     layer: ``None``, or in the layer views :func:`scan_layers` makes, the int32 index of
     the view's layer in ``codes``, which then keep their ``L`` axis: appending writes the
     new blocks into the whole stack in place and readers index it
@@ -238,6 +240,10 @@ SATURATED_CODEC = 2
 #: :attr:`Store.saturated` bit: a paged row's block had no page to go to and was dropped
 #: (its block table did not cover the tokens it was given)
 DROPPED_NO_PAGE = 4
+#: :attr:`Store.saturated` bit: a row's first chunk of keys held values so far from the
+#: rest (:data:`kvjax.centering.ROBUST_LIMIT` robust deviations) that the ``first``
+#: statistics clipped them; what is stored is exact about the robust centre
+STATISTICS_CLIPPED = 8
 
 
 @functools.partial(
@@ -880,8 +886,11 @@ def _transform_keys(store: Store, x: jax.Array, step: Step) -> tuple[Store, jax.
     shift, scale = store.shift, store.scale
     if "first" in (store.center, store.smooth):
         weight = centering.first_chunk_weights(step.valid, x.shape[2])[:, None, :]
-        mean, rms = centering.statistics(jnp.where(finite, x, 0.0), weight)
+        mean, rms, clipped = centering.robust_statistics(x, weight)
         first = ((step.start == 0) & (step.valid > 0))[:, None, None]
+        flagged = jnp.any(clipped, axis=1) & first[:, 0, 0]
+        store = dataclasses.replace(store, saturated=store.saturated | jnp.where(
+            flagged, STATISTICS_CLIPPED, 0).astype(store.saturated.dtype))
         big = float(jnp.finfo(centering.DTYPE).max)
         if store.center == "first":
             shift = jnp.where(first, jnp.clip(mean, -big, big).astype(shift.dtype), shift)
@@ -1087,7 +1096,8 @@ def dense(store: Store, lengths: jax.Array, dtype=jnp.float32, restore_keys: boo
 def check(cache: KVCache) -> None:
     """Raise ``ValueError`` if any row's flag is set (eager only): one line that names
     the rows and the cause of each flag (overflow, bad valid counts, NaN/Inf, values
-    saturated to fit the storage, paged tokens without a page)."""
+    saturated to fit the storage, paged tokens without a page, outlying keys clipped for
+    the first chunk's statistics)."""
 
     def rows(mask) -> list[int]:
         return np.nonzero(mask)[0].tolist()
@@ -1103,12 +1113,14 @@ def check(cache: KVCache) -> None:
                         "count below 0 or above their chunk's length; it was clamped")
     nonfinite = np.zeros(cache.batch, bool)
     unpaged = np.zeros(cache.batch, bool)
+    clipped = np.zeros(cache.batch, bool)
     saturated: dict[str, np.ndarray] = {}
     for seg in cache.segments:
         for store in (seg.k, seg.v):
             nonfinite |= np.asarray(store.nonfinite).any(axis=0)
             flags = np.bitwise_or.reduce(np.asarray(store.saturated), axis=0)
             unpaged |= (flags & DROPPED_NO_PAGE) != 0
+            clipped |= (flags & STATISTICS_CLIPPED) != 0
             for bit, what in ((SATURATED_RAW, f"{store.raw.dtype} raw tokens"),
                               (SATURATED_CODEC, store.codec.spec)):
                 hit = (flags & bit) != 0
@@ -1120,6 +1132,10 @@ def check(cache: KVCache) -> None:
     for what, hit in saturated.items():
         problems.append(f"out-of-range K/V: values beyond what {what} can store were "
                         f"saturated in rows {rows(hit)}")
+    if clipped.any():
+        problems.append(f"outlying keys: rows {rows(clipped)} began with keys more than "
+                        f"{centering.ROBUST_LIMIT:g} robust deviations from the rest; "
+                        "the first chunk's key statistics clipped them")
     if unpaged.any():
         problems.append(f"no page: rows {rows(unpaged)} were given tokens past the pages "
                         "of their block tables; those tokens' codes were dropped")

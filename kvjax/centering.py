@@ -21,7 +21,12 @@ Where ``mu`` and ``s`` come from (the cache spec's ``center=`` and ``smooth=`` c
 
 - ``first``: from each row's first append (the prompt's first chunk), per row, before
   anything is stored; the statistics skip the row's first token when the chunk has
-  others (the BOS / attention-sink token's key is atypical in many models).
+  others (the BOS / attention-sink token's key is atypical in many models) and are
+  robust (:func:`robust_statistics`): a value more than :data:`ROBUST_LIMIT` robust
+  deviations from its channel's median is clipped to that distance before the mean and
+  RMS are taken, so one corrupt key cannot move the centre every later key is stored
+  about, and the row is flagged (``kvjax.cache.STATISTICS_CLIPPED``, reported by
+  ``kvjax.cache.check``).
 - ``calib``: from a calibration run (:class:`KeyCalibration`, built by
   :func:`kvjax.cache.key_calibration` from a cache that holds calibration text), per
   (layer, kv head), the same for every row.
@@ -55,6 +60,15 @@ SMOOTH_POWER = 0.5
 #: channel scales below this fraction of the largest are raised to it: a channel that
 #: is all but constant in the statistics must not be blown up by a huge ``1 / s``
 SMOOTH_FLOOR = 1e-2
+#: a first chunk's value further than this many robust deviations (1.4826 x the median
+#: absolute deviation, floored) from its channel's median is clipped for the statistics.
+#: Real keys stay far inside: SmolLM2-135M's, over Shakespeare, reach 18 at most (first
+#: chunks of 32 to 512 tokens, every layer), so clean statistics are the plain ones
+ROBUST_LIMIT = 64.0
+#: the robust deviation of a channel is at least this fraction of the mean robust
+#: deviation of its head's channels: a channel all but constant over the chunk does not
+#: turn every small wobble into an outlier
+ROBUST_FLOOR = 0.1
 
 
 def check_mode(name: str, mode: str) -> str:
@@ -66,14 +80,47 @@ def check_mode(name: str, mode: str) -> str:
 
 def statistics(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Weighted per-channel mean and RMS about it of ``x[..., T, D]`` over its tokens,
-    ``weight[..., T]`` (0/1); ``(mean, rms)`` each ``[..., D]`` float32 (zeros where no
-    token has weight)."""
-    w = weight.astype(jnp.float32)[..., None]
+    ``weight[..., T]`` (0/1; or ``[..., T, D]``, per value); ``(mean, rms)`` each
+    ``[..., D]`` float32 (zeros where no token has weight)."""
+    w = weight.astype(jnp.float32)
+    if w.ndim < x.ndim:
+        w = w[..., None]
     count = jnp.maximum(jnp.sum(w, axis=-2), 1.0)
     x = x.astype(jnp.float32)
     mean = jnp.sum(w * x, axis=-2) / count
     rms = jnp.sqrt(jnp.sum(w * jnp.square(x - mean[..., None, :]), axis=-2) / count)
     return mean, rms
+
+
+def _weighted_median(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """Median over axis -2 of ``x[..., T, D]`` counting the entries where ``weight`` (of
+    ``x``'s shape) is set: the mean of the two middle ones for an even count, 0 where
+    none counts."""
+    count = jnp.sum(weight, axis=-2, keepdims=True)  # [..., 1, D]
+    ordered = jnp.sort(jnp.where(weight, x, jnp.inf), axis=-2)
+    low = jnp.take_along_axis(ordered, jnp.maximum(count - 1, 0) // 2, axis=-2)
+    high = jnp.take_along_axis(ordered, count // 2 - (count == 0), axis=-2)
+    return jnp.where(count > 0, (low + high) / 2, 0.0)[..., 0, :]
+
+
+def robust_statistics(x: jax.Array, weight: jax.Array
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`statistics` of ``x[..., T, D]`` over the tokens ``weight[..., T]`` selects
+    after every value further than :data:`ROBUST_LIMIT` robust deviations from its
+    channel's median is clipped to that distance; non-finite values do not count.
+    Returns ``(mean, rms, clipped)``, ``clipped[...]`` whether any value was clipped."""
+    x = x.astype(jnp.float32)
+    counted = jnp.broadcast_to(weight[..., None], x.shape) & jnp.isfinite(x)
+    median = _weighted_median(x, counted)
+    deviation = jnp.abs(x - median[..., None, :])
+    spread = 1.4826 * _weighted_median(deviation, counted)
+    floor = ROBUST_FLOOR * jnp.mean(spread, axis=-1, keepdims=True)
+    spread = jnp.maximum(jnp.maximum(spread, floor), jnp.finfo(jnp.float32).tiny)
+    reach = (ROBUST_LIMIT * spread)[..., None, :]
+    clipped = jnp.any(counted & (deviation > reach), axis=(-2, -1))
+    bounded = jnp.clip(x, median[..., None, :] - reach, median[..., None, :] + reach)
+    mean, rms = statistics(jnp.where(counted, bounded, 0.0), counted)
+    return mean, rms, clipped
 
 
 def smoothing_scale(rms: jax.Array) -> jax.Array:
@@ -197,11 +244,14 @@ class KeyCalibration:
 __all__ = [
     "DTYPE",
     "MODES",
+    "ROBUST_FLOOR",
+    "ROBUST_LIMIT",
     "SMOOTH_FLOOR",
     "SMOOTH_POWER",
     "KeyCalibration",
     "check_mode",
     "first_chunk_weights",
+    "robust_statistics",
     "smoothing_scale",
     "statistics",
 ]

@@ -52,6 +52,34 @@ def test_statistics_are_weighted_mean_and_rms():
     np.testing.assert_array_equal(mean, [0.0, 0.0])
 
 
+def test_robust_statistics_equal_the_plain_ones_on_clean_keys_and_clip_an_outlier():
+    k = jnp.swapaxes(_biased_keys(4, batch=2, tokens=64)[0], 1, 2)  # [B, K, T, D]
+    weight = jnp.ones((2, 1, 64), bool).at[1, :, 50:].set(False)
+    mean, rms = centering.statistics(k, weight)
+    r_mean, r_rms, clipped = centering.robust_statistics(k, weight)
+    np.testing.assert_allclose(r_mean, mean, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(r_rms, rms, rtol=1e-6, atol=1e-6)
+    assert not np.asarray(clipped).any()
+    # one value 1e4 x the channel's spread, and one past float32 in the unweighted tail
+    bad = k.at[0, 1, 7, 3].multiply(1e4).at[1, 0, 60, 2].set(3e38)
+    r_mean, r_rms, clipped = centering.robust_statistics(bad, weight)
+    np.testing.assert_array_equal(np.asarray(clipped), [[False, True], [False, False]])
+    np.testing.assert_allclose(r_mean[1], mean[1], rtol=1e-6, atol=1e-6)
+    # the clipped value moves its channel's mean by at most ROBUST_LIMIT spreads / T
+    shift = abs(float(r_mean[0, 1, 3] - mean[0, 1, 3]))
+    assert shift < centering.ROBUST_LIMIT * 1.5 / 63, shift
+    assert float(r_rms[0, 1, 3]) < 10 * float(rms[0, 1, 3])
+
+
+def test_robust_median_counts_only_weighted_finite_values():
+    x = jnp.asarray([[1.0], [2.0], [jnp.nan], [9.0], [1e30]])
+    weight = jnp.asarray([1, 1, 1, 1, 0], bool)
+    mean, _, clipped = centering.robust_statistics(x, weight)
+    # NaN and the unweighted 1e30 do not count: the mean of 1, 2, 9
+    np.testing.assert_allclose(mean, [4.0], rtol=1e-6)
+    assert not bool(clipped)
+
+
 def test_smoothing_scale_has_unit_geometric_mean_and_a_floor():
     rms = jnp.asarray([[4.0, 1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
     s = np.asarray(centering.smoothing_scale(rms))
@@ -128,6 +156,32 @@ def test_nonfinite_first_chunk_keeps_the_centre_finite():
     assert np.isfinite(np.asarray(store.scale, np.float32)).all()
     with pytest.raises(ValueError, match="non-finite"):
         kc.check(cache)
+
+
+@pytest.mark.parametrize("spec", ["int:4 center=first", "f32 center=first smooth=first"])
+@pytest.mark.parametrize("size", [1e4, 1e30])
+def test_one_huge_first_chunk_key_neither_poisons_the_centre_nor_passes_unflagged(spec, size):
+    k, v = _biased_keys(5, batch=2, tokens=64)
+    clean = _filled(spec, k, v, max_len=128)
+    bad_k = k.at[0, 9, 1, 3].multiply(size)
+    cache = _filled(spec, bad_k, v, max_len=128)
+    np.testing.assert_allclose(np.asarray(cache.layer(0).k.shift, np.float32),
+                               np.asarray(clean.layer(0).k.shift, np.float32),
+                               rtol=0.05, atol=0.5)
+    # every later clean key is stored as well as in the clean cache
+    more_k, more_v = _biased_keys(6, batch=2, tokens=64)
+
+    def later_error(c):
+        step = kc.make_step(c, 64)
+        c = kc.commit(c.with_layer(0, kc.append(c.layer(0), more_k, more_v, step)), step)
+        got = np.asarray(kc.dense(c.layer(0).k, c.lengths, restore_keys=True))[0, :, 64:]
+        want = np.asarray(jnp.swapaxes(more_k, 1, 2))[0]
+        return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+    assert later_error(cache) < 1.1 * later_error(clean) + 1e-3
+    with pytest.raises(ValueError, match=r"outlying keys: rows \[0\]"):
+        kc.check(cache)
+    kc.check(clean)
 
 
 def test_calibrated_vectors_come_from_the_calibration():
