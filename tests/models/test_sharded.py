@@ -76,6 +76,7 @@ def test_sharded_prefill_equals_one_device(params, mesh_shape):
     ("turboquant:b3 center=first layers[0]:k=bf16", "data=2,model=4"),
     ("bf16 evict=h2o:16", "data=2,model=2"),   # observed prefill, eviction per device
     ("int:4 attn=int_decode,reference", "data=2,model=2"),  # the fused kernel per device
+    ("int:4 evict=snapkv:8,w4", "data=4"),  # a quantized evicting cache, rows split
 ])
 def test_sharded_generation_gives_the_same_tokens(params, spec, mesh_shape, monkeypatch):
     got = []
