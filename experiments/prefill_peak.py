@@ -94,9 +94,16 @@ def main(argv=None) -> int:
           f"{gib(sizes.output_size_in_bytes)} ({gib(sizes.alias_size_in_bytes)} in place), "
           f"temporaries {gib(sizes.temp_size_in_bytes)}")
     before = in_use(device)
+    given = jax.tree_util.tree_flatten_with_path(cache)[0]
     _, cache = compiled(params, tokens, valid, cache)
     jax.block_until_ready(cache)
     after = in_use(device)
+    # a donated argument the run could not take over is copied: list what it kept
+    kept = [(jax.tree_util.keystr(path), leaf) for path, leaf in given
+            if not leaf.is_deleted() and leaf.nbytes > 2**20]
+    print(f"donated: {len(given) - len(kept)} of the cache's {len(given)} arrays taken "
+          "over by the program" + "".join(f"; kept {name} {gib(leaf.nbytes)}"
+                                          for name, leaf in kept))
     if before is None or after is None or compiling is None:
         print("run time: this device keeps no memory statistics")
     else:
