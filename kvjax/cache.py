@@ -96,8 +96,8 @@ class Store:
     saturated: ``[L, B]`` uint8, a bit per cause of a row's finite values being altered to
     fit the storage: :data:`SATURATED_RAW` (clipped to the raw dtype's range),
     :data:`SATURATED_CODEC` (an encoded token outside the codec's limits),
-    :data:`DROPPED_NO_PAGE` (a paged token with no page), :data:`STATISTICS_CLIPPED`
-    (a first chunk's outlying keys clipped for ``center=first`` / ``smooth=first``).
+    :data:`DROPPED_NO_PAGE` (a paged token with no page), :data:`STATISTICS_OUTLIERS`
+    (a first chunk's outlying keys left out of ``center=first`` / ``smooth=first``).
     layer: ``None``, or in the layer views :func:`scan_layers` makes, the int32 index of
     the view's layer in ``codes``, which then keep their ``L`` axis: appending writes the
     new blocks into the whole stack in place and readers index it
@@ -222,15 +222,18 @@ def _compressed_tokens(lengths, sinks, window, block):
     return eligible // block * block
 
 
-@functools.partial(_register, data=("k", "v"), meta=("start", "stop"))
+@functools.partial(_register, data=("k", "v"), meta=("start", "stop", "attention"))
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """K and V storage of layers ``start .. stop-1`` (a *layer view* when sliced to one)."""
+    """K and V storage of layers ``start .. stop-1`` (a *layer view* when sliced to one);
+    ``attention``: the cache spec's implementations (``attn=``), which
+    :func:`kvjax.attention.attend` runs by default."""
 
     k: Store
     v: Store
     start: int
     stop: int
+    attention: tuple[str, ...] = ("auto",)
 
 
 #: :attr:`Store.saturated` bit: a value beyond the raw dtype's range was clipped to it
@@ -242,8 +245,8 @@ SATURATED_CODEC = 2
 DROPPED_NO_PAGE = 4
 #: :attr:`Store.saturated` bit: a row's first chunk of keys held values so far from the
 #: rest (:data:`kvjax.centering.ROBUST_LIMIT` robust deviations) that the ``first``
-#: statistics clipped them; what is stored is exact about the robust centre
-STATISTICS_CLIPPED = 8
+#: statistics left them out; what is stored is exact about the robust centre
+STATISTICS_OUTLIERS = 8
 
 
 @functools.partial(
@@ -392,7 +395,8 @@ def init_cache(
             )
         stores["k"] = _with_key_transform(stores["k"], config, calibration,
                                           range(start, stop))
-        segments.append(Segment(k=stores["k"], v=stores["v"], start=start, stop=stop))
+        segments.append(Segment(k=stores["k"], v=stores["v"], start=start, stop=stop,
+                                attention=config.attention))
         start = stop
     return KVCache(
         segments=tuple(segments),
@@ -886,11 +890,11 @@ def _transform_keys(store: Store, x: jax.Array, step: Step) -> tuple[Store, jax.
     shift, scale = store.shift, store.scale
     if "first" in (store.center, store.smooth):
         weight = centering.first_chunk_weights(step.valid, x.shape[2])[:, None, :]
-        mean, rms, clipped = centering.robust_statistics(x, weight)
+        mean, rms, outlying = centering.robust_statistics(x, weight)
         first = ((step.start == 0) & (step.valid > 0))[:, None, None]
-        flagged = jnp.any(clipped, axis=1) & first[:, 0, 0]
+        flagged = jnp.any(outlying, axis=1) & first[:, 0, 0]
         store = dataclasses.replace(store, saturated=store.saturated | jnp.where(
-            flagged, STATISTICS_CLIPPED, 0).astype(store.saturated.dtype))
+            flagged, STATISTICS_OUTLIERS, 0).astype(store.saturated.dtype))
         big = float(jnp.finfo(centering.DTYPE).max)
         if store.center == "first":
             shift = jnp.where(first, jnp.clip(mean, -big, big).astype(shift.dtype), shift)
@@ -1096,7 +1100,7 @@ def dense(store: Store, lengths: jax.Array, dtype=jnp.float32, restore_keys: boo
 def check(cache: KVCache) -> None:
     """Raise ``ValueError`` if any row's flag is set (eager only): one line that names
     the rows and the cause of each flag (overflow, bad valid counts, NaN/Inf, values
-    saturated to fit the storage, paged tokens without a page, outlying keys clipped for
+    saturated to fit the storage, paged tokens without a page, outlying keys left out of
     the first chunk's statistics)."""
 
     def rows(mask) -> list[int]:
@@ -1113,14 +1117,14 @@ def check(cache: KVCache) -> None:
                         "count below 0 or above their chunk's length; it was clamped")
     nonfinite = np.zeros(cache.batch, bool)
     unpaged = np.zeros(cache.batch, bool)
-    clipped = np.zeros(cache.batch, bool)
+    outlying = np.zeros(cache.batch, bool)
     saturated: dict[str, np.ndarray] = {}
     for seg in cache.segments:
         for store in (seg.k, seg.v):
             nonfinite |= np.asarray(store.nonfinite).any(axis=0)
             flags = np.bitwise_or.reduce(np.asarray(store.saturated), axis=0)
             unpaged |= (flags & DROPPED_NO_PAGE) != 0
-            clipped |= (flags & STATISTICS_CLIPPED) != 0
+            outlying |= (flags & STATISTICS_OUTLIERS) != 0
             for bit, what in ((SATURATED_RAW, f"{store.raw.dtype} raw tokens"),
                               (SATURATED_CODEC, store.codec.spec)):
                 hit = (flags & bit) != 0
@@ -1132,10 +1136,10 @@ def check(cache: KVCache) -> None:
     for what, hit in saturated.items():
         problems.append(f"out-of-range K/V: values beyond what {what} can store were "
                         f"saturated in rows {rows(hit)}")
-    if clipped.any():
-        problems.append(f"outlying keys: rows {rows(clipped)} began with keys more than "
+    if outlying.any():
+        problems.append(f"outlying keys: rows {rows(outlying)} began with keys more than "
                         f"{centering.ROBUST_LIMIT:g} robust deviations from the rest; "
-                        "the first chunk's key statistics clipped them")
+                        "the first chunk's key statistics left them out")
     if unpaged.any():
         problems.append(f"no page: rows {rows(unpaged)} were given tokens past the pages "
                         "of their block tables; those tokens' codes were dropped")

@@ -23,10 +23,9 @@ Where ``mu`` and ``s`` come from (the cache spec's ``center=`` and ``smooth=`` c
   anything is stored; the statistics skip the row's first token when the chunk has
   others (the BOS / attention-sink token's key is atypical in many models) and are
   robust (:func:`robust_statistics`): a value more than :data:`ROBUST_LIMIT` robust
-  deviations from its channel's median is clipped to that distance before the mean and
-  RMS are taken, so one corrupt key cannot move the centre every later key is stored
-  about, and the row is flagged (``kvjax.cache.STATISTICS_CLIPPED``, reported by
-  ``kvjax.cache.check``).
+  deviations from its channel's median is left out of the mean and RMS, so one corrupt
+  key cannot move the centre every later key is stored about, and the row is flagged
+  (``kvjax.cache.STATISTICS_OUTLIERS``, reported by ``kvjax.cache.check``).
 - ``calib``: from a calibration run (:class:`KeyCalibration`, built by
   :func:`kvjax.cache.key_calibration` from a cache that holds calibration text), per
   (layer, kv head), the same for every row.
@@ -61,7 +60,7 @@ SMOOTH_POWER = 0.5
 #: is all but constant in the statistics must not be blown up by a huge ``1 / s``
 SMOOTH_FLOOR = 1e-2
 #: a first chunk's value further than this many robust deviations (1.4826 x the median
-#: absolute deviation, floored) from its channel's median is clipped for the statistics.
+#: absolute deviation, floored) from its channel's median is left out of the statistics.
 #: Real keys stay far inside: SmolLM2-135M's, over Shakespeare, reach 18 at most (first
 #: chunks of 32 to 512 tokens, every layer), so clean statistics are the plain ones
 ROBUST_LIMIT = 64.0
@@ -105,10 +104,10 @@ def _weighted_median(x: jax.Array, weight: jax.Array) -> jax.Array:
 
 def robust_statistics(x: jax.Array, weight: jax.Array
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`statistics` of ``x[..., T, D]`` over the tokens ``weight[..., T]`` selects
-    after every value further than :data:`ROBUST_LIMIT` robust deviations from its
-    channel's median is clipped to that distance; non-finite values do not count.
-    Returns ``(mean, rms, clipped)``, ``clipped[...]`` whether any value was clipped."""
+    """:func:`statistics` of ``x[..., T, D]`` over the tokens ``weight[..., T]`` selects,
+    leaving out every value further than :data:`ROBUST_LIMIT` robust deviations from its
+    channel's median, and non-finite values. Returns ``(mean, rms, outlying)``,
+    ``outlying[...]`` whether any value was left out."""
     x = x.astype(jnp.float32)
     counted = jnp.broadcast_to(weight[..., None], x.shape) & jnp.isfinite(x)
     median = _weighted_median(x, counted)
@@ -116,11 +115,12 @@ def robust_statistics(x: jax.Array, weight: jax.Array
     spread = 1.4826 * _weighted_median(deviation, counted)
     floor = ROBUST_FLOOR * jnp.mean(spread, axis=-1, keepdims=True)
     spread = jnp.maximum(jnp.maximum(spread, floor), jnp.finfo(jnp.float32).tiny)
-    reach = (ROBUST_LIMIT * spread)[..., None, :]
-    clipped = jnp.any(counted & (deviation > reach), axis=(-2, -1))
-    bounded = jnp.clip(x, median[..., None, :] - reach, median[..., None, :] + reach)
-    mean, rms = statistics(jnp.where(counted, bounded, 0.0), counted)
-    return mean, rms, clipped
+    outlying = counted & (deviation > (ROBUST_LIMIT * spread)[..., None, :])
+    # left out, not clipped: a clipped value still moves a short chunk's mean by
+    # ROBUST_LIMIT / tokens spreads; at least half the values lie within one spread
+    inlying = counted & ~outlying
+    mean, rms = statistics(jnp.where(inlying, x, 0.0), inlying)
+    return mean, rms, jnp.any(outlying, axis=(-2, -1))
 
 
 def smoothing_scale(rms: jax.Array) -> jax.Array:

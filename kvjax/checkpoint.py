@@ -219,8 +219,10 @@ def _check_record(file: Path, record: dict) -> None:
                 for n in shape):
             raise wrong(f"array '{name}' has the shape {shape!r}")
         try:
+            if not isinstance(d["dtype"], str):
+                raise TypeError
             jnp.dtype(d["dtype"])
-        except TypeError:
+        except (TypeError, ValueError):
             raise wrong(f"array '{name}' has the dtype {d['dtype']!r}") from None
         digest = d["sha256"]
         if not (isinstance(digest, str) and len(digest) == 64

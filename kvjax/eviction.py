@@ -36,7 +36,9 @@ keys from queries, :meth:`Eviction.select` turns scores into kept positions.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -242,7 +244,21 @@ def attention_mass(q: jax.Array, keys: jax.Array, q_positions: jax.Array,
 
 
 def _percent(share: float) -> str:
-    return f"{share * 100:.6g}"
+    """The shortest percentage that parses back to ``share`` exactly."""
+    for digits in range(1, 18):
+        text = f"{share * 100:.{digits}g}"
+        if _share_of(text) == share:
+            return text
+    # the share's own shortest decimal, a hundred times: exact in decimal arithmetic
+    return f"{decimal.Decimal(repr(share)).scaleb(2).normalize():f}"
+
+
+def _share_of(percent: str) -> float:
+    """``percent`` / 100, rounded once (decimal arithmetic), so every share printed by
+    :func:`_percent` parses back to itself."""
+    if not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", percent, re.ASCII):
+        raise ValueError(percent)  # float() and Decimal() take underscores and blanks
+    return float(decimal.Decimal(percent).scaleb(-2))
 
 
 def parse_eviction(text: str) -> Eviction:
@@ -262,14 +278,14 @@ def parse_eviction(text: str) -> Eviction:
     fields: dict = {}
     try:
         if size.endswith("%"):
-            fields["share"] = float(size[:-1]) / 100
+            fields["share"] = _share_of(size[:-1])
             if not 0 < fields["share"] <= 1:
                 raise ValueError
         else:
             if not (size.isascii() and size.isdigit()) or int(size) < 1:
                 raise ValueError
             fields["budget"] = int(size)
-    except ValueError:
+    except (ValueError, decimal.InvalidOperation):
         raise EvictionSpecError(f"'{text}': the budget is a positive token count or a "
                                 "share in (0, 100]%") from None
     allowed = _OPTIONS[name]

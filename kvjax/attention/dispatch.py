@@ -133,23 +133,25 @@ def attend(
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
-    impl: str | Sequence[str] = "reference",
+    impl: str | Sequence[str] | None = None,
 ) -> jax.Array:
     """Attention of a chunk's queries ``q[B, T, N, D]`` over a layer view it was appended to.
 
     ``step`` is the :class:`~kvjax.cache.Step` of that append. ``scale`` defaults to
     ``D ** -0.5``; ``sliding_window`` limits each query to its last ``w`` positions
     (Mistral). Queries past a row's valid count get well-defined but meaningless output.
-    ``impl`` is an implementation name or an ordered list of them (a cache config's
-    ``attention``); the first that serves the call runs, and :class:`NoImplementationError`
-    gives every one's reason when none does. Returns ``[B, T, N, D]`` in ``q.dtype``.
+    ``impl`` is an implementation name or an ordered list of them; the first that serves
+    the call runs, and :class:`NoImplementationError` gives every one's reason when none
+    does. By default the cache's own list (its spec's ``attn=`` clause, ``"auto"`` when it
+    has none: the fused kernels on a GPU, the float32 reference elsewhere). Returns
+    ``[B, T, N, D]`` in ``q.dtype``.
 
     Keys a cache stores centered or smoothed (:mod:`kvjax.centering`) are attended as
     stored: the centre shifts every score of a query alike, and the query is multiplied
     by the smoothing scale here, before any implementation sees it.
     """
     return _attend(q, layer, step, scale=scale, sliding_window=sliding_window,
-                   names=resolve(impl))
+                   names=resolve(layer.attention if impl is None else impl))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "names"))

@@ -31,6 +31,8 @@ from kvjax.spec import CacheConfig, CacheSpecError, LayerRule, parse_cache, pars
         ("int:4 evict=snapkv:25%", "int:4 evict=snapkv:25%"),
         ("int:4 evict=snapkv:512,w32,p7", "int:4 evict=snapkv:512"),
         ("bf16 evict=h2o:12.5%,r16", "bf16 evict=h2o:12.5%,r16"),
+        ("int:4 evict=snapkv:33.3333333%", "int:4 evict=snapkv:33.3333333%"),
+        ("int:4 evict=snapkv:0.001%", "int:4 evict=snapkv:0.001%"),
         ("kivi:2,g32 evict=streaming:64,s2", "kivi:2,g32 evict=streaming:64,s2"),
         ("int:8 evict=all", "int:8 evict=all"),
         ("saw:kv,c256 fit=runs/fit-a", "saw:b4,kv,c256 fit=runs/fit-a"),

@@ -1,5 +1,7 @@
 """The dispatcher: registry, names and "auto", fallback order, reasons collected."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,7 +85,7 @@ def test_attend_kernel_dispatch_and_fallback():
     view, step, qkey = build_layer("int:4", "int:4", lengths=[20], window=0, sinks=0,
                                    heads=heads, head_dim=head_dim)
     q = jax.random.normal(qkey, (1, 1, 4, head_dim))
-    want = attend(q, view, step)
+    want = attend(q, view, step, impl="reference")
     got = attend(q, view, step, impl="int_decode")   # the kernel applies
     np.testing.assert_allclose(got, want, atol=ATOL)
     assert not np.array_equal(got, want)
@@ -111,3 +113,29 @@ def test_decode_attention_takes_the_same_names():
     np.testing.assert_array_equal(
         attention.decode_attention(q, view, step, impl=("xla", "reference")),
         attend(q[:, None], view, step)[:, 0])
+
+
+def test_attend_runs_the_caches_own_implementations_by_default(monkeypatch):
+    monkeypatch.setitem(attention.REGISTRY, "fives", Impl(
+        name="fives", supports=lambda call: None,
+        run=lambda call: jnp.full(call.q.shape, 5.0, jnp.float32)))
+    view, step, qkey = build_layer("int:4", "int:4", lengths=[9], window=0, sinks=0,
+                                   heads=1, head_dim=64)
+    q = jax.random.normal(qkey, (1, 1, 2, 64))
+    assert view.attention == ("auto",)
+    want = attend(q, view, step, impl="auto")
+    np.testing.assert_array_equal(attend(q, view, step), want)
+    # a view of a cache whose spec names its implementations runs them unless told
+    named = dataclasses.replace(view, attention=("fives", "reference"))
+    assert np.all(np.asarray(attend(q, named, step)) == 5)
+    np.testing.assert_array_equal(attend(q, named, step, impl="auto"), want)
+
+
+def test_a_cache_passes_its_attn_clause_to_every_layer_view():
+    from kvjax import cache as kc
+    from kvjax.spec import parse_cache
+
+    cache = kc.init_cache(jax.random.key(0), parse_cache("int:4 attn=xla,reference "
+                                                         "layers[0]:k=bf16"),
+                          num_layers=3, batch=1, num_kv_heads=1, head_dim=64, max_len=32)
+    assert [cache.layer(i).attention for i in range(3)] == [("xla", "reference")] * 3

@@ -91,7 +91,7 @@ def test_layer_decode_matches_reference_attention(spec_k, spec_v, window, sinks,
     view, step, qkey = build_layer(spec_k, spec_v, lengths=lengths, window=window,
                                    sinks=sinks, heads=heads, head_dim=head_dim)
     q = jax.random.normal(qkey, (len(lengths), 1, heads * group, head_dim))
-    want = attend(q, view, step)[:, 0]
+    want = attend(q, view, step, impl="reference")[:, 0]
     lengths_now = step.start + step.valid
     got = _decode(q[:, 0], view, lengths_now, True,
                   (("block_s", 16), ("splits", 2), ("interpret", INTERPRET)))
@@ -107,7 +107,7 @@ def test_default_saw_block_reaches_the_kernel(head_dim):
     view, step, qkey = build_layer("saw:signs,kv", "saw:signs,kv", lengths=[40, 21],
                                    window=4, sinks=0, heads=1, head_dim=head_dim)
     q = jax.random.normal(qkey, (2, 1, 4, head_dim))
-    want = attend(q, view, step)[:, 0]
+    want = attend(q, view, step, impl="reference")[:, 0]
     got = _decode(q[:, 0], view, step.start + step.valid, True,
                   (("block_s", 16), ("splits", 2), ("interpret", INTERPRET)))
     np.testing.assert_allclose(got, want, atol=ATOL)
