@@ -19,6 +19,7 @@ stores the heads of a layer with one codec.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,18 +105,31 @@ class Allocation:
     spec: str
 
 
+def check_budget(bits: dict[str, Sequence[float]], budget: float) -> None:
+    """``ValueError`` unless ``budget`` (bits per element) is a finite number that the
+    cheapest candidates of ``bits[role][c]`` fit: what :func:`allocate` needs, known
+    before any sensitivity is measured."""
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+        raise ValueError(f"a budget is a finite number of bits per element > 0, got "
+                         f"{budget!r}")
+    cheapest = sum(min(round(b / STEP) for b in bits[r]) for r in ROLES) * STEP / 2
+    if cheapest > budget + 1e-9:
+        raise ValueError(f"a budget of {budget:g} bits per element is below the cheapest "
+                         f"choice ({cheapest:.3f})")
+
+
 def allocate(sensitivity: Sensitivity, budget: float) -> Allocation:
     """The choice of minimum summed loss whose mean bits per element is at most
-    ``budget``; ``ValueError`` when even the cheapest candidates exceed it."""
+    ``budget``; ``ValueError`` when even the cheapest candidates exceed it
+    (:func:`check_budget`)."""
+    check_budget(sensitivity.bits, budget)
     layers = sensitivity.num_layers
     units = [(layer, r) for layer in range(layers) for r in range(2)]
     costs = [[round(sensitivity.bits[ROLES[r]][c] / STEP)
               for c in range(len(sensitivity.candidates))] for _, r in units]
-    capacity = int(np.floor(budget * len(units) / STEP + 1e-9))
-    cheapest = sum(min(c) for c in costs)
-    if cheapest > capacity:
-        raise ValueError(f"a budget of {budget} bits per element is below the cheapest "
-                         f"choice ({cheapest * STEP / len(units):.3f})")
+    # a budget above every unit's dearest choice buys nothing more: the table stops there
+    capacity = min(int(np.floor(budget * len(units) / STEP + 1e-9)),
+                   sum(max(c) for c in costs))
     # best[s]: the least loss of the units so far spending exactly s; choices kept per unit
     best = np.full(capacity + 1, np.inf)
     best[0] = 0.0
@@ -161,4 +175,5 @@ def allocation_spec(sensitivity: Sensitivity, choice: Sequence[Sequence[int]]) -
     return " ".join(clauses + rules)
 
 
-__all__ = ["KIND", "ROLES", "STEP", "Allocation", "Sensitivity", "allocate", "allocation_spec"]
+__all__ = ["KIND", "ROLES", "STEP", "Allocation", "Sensitivity", "allocate", "allocation_spec",
+           "check_budget"]

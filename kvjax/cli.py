@@ -707,7 +707,8 @@ def _allocate(args, config, params, windows) -> int:
     from models.evaluate import layer_sensitivity
 
     sensitivity = layer_sensitivity(params, config, windows, args.candidates,
-                                    seed=args.seed, progress=args.progress)
+                                    seed=args.seed, progress=args.progress,
+                                    budgets=args.allocate)
     sensitivity.save(args.out, metadata={"model": args.model or "default",
                                          "corpus": str(args.corpus)}, overwrite=True)
     rows = []

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from kvjax.allocation import Sensitivity
+from kvjax.allocation import Sensitivity, check_budget
 from kvjax.cache import dense, key_calibration
 from kvjax.calibration import Activations, fit_cache, save_fitted
 from kvjax.centering import KeyCalibration
@@ -229,16 +229,21 @@ def collect_activations(params: llama.Params, config: ModelConfig, windows, *,
 
 
 def layer_sensitivity(params: llama.Params, config: ModelConfig, windows,
-                      candidates: Sequence[str], *, seed: int = 0, progress: bool = False
-                      ) -> Sensitivity:
+                      candidates: Sequence[str], *, seed: int = 0, progress: bool = False,
+                      budgets: Sequence[float] = ()) -> Sensitivity:
     """Measured per-(layer, K|V) sensitivity for :func:`kvjax.allocation.allocate`: the
     mean KL divergence from the bf16 cache's next tokens on ``windows`` when one unit
     stores with a candidate (K codec specs; V takes each one's value codec) and every
     other the candidate of most bits, less that cache's own. ``2 * layers *
-    (candidates - 1)`` perplexity runs."""
+    (candidates - 1)`` perplexity runs, each its own compiled program (the layer rules
+    differ), dropped once run so that their memory does not add up. ``budgets``: the
+    allocations the measurement is for, checked first
+    (:func:`kvjax.allocation.check_budget`)."""
     codecs = [parse_codec(c) for c in candidates]
     bits = {"k": tuple(c.bits_per_element(config.head_dim) for c in codecs),
             "v": tuple(c.value_codec().bits_per_element(config.head_dim) for c in codecs)}
+    for budget in budgets:
+        check_budget(bits, budget)
     top = max(range(len(codecs)), key=lambda c: bits["k"][c] + bits["v"][c])
     base_clause = f"k={codecs[top].spec} v={codecs[top].value_codec().spec}"
     reference = CacheConfig(k="bf16")
@@ -258,6 +263,7 @@ def layer_sensitivity(params: llama.Params, config: ModelConfig, windows,
     for layer, r, c in runs:
         codec = codecs[c] if r == 0 else codecs[c].value_codec()
         loss[layer, r, c] = kl(f"{base_clause} layers[{layer}]:{'kv'[r]}={codec.spec}") - base
+        jax.clear_caches()
     return Sensitivity(candidates=tuple(c.spec for c in codecs), bits=bits, loss=loss,
                        base=base)
 

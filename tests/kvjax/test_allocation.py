@@ -58,3 +58,13 @@ def test_sensitivities_round_trip_and_bad_input_is_refused(tmp_path):
     with pytest.raises(ValueError, match="finite"):
         Sensitivity(candidates=("int:2", "int:4", "int:8"), bits=BITS,
                     loss=np.full((1, 2, 3), np.nan))
+
+
+def test_budgets_are_checked_and_a_huge_one_buys_every_dearest_choice():
+    s = _sensitivity()
+    for bad in (float("nan"), float("inf"), -1.0, 0.0):
+        with pytest.raises(ValueError, match="finite number of bits"):
+            allocate(s, bad)
+    # no table of 1e12 bits: the dearest choice of every unit is the most it can spend
+    found = allocate(s, 1e12)
+    assert found.choice == ((2, 2),) * 3 and found.bits == 8.5

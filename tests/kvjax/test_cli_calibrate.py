@@ -75,3 +75,18 @@ def test_an_empty_out_is_refused_before_anything_runs(capsys, out):
     assert main(["calibrate", "--out", out]) == 2
     err = capsys.readouterr().err
     assert "--out must name a file" in err and err.count("\n") == 1
+
+
+def test_a_budget_no_candidate_fits_is_refused_before_measuring(capsys, tmp_path,
+                                                                monkeypatch):
+    import models.evaluate
+
+    ran = []
+    monkeypatch.setattr(models.evaluate, "cache_perplexity",
+                        lambda *a, **k: ran.append(1))
+    out = str(tmp_path / "s")
+    assert main(["calibrate", "--out", out, "--allocate", "4", "1e-9", "--windows", "1",
+                 "--window-len", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "budget of 1e-09 bits per element is below the cheapest choice (2.500)" in err
+    assert not ran and err.count("\n") == 1
