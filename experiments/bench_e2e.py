@@ -57,7 +57,7 @@ from kvjax.sharding import describe as describe_mesh
 from kvjax.spec import CacheConfig, parse_cache
 from models.config import ModelConfig
 from models.generate import generate
-from models.llama import decode_layout, init_params, shard_params, unstack_layers
+from models.llama import decode_layout, init_params, relayout, shard_params, unstack_layers
 
 #: ``--weights``: how the random stacked weights are laid out for the run
 WEIGHT_LAYOUTS = {"decode": decode_layout, "per-layer": unstack_layers,
@@ -218,7 +218,8 @@ def main(argv=None) -> int:
         print("bench_e2e: XLA_PYTHON_CLIENT_PREALLOCATE=false: a cache near the memory "
               "limit may fail to allocate; unset it for --at-capacity", file=sys.stderr)
     params = init_params(jax.random.key(0), config, jnp.bfloat16)
-    params = WEIGHT_LAYOUTS[args.weights](params)  # a stacked copy is freed here
+    # laid out on the host: on the device the freed stacked copy splits the free memory
+    params = relayout(params, WEIGHT_LAYOUTS[args.weights])
     weights = args.weights
     first = jax.devices()[0]
     mesh_shape = None if mesh is None else describe_mesh(mesh)
@@ -235,6 +236,9 @@ def main(argv=None) -> int:
     stats = first.memory_stats() or {}
     limit = stats.get("bytes_limit") or (args.device_gb or 0) * 1e9
     free_total = limit - held
+    if stats.get("largest_free_block_bytes"):
+        # the cache's stacks go in one after another: a split free memory holds less
+        free_total = min(free_total, int(stats["largest_free_block_bytes"]))
     free = free_total - args.reserve_gb * 1e9
     rows, checked = [], {}
     rng = np.random.default_rng(0)

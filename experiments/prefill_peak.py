@@ -9,8 +9,10 @@ A random-weight model of ``--shape`` (decode layout, as ``bench_e2e.py`` runs it
 cache of ``--cache`` for ``--batch`` rows of ``--context`` tokens (plus 16), and one
 prefill chunk of ``--chunk`` tokens through the model's compiled prefill
 (:func:`models.generate.prefill_program`, compiled before the cache is allocated, as
-:func:`models.generate.prefill` does), the cache donated. Printed: the peak bytes while
-compiling (XLA's autotuning allocates there) beyond the weights, the cache's bytes, the program's
+:func:`models.generate.prefill` does), the cache donated. Printed: the weights' bytes and
+the largest free block of device memory before and after compiling (a cache stack
+needs one block of its size), what compiling held and whether it raised the peak, the
+cache's bytes, the program's
 arguments, outputs (and how many of them alias the donated inputs) and temporaries from
 ``compiled.memory_analysis()``, and on a device that keeps memory statistics the peak
 bytes in use during the chunk less the weights and the cache: what the program needed
@@ -35,20 +37,21 @@ from kvjax.eval.memory import MODEL_SHAPES
 from kvjax.spec import parse_cache
 from models import generate as gen
 from models.config import ModelConfig
-from models.llama import cache_shape, decode_layout, init_params, new_cache
+from models.llama import cache_shape, init_params, new_cache, relayout
 
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def in_use(device) -> tuple[int, int] | None:
-    """``(bytes in use, peak bytes in use)`` of ``device``, or None where it keeps no
-    statistics (a CPU)."""
+def in_use(device) -> tuple[int, int, int] | None:
+    """``(bytes in use, peak bytes in use, largest free block)`` of ``device``, or None
+    where it keeps no statistics (a CPU)."""
     stats = device.memory_stats()
     if not stats or "peak_bytes_in_use" not in stats:
         return None
-    return int(stats["bytes_in_use"]), int(stats["peak_bytes_in_use"])
+    return (int(stats["bytes_in_use"]), int(stats["peak_bytes_in_use"]),
+            int(stats.get("largest_free_block_bytes", 0)))
 
 
 def main(argv=None) -> int:
@@ -75,9 +78,9 @@ def main(argv=None) -> int:
     max_len = args.context + 16
     config = ModelConfig.from_shape(MODEL_SHAPES[args.shape], max_len=max_len,
                                     num_layers=args.layers)
-    params = jax.block_until_ready(decode_layout(init_params(jax.random.key(0), config,
-                                                             jnp.bfloat16)))
+    params = relayout(init_params(jax.random.key(0), config, jnp.bfloat16))
     # compiled first, as models.generate does: autotuning's buffers before the cache's
+    placed = in_use(device)
     shape = cache_shape(config, cache_config, batch=args.batch, max_len=max_len)
     compiled = gen.prefill_program(params, config, shape, chunk=args.chunk)
     compiling = in_use(device)
@@ -107,9 +110,13 @@ def main(argv=None) -> int:
     if before is None or after is None or compiling is None:
         print("run time: this device keeps no memory statistics")
     else:
-        weights = compiling[0]
-        print(f"compiling: peak {gib(compiling[1])}, of which beyond the weights "
-              f"{gib(compiling[1] - weights)} (before the cache existed)")
+        weights = placed[0]
+        # the peak counts from the process's start (the weights' initialization too)
+        grew = (f"raised the peak to {gib(compiling[1])}" if compiling[1] > placed[1]
+                else f"left the peak at {gib(compiling[1])} (the weights' placement)")
+        print(f"weights {gib(weights)}, largest free block {gib(placed[2])}; compiling "
+              f"{grew}, held {gib(compiling[0] - weights)} beyond the weights afterwards, "
+              f"largest free block {gib(compiling[2])}")
         held = before[0]  # the weights and the cache, allocated before the chunk
         # the device's peak counts from the process's start: a run that needed less
         # than the compilation leaves it where the compilation put it

@@ -765,7 +765,7 @@ def _cmd_serve_bench(args) -> int:
     from kvjax.eval.memory import MODEL_SHAPES
     from models import workload as wl
     from models.config import ModelConfig
-    from models.llama import decode_layout, init_params
+    from models.llama import init_params, relayout
     from models.serve import Engine
 
     caches = args.cache or [parse_cache("bf16")]
@@ -783,7 +783,7 @@ def _cmd_serve_bench(args) -> int:
         config = ModelConfig.from_shape(MODEL_SHAPES[args.shape], max_len=max_len,
                                         num_layers=args.layers)
         params = init_params(jax.random.key(args.seed), config, jnp.bfloat16)
-        params = decode_layout(params) if gpu else params
+        params = relayout(params) if gpu else params
         name = f"{args.shape} (random weights)"
     else:
         if args.layers is not None:

@@ -107,9 +107,10 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16,
     weights alone need neither transformers nor the time it takes.
 
     ``per_layer``: the layout a GPU decodes fastest (:func:`models.llama.decode_layout`:
-    one buffer per layer, projections joined; the stacked weights are copied once, then
-    freed); stacked compiles faster."""
-    from models.llama import decode_layout
+    one buffer per layer, projections joined; on a GPU laid out on the host so that the
+    device's free memory stays one block, :func:`models.llama.relayout`); stacked
+    compiles faster."""
+    from models.llama import relayout
 
     kind, path = _locate(name_or_path)
     if kind == "gguf":
@@ -123,7 +124,7 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype=jnp.bfloat16,
         config, params, built = load_hf_dir(path, dtype, tokenizer=tokenizer)
     if os.fspath(name_or_path) in VARIANTS:
         config, params = VARIANTS[os.fspath(name_or_path)][1](config, params)
-    return config, decode_layout(params) if per_layer else params, built
+    return config, relayout(params) if per_layer else params, built
 
 
 def context_length(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> int:

@@ -183,6 +183,38 @@ def decode_layout(params: Params) -> Params:
     return fuse_projections(unstack_layers(params))
 
 
+def relayout(params: Params, layout: Callable[[Params], Params] = decode_layout) -> Params:
+    """``layout(params)`` (default :func:`decode_layout`) for weights on one GPU, built on
+    the host and put back, their device buffers freed first: it consumes ``params``.
+
+    Laid out on the device, each layer is copied while the stacked weights still exist;
+    once those are freed they leave a hole the weights' size below the copies, and the
+    device's free memory is two blocks, not one, so a cache stack that the free total
+    holds may find no block to go in. Measured on an H100 at a 90% memory fraction, the
+    Llama-3-8B shape's random weights: after :func:`decode_layout` on the device 34.44 GiB
+    is the largest block of 56.3 GiB free (the second 24 GiB stack of a 12-row bf16 cache
+    at 32k failed to allocate); through the host (24 s) one block of 56.3 GiB. Weights
+    elsewhere (the CPU, where the host copy would share their memory, or a mesh): laid
+    out in place."""
+    leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+    device = _one_gpu(leaves)
+    if device is None:
+        return layout(params)
+    # copies, not views of the buffers about to be freed
+    host = jax.tree.map(lambda x: np.array(x) if isinstance(x, jax.Array) else x, params)
+    for leaf in leaves:
+        leaf.delete()
+    return jax.block_until_ready(jax.device_put(layout(host), device))
+
+
+def _one_gpu(arrays: list[jax.Array]):
+    """The GPU holding every one of ``arrays``, or None."""
+    devices = {d for x in arrays for d in x.devices()}
+    if len(devices) != 1 or next(iter(devices)).platform != "gpu":
+        return None
+    return next(iter(devices))
+
+
 def stack_layers(params: Params) -> Params:
     """Inverse of :func:`unstack_layers`: the layers stacked over a leading ``L`` axis."""
     layers = params["layers"]

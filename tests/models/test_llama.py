@@ -4,6 +4,7 @@ the projections separate or fused."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -98,3 +99,23 @@ def test_check_params_names_fused_problems(params):
         stacked = fuse_projections(params)
         check_params({**stacked, "layers": {**stacked["layers"],
                                             "wq": params["layers"]["wq"]}}, CONFIG)
+
+
+def test_relayout_on_the_host_gives_the_layout_and_frees_the_device_copies(monkeypatch):
+    from models import llama as ll
+
+    config = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                         max_position_embeddings=32)
+    params = ll.init_params(jax.random.PRNGKey(0), config, jnp.bfloat16)
+    want = jax.tree.map(np.asarray, ll.decode_layout(params))
+    # on the CPU the layout is made in place; a GPU's path, taken here on the CPU
+    assert ll._one_gpu(jax.tree.leaves(params)) is None
+    device = jax.devices()[0]
+    monkeypatch.setattr(ll, "_one_gpu", lambda arrays: device)
+    got = ll.relayout(params)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(params))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.devices() == {device}
+        np.testing.assert_array_equal(np.asarray(a), b)
