@@ -68,8 +68,12 @@ def measure(specs, configs, names, contexts, device_gb) -> list[dict]:
     """One row per (model, cache): its bytes per token, sizes and the fitting context."""
     if not contexts or any(c < 1 for c in contexts):
         raise ValueError(f"contexts must be positive token counts, got {contexts}")
+    from tqdm.auto import tqdm
+
     shapes = [model_shape(n) for n in names]
     rows = []
+    bar = tqdm(total=len(shapes) * len(configs), desc="memory table", unit="cache",
+               disable=None)  # on a terminal only
     for shape in shapes:
         dims = dict(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
                     head_dim=shape.head_dim)
@@ -93,6 +97,8 @@ def measure(specs, configs, names, contexts, device_gb) -> list[dict]:
                 "device_gb": device_gb, "weight_bytes_bf16": shape.weight_bytes_bf16,
                 "max_context_beside_weights": fit,
             })
+            bar.update()
+    bar.close()
     return rows
 
 

@@ -170,6 +170,17 @@ def _mesh(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _add_progress(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help=f"{what} on stderr (default: when stderr is a terminal)")
+
+
+def _status(args, message: str) -> None:
+    """One status line on stderr where progress is shown (what a long step is doing)."""
+    if getattr(args, "progress", False):
+        print(f"kvjax: {message}", file=sys.stderr, flush=True)
+
+
 def _add_mesh(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", type=_mesh, default=None, metavar="data=D,model=M",
                         help="run over D x M devices: rows split over data, heads "
@@ -240,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queries", type=_positive, default=16, help="probe queries per kv head")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--npy", metavar="FILE", help="K/V from a .npy [2, T, K, D] or [T, K, D]")
+    _add_progress(p, "a progress bar over caches")
     p.add_argument("--json", action="store_true",
                    help=f"one JSON object (a list for several); {JSON_HELP}")
 
@@ -266,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", metavar="DIR", default=None,
                    help="continue from a cache that --save-prompt stored, instead of a "
                         "prompt (same --model; --seed defaults to the stored one)")
+    _add_progress(g, "status lines (loading, compiling, prefill, decoding)")
     g.add_argument("--json", action="store_true",
                    help="one JSON object: text, tokens, prefill_s, decode_tok_per_s, "
                         f"cache_bytes (disk_bytes with --save-prompt or --resume); "
@@ -287,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="registered name, .gguf file or HF checkpoint dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
     q.add_argument("--seed", type=_seed, default=0, help="seed of the codec parameters")
-    q.add_argument("--progress", action="store_true", help="a progress bar over chunks")
+    _add_progress(q, "a progress bar over chunks")
     q.add_argument("--json", action="store_true", help=f"one JSON object; {JSON_HELP}")
     _add_mesh(q)
 
@@ -308,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--seed", type=_seed, default=0, help="seed of the numbers and codecs")
     n.add_argument("--batch-size", type=_positive, default=None,
                    help="prompts per generate call (default: all of one length)")
-    n.add_argument("--progress", action="store_true", help="a progress bar over prompts")
+    _add_progress(n, "a progress bar over prompts")
     n.add_argument("--json", action="store_true",
                    help=f"one JSON list of every answer; {JSON_HELP}")
 
@@ -366,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--candidates", nargs="+", default=["int:2", "int:4", "int:8"],
                    metavar="CODEC", help="what --allocate chooses from")
     c.add_argument("--seed", type=_seed, default=0, help="seed of the fits (with --fit)")
-    c.add_argument("--progress", action="store_true", help="progress bars (with --fit)")
+    _add_progress(c, "progress bars (--fit, --allocate) or a status line")
     c.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                    help="registered name, .gguf file or HF checkpoint dir "
                         "(default: the embedded SmolLM2-135M-Instruct)")
@@ -437,6 +450,10 @@ def _cmd_probe(args) -> int:
     _check_values("queries x heads x head dim", args.queries, *k.shape[1:])
     for config in configs:
         check_context(config, len(k), "the probe's input")
+    if args.progress:
+        from tqdm.auto import tqdm
+
+        configs = tqdm(configs, desc="probe", unit="cache")
     rows = [{"cache": config.spec,
              **probe(config, k=k, v=v, queries=args.queries, seed=args.seed)}
             for config in configs]
@@ -471,6 +488,7 @@ def _cmd_generate(args) -> int:
     # a cache or a model file that cannot work fails before the model is loaded
     check_context(cache_config, models.context_length(model_name), "the model's context")
     # per-layer weight buffers: a GPU copies stacked ones every decode step
+    _status(args, f"loading {model_name}")
     config, params, tokenizer = models.load(model_name,
                                             per_layer=jax.default_backend() == "gpu")
     if tokenizer is None:
@@ -479,6 +497,7 @@ def _cmd_generate(args) -> int:
                 "top_p": args.top_p}
     stored_bytes = None
     if args.resume is not None:
+        _status(args, f"reading the prompt cache {args.resume}")
         stored = load_prompt_cache(args.resume, params=params, config=config)
         if args.max_new_tokens is None:  # the room the saving call kept
             cache = stored.prefill.cache
@@ -491,6 +510,9 @@ def _cmd_generate(args) -> int:
             prompt_ids = models.chat_prompt_ids(tokenizer, args.prompt)
         else:
             prompt_ids = tokenizer.encode(args.prompt)
+        _status(args, f"compiling and running the prefill ({len(prompt_ids)} tokens) and "
+                      f"the decode loop ({sampling['max_new_tokens']} tokens) through "
+                      f"'{cache_config.spec}'")
         result = generate(
             params, config, [list(prompt_ids)], cache_config=cache_config, **sampling,
             seed=args.seed or 0, prefill_chunk=args.prefill_chunk,
@@ -651,6 +673,8 @@ def _cmd_calibrate(args) -> int:
         return _fit_codecs(args, model_name, config, params, wins[args.offset:])
     if args.allocate is not None:
         return _allocate(args, config, params, wins[args.offset:])
+    _status(args, f"key statistics of {len(wins) - args.offset} windows of "
+                  f"{args.window_len} tokens")
     calibration = calibrate_keys(params, config, wins[args.offset:])
     calibration.save(args.out)
     # how far the keys sit from zero, per layer: what centering takes away
@@ -844,6 +868,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse: --help, or a usage error already printed
         return int(exit_.code or 0)
     compile_cache.from_args(args)
+    if getattr(args, "progress", False) is None:
+        args.progress = sys.stderr.isatty()
     try:
         if args.command == "codecs":
             return _cmd_codecs()
