@@ -168,8 +168,14 @@ def test_generate_with_the_embedded_model(capsys):
     sharded = _loads(capsys.readouterr().out)
     assert sharded["tokens"] == out["tokens"] and sharded["mesh"] == "data=1,model=3"
     assert main([*args, "--cache", "k=int:4 v=int:8 window=2", "--json"]) == 0
-    out = _loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = _loads(captured.out)
     assert out["text"].strip() and out["cache"] == "k=int:4 v=int:8 window=2"
+    assert captured.err == ""  # stderr is no terminal here: no status lines unless asked
+    assert main([*args, "--progress"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "kvjax: loading smollm2-135m" and err[1].startswith(
+        "kvjax: compiling and running the prefill (") and "'bf16'" in err[1]
 
 
 def test_a_prompt_stored_by_one_process_continues_in_another(tmp_path, capsys):
