@@ -780,6 +780,91 @@ def model_fingerprint(config: ModelConfig, params: Params) -> str:
 
 
 @dataclasses.dataclass
+class Scores:
+    """What :func:`score` measured: ``log_probs[i]`` float32 ``[len(continuations[i])]``,
+    the model's log-probability of each continuation token after its prompt and the
+    continuation tokens before it; ``cache``: the cache after the whole continuation."""
+
+    log_probs: list[np.ndarray]
+    cache: KVCache
+
+    @property
+    def totals(self) -> list[float]:
+        """Per row: the continuation's log-probability (the sum over its tokens)."""
+        return [float(np.sum(lp, dtype=np.float64)) for lp in self.log_probs]
+
+
+def _forward_program(params, config, mesh, tokens, valid, cache):
+    h, cache = hidden_states(params, config, tokens, cache, valid, mesh=mesh)
+    return jax.nn.log_softmax(lm_logits(params, config, h), axis=-1), cache
+
+
+_forward_jit = jax.jit(_forward_program, static_argnums=(1, 2), donate_argnums=5)
+
+
+def score(
+    params: Params,
+    config: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    *,
+    cache_config: CacheConfig,
+    cache_dtype: Any = jnp.bfloat16,
+    prefill_chunk: int | None = None,
+    seed: int = 0,
+    calibration: Any = None,
+    mesh: Mesh | None = None,
+) -> Scores:
+    """Log-probabilities of ``continuations[i]`` after ``prompts[i]`` through a cache of
+    ``cache_config`` (as HF's forward over prompt and continuation gives logits, here with
+    the prompt compressed, as :func:`generate` would hold it).
+
+    Each prompt is prefilled as :func:`generate` prefills it (``prefill_chunk``, ``seed``
+    for the codec parameters, ``calibration``, ``mesh`` alike; an ``evict=`` clause
+    evicts from the prompt), the first continuation token is scored by the prefill's
+    next-token logits and the rest are fed as one chunk after each row's prompt (its
+    positions follow the prompt's, padding neither stored nor attended to), each token
+    scored by the logits of the one before it. Ragged prompts and continuations are
+    fine; every continuation needs at least one token. ``ValueError`` for bad arguments
+    or a cache whose flags :func:`kvjax.cache.check` reports."""
+    if len(prompts) != len(continuations):
+        raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+    if not continuations or any(len(c) == 0 for c in continuations):
+        raise ValueError("every continuation needs at least one token to score")
+    width = max(len(c) for c in continuations)
+    _validate(config, prompts, width, 0.0, 1.0, None)
+    for c in continuations:
+        if any(not 0 <= int(t) < config.vocab_size for t in c):
+            raise ValueError(f"continuation token ids must be in 0..{config.vocab_size - 1}")
+    max_len = max(len(p) for p in prompts) + width
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        pre = _prefill_prompts(
+            params, config, prompts, cache_config=cache_config, max_len=max_len,
+            room=width, cache_dtype=cache_dtype, chunk=prefill_chunk,
+            key=jax.random.fold_in(jax.random.PRNGKey(seed), 0), calibration=calibration,
+            mesh=mesh)
+        first = jax.nn.log_softmax(pre.logits.astype(jnp.float32), axis=-1)
+        batch = len(prompts)
+        follow = np.zeros((batch, max(width - 1, 1)), np.int32)
+        for i, c in enumerate(continuations):
+            follow[i, :len(c) - 1] = c[:-1]
+        valid = jnp.asarray([len(c) - 1 for c in continuations], jnp.int32)
+        placed = params if mesh is None else shard_params(params, config, mesh)
+        rest, cache = _forward_jit(placed, config, mesh, jnp.asarray(follow), valid,
+                                   pre.cache)
+    check(cache)
+    first, rest = np.asarray(first), np.asarray(rest)
+    log_probs = []
+    for i, c in enumerate(continuations):
+        tokens = np.asarray(c, np.int64)
+        picked = [first[i, tokens[0]]]
+        picked += [rest[i, j, tokens[j + 1]] for j in range(len(c) - 1)]
+        log_probs.append(np.asarray(picked, np.float32))
+    return Scores(log_probs=log_probs, cache=cache)
+
+
+@dataclasses.dataclass
 class PromptCache:
     """A prefill read back from disk (:func:`load_prompt_cache`): ``prefill`` (its
     ``seconds`` is the time to read it), the ``prompts`` it holds, the ``seed`` of the

@@ -590,3 +590,49 @@ def test_a_paged_prompt_cache_resumes_as_generated(params, tmp_path):
     np.testing.assert_array_equal(stored.prefill.cache.pages, whole.cache.pages)
     resumed = gen.decode(params, CONFIG, stored.prefill, max_new_tokens=6, eos_token_ids=())
     assert resumed.tokens == whole.tokens
+
+
+# -- scoring -----------------------------------------------------------------------------
+
+
+def test_scores_are_the_log_probs_of_the_whole_sequence(params):
+    continuations = [[4, 60, 61], [100], [9, 8, 7, 6, 5]]
+    f32 = CacheConfig(k="f32", v="f32")
+    got = gen.score(params, CONFIG, PROMPTS, continuations, cache_config=f32,
+                    cache_dtype=jnp.float32, prefill_chunk=4)
+    for prompt, cont, lp in zip(PROMPTS, continuations, got.log_probs, strict=True):
+        seq = jnp.asarray([prompt + cont])
+        logp = jax.nn.log_softmax(logits_no_cache(params, CONFIG, seq)[0], axis=-1)
+        want = [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(cont)]
+        np.testing.assert_allclose(lp, want, rtol=1e-4, atol=1e-4)
+    assert got.totals == pytest.approx([float(np.sum(lp)) for lp in got.log_probs])
+    np.testing.assert_array_equal(got.cache.lengths, [len(p) + len(c) - 1 for p, c in
+                                                      zip(PROMPTS, continuations, strict=True)])
+
+
+def test_a_compressed_prompt_scores_near_the_exact_one_and_greedy_tokens_score_highest(
+        params, batch_result):
+    greedy = [t[:6] for t in batch_result.tokens]
+    exact = gen.score(params, CONFIG, PROMPTS, greedy, cache_config=BF16,
+                      cache_dtype=jnp.float32)
+    packed = gen.score(params, CONFIG, PROMPTS, greedy, cache_config=parse_cache("int:8"),
+                       cache_dtype=jnp.float32)
+    for a, b in zip(exact.log_probs, packed.log_probs, strict=True):
+        np.testing.assert_allclose(a, b, atol=5e-2)
+    # a greedy token is the most likely one: no other token scores above it
+    other = [[(t + 1) % CONFIG.vocab_size for t in g] for g in greedy]
+    worse = gen.score(params, CONFIG, PROMPTS, [[o[0]] for o in other], cache_config=BF16,
+                      cache_dtype=jnp.float32)
+    for a, b in zip(exact.log_probs, worse.log_probs, strict=True):
+        assert a[0] >= b[0]
+
+
+@pytest.mark.parametrize("continuations, match", [
+    ([[1], [2]], "3 prompts but 2 continuations"),
+    ([[1], [], [2]], "at least one token"),
+    ([[1], [2], [128]], r"continuation token ids must be in 0..127"),
+    ([[1] * 60, [2], [3]], "max_position_embeddings"),
+])
+def test_bad_scoring_input_is_refused(params, continuations, match):
+    with pytest.raises(ValueError, match=match):
+        gen.score(params, CONFIG, PROMPTS, continuations, cache_config=BF16)
