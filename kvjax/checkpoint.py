@@ -18,11 +18,15 @@ flags) and rebuild the pytree's static part from the recorded cache spec and sha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -257,12 +261,16 @@ def load_arrays(path: str | Path, *, kind: str, expect: Mapping[str, Any] | None
     if template:
         checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         try:
-            restored = checkpointer.restore((Path(path) / ARRAYS_DIR).absolute(),
-                                            args=ocp.args.StandardRestore(template))
+            with _stderr_hushed_on_failure():
+                restored = checkpointer.restore((Path(path) / ARRAYS_DIR).absolute(),
+                                                args=ocp.args.StandardRestore(template))
         except Exception as err:  # orbax and tensorstore raise many types for a bad file
+            why = " ".join(str(err).split())[:300]
             raise CheckpointError(f"{path}: the arrays cannot be read, the checkpoint is "
                                   f"truncated or corrupt ({type(err).__name__}: "
-                                  f"{str(err)[:300]})") from err
+                                  f"{why})") from err
+        finally:
+            checkpointer.close()
     arrays = {}
     for name, d in described.items():
         shape, dtype = tuple(d["shape"]), jnp.dtype(d["dtype"])
@@ -272,6 +280,42 @@ def load_arrays(path: str | Path, *, kind: str, expect: Mapping[str, Any] | None
                                   "(its SHA-256 does not match): the checkpoint is corrupt")
         arrays[name] = array
     return arrays, record
+
+
+#: seconds a failed read waits, its output hushed, for tensorstore's reads in flight
+FAILED_READ_SETTLE_S = 0.5
+
+
+@contextlib.contextmanager
+def _stderr_hushed_on_failure():
+    """Runs the block with stderr (the file descriptor and ``sys.stderr``) kept aside: on
+    success what was written there is passed on; on failure it is dropped, after
+    :data:`FAILED_READ_SETTLE_S` seconds in which tensorstore's reads still in flight end.
+    Those reads' callbacks find orbax's event loop closed and print tracebacks from
+    their threads ("Event loop is closed"), after and around the one line the failure
+    becomes."""
+    sys.stderr.flush()
+    saved_fd, saved = os.dup(2), sys.stderr
+    with tempfile.TemporaryFile(mode="w+b") as kept:
+        os.dup2(kept.fileno(), 2)
+        sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(2), "wb"), write_through=True)
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True
+            time.sleep(FAILED_READ_SETTLE_S)
+            raise
+        finally:
+            sys.stderr.close()
+            sys.stderr = saved
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            if not failed:
+                kept.seek(0)
+                text = kept.read().decode(errors="replace")
+                if text:
+                    saved.write(text)
 
 
 def disk_bytes(path: str | Path) -> int:

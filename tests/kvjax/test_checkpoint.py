@@ -1,6 +1,7 @@
 """Checkpoints on disk: compressed caches round-trip bit for bit; bad ones are refused."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -249,3 +250,25 @@ def test_a_changed_byte_never_restores_a_different_cache(tmp_path, saved):
     assert refused >= 6
     largest.write_bytes(data)
     _assert_same_cache(saved[1], ck.load_cache(path)[0])
+
+
+def test_a_corrupt_data_file_is_one_line_and_nothing_else_on_stderr(tmp_path, saved):
+    import subprocess
+    import sys
+
+    path, _ = saved
+    copy = tmp_path / "c"
+    shutil.copytree(path, copy)
+    data = max(_data_files(copy), key=lambda f: f.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3: len(raw) // 3 + 16] = bytes(b ^ 0xFF for b in raw[len(raw) // 3:
+                                                                         len(raw) // 3 + 16])
+    data.write_bytes(bytes(raw))
+    # a process of its own: tensorstore's late tracebacks come from its threads
+    code = ("from kvjax.checkpoint import load_cache\n"
+            f"try:\n    load_cache({str(copy)!r})\n"
+            "except ValueError as err:\n    print(type(err).__name__)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.stdout.strip() == "CheckpointError", (run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr and "Event loop" not in run.stderr, run.stderr
