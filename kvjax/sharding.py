@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,8 @@ def parse_mesh(text: str | Mapping[str, int] | None) -> dict[str, int]:
                 raise MeshError(f"mesh '{text}': '{part}' is not AXIS=SIZE "
                                 f"(axes: {', '.join(AXES)})")
             try:
+                if not re.fullmatch(r"\s*[+-]?\d+\s*", size, re.ASCII):
+                    raise ValueError(size)  # int() also reads '1_0' and other scripts' digits
                 items.append((name.strip(), int(size)))
             except ValueError:
                 raise MeshError(f"mesh '{text}': size '{size.strip()}' of {name.strip()} "

@@ -244,3 +244,42 @@ def test_needs_fit_follows_every_codec_of_the_cache():
     assert parse_cache("saw:b4,c1").needs_fit
     assert not parse_cache("saw:b4,c16").v.needs_fit  # V is int:4 unless kv
     assert parse_cache("int:4 layers[-1]:v=saw:kv,hess").needs_fit
+
+
+@pytest.mark.parametrize("index", range(40))
+def test_a_layer_rule_selects_what_python_indexing_selects_or_is_one_line(index):
+    from tests.fuzz import rng
+
+    g = rng("layer_rule", index)
+    num_layers = int(g.integers(1, 40))
+
+    def item():
+        kind = g.integers(4)
+        if kind == 0:
+            return str(int(g.integers(-50, 50)))
+        if kind == 1:
+            bounds = [str(int(g.integers(-50, 50))) if g.random() < 0.7 else ""
+                      for _ in range(int(g.integers(2, 4)))]
+            return ":".join(bounds)
+        return str(g.choice(["", "x", "1.5", "2:3:0", "::", "-0", "1_0"]))
+
+    select = ",".join(item() for _ in range(int(g.integers(1, 4))))
+    text = f"int:4 layers[{select}]:k=bf16"
+    try:
+        config = parse_cache(text)
+        pairs = config.layer_codecs(num_layers)
+    except CacheSpecError as err:
+        assert "\n" not in str(err)
+        return
+    want = set()
+    for part in select.split(","):
+        if ":" in part:
+            bounds = [int(b) if b else None for b in part.split(":")]
+            chosen = range(num_layers)[slice(*bounds)]
+            assert chosen  # a slice selecting nothing is refused
+            want |= set(chosen)
+        else:
+            i = int(part)
+            assert -num_layers <= i < num_layers
+            want.add(i % num_layers)
+    assert {i for i, (k, _) in enumerate(pairs) if k.spec == "bf16"} == want
