@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt (same --model; --seed defaults to the stored one)")
     _add_progress(g, "status lines (loading, compiling, prefill, decoding)")
     g.add_argument("--json", action="store_true",
-                   help="one JSON object: text, tokens, prefill_s, decode_tok_per_s, "
+                   help="one JSON object: text, tokens, log_probs (each token's, the "
+                        "model's distribution), prefill_s, decode_tok_per_s, "
                         f"cache_bytes (disk_bytes with --save-prompt or --resume); "
                         f"{JSON_HELP}")
     _add_mesh(g)
@@ -525,7 +526,9 @@ def _cmd_generate(args) -> int:
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     if args.json:
         print(strict_json({
-            "text": text, "tokens": tokens, "prefill_s": result.prefill_s,
+            "text": text, "tokens": tokens,
+            "log_probs": [float(x) for x in result.log_probs[0]],
+            "prefill_s": result.prefill_s,
             "decode_tok_per_s": result.decode_tok_per_s, "cache_bytes": result.cache_bytes,
             "cache": cache_config.spec, "k_codec": cache_config.k.spec,
             "v_codec": cache_config.v.spec, "mesh": describe_mesh(mesh),

@@ -80,6 +80,9 @@ class GenerateResult:
             first one from the prefill logits and runs every forward after it).
         cache_bytes: :func:`kvjax.cache.memory_bytes` of the final cache.
         cache: the final cache (prompts + generated tokens, EOS tokens not stored).
+        log_probs: per row, float32 ``[len(tokens[i])]``: each new token's
+            log-probability under the model's distribution at that step (before
+            temperature and top-p), as the decode loop saw it through the cache.
     """
 
     tokens: list[list[int]]
@@ -91,6 +94,7 @@ class GenerateResult:
     cache: KVCache
     prefill_compile_s: float = 0.0
     decode_compile_s: float = 0.0
+    log_probs: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
 def _last_logits(params, config, h, valid):
@@ -149,30 +153,35 @@ def _decode(params, config, mesh, max_new_tokens, greedy, logits, cache, eos, ke
         return jnp.any(tok[:, None] == eos[None, :], axis=-1)
 
     def cond(state):
-        i, _, _, done, _ = state
+        i, _, _, done, _, _ = state
         return (i < max_new_tokens) & ~jnp.all(done)
 
     def step(_, state):
-        i, logits, cache, done, out = state
+        i, logits, cache, done, out, logp = state
         tok = _choose(logits, jax.random.fold_in(key, i), temperature, top_p, greedy)
         # steps past max_new_tokens (the last block's padding) feed nothing back, so they
         # write nothing to the cache; what they record lands past the columns returned
         done_now = done | is_eos(tok)
         out = out.at[:, i].set(jnp.where(done_now, -1, tok))
+        # the model's own distribution, before temperature and top-p
+        chosen = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
+                                     tok[:, None], axis=-1)[:, 0]
+        logp = logp.at[:, i].set(chosen)
         # the token is fed back only if generation goes on after it; the last step's
         # forward is spent but keeps the loop body uniform
         feed = ~done_now & (i + 1 < max_new_tokens)
         h, cache = hidden_states(params, config, tok[:, None], cache, feed.astype(jnp.int32),
                                  mesh=mesh)
-        return i + 1, lm_logits(params, config, h[:, 0]), cache, done_now, out
+        return i + 1, lm_logits(params, config, h[:, 0]), cache, done_now, out, logp
 
     def body(state):
         return jax.lax.fori_loop(0, block, step, state)
 
     out = jnp.full((batch, steps), -1, jnp.int32)
-    state = (jnp.int32(0), logits, cache, jnp.zeros((batch,), bool), out)
-    _, _, cache, _, out = jax.lax.while_loop(cond, body, state)
-    return out[:, :max_new_tokens], cache
+    logp = jnp.zeros((batch, steps), jnp.float32)
+    state = (jnp.int32(0), logits, cache, jnp.zeros((batch,), bool), out, logp)
+    _, _, cache, _, out, logp = jax.lax.while_loop(cond, body, state)
+    return out[:, :max_new_tokens], logp[:, :max_new_tokens], cache
 
 
 _prefill_jit = jax.jit(_prefill, static_argnums=(1, 2), donate_argnums=5)
@@ -729,16 +738,18 @@ def decode(
             params, config, logits, cache, max_new_tokens=max_new_tokens, greedy=greedy,
             num_eos=len(eos), mesh=mesh)
         t3 = time.perf_counter()
-        out, cache = compiled(params, logits, cache, eos_arr, sample_key,
-                              temperature_arr, top_p_arr)
-        out = np.asarray(jax.block_until_ready(out))
+        out, logp, cache = compiled(params, logits, cache, eos_arr, sample_key,
+                                    temperature_arr, top_p_arr)
+        out, logp = np.asarray(jax.block_until_ready(out)), np.asarray(logp)
         t4 = time.perf_counter()
 
     check(cache)
-    new_tokens = []
-    for row in out:
+    new_tokens, log_probs = [], []
+    for row, row_logp in zip(out, logp, strict=True):
         stop = np.nonzero(row < 0)[0]
-        new_tokens.append(row[: stop[0] if stop.size else len(row)].tolist())
+        end = stop[0] if stop.size else len(row)
+        new_tokens.append(row[:end].tolist())
+        log_probs.append(row_logp[:end].astype(np.float32))
     decoded = sum(len(t) for t in new_tokens)
     decode_s = t4 - t3
     return GenerateResult(
@@ -751,6 +762,7 @@ def decode(
         decode_tok_per_s=decoded / decode_s if decode_s > 0 else float("nan"),
         cache_bytes=memory_bytes(cache),
         cache=cache,
+        log_probs=log_probs,
     )
 
 

@@ -161,6 +161,7 @@ def test_generate_with_the_embedded_model(capsys):
     assert main([*args, "--json"]) == 0
     out = _loads(capsys.readouterr().out)
     assert "Paris" in out["text"] and len(out["tokens"]) == 4
+    assert len(out["log_probs"]) == 4 and all(x <= 0 for x in out["log_probs"])
     assert out["cache_bytes"] > 0 and out["decode_tok_per_s"] > 0 and out["prefill_s"] > 0
     assert out["cache"] == "bf16" and out["mesh"] == "data=1,model=1"
     # SmolLM2's 3 kv heads (and 9 query heads) on 3 devices: the same tokens

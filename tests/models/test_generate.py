@@ -636,3 +636,17 @@ def test_a_compressed_prompt_scores_near_the_exact_one_and_greedy_tokens_score_h
 def test_bad_scoring_input_is_refused(params, continuations, match):
     with pytest.raises(ValueError, match=match):
         gen.score(params, CONFIG, PROMPTS, continuations, cache_config=BF16)
+
+
+def test_generated_tokens_come_with_their_log_probs(params, batch_result):
+    result = batch_result
+    assert [len(lp) for lp in result.log_probs] == [len(t) for t in result.tokens]
+    # greedy: each token is the argmax, and its log-prob is what scoring the same
+    # tokens after the prompt gives (the first exactly: the prefill's logits)
+    scored = gen.score(params, CONFIG, PROMPTS, result.tokens, cache_config=BF16,
+                       cache_dtype=jnp.float32)
+    for got, want in zip(result.log_probs, scored.log_probs, strict=True):
+        assert got.dtype == np.float32 and np.all(got <= 0)
+        np.testing.assert_allclose(got, want, atol=2e-3)
+    sampled = _generate(params, PROMPTS, temperature=1.5, seed=4)
+    assert all(np.all(lp <= 0) and np.isfinite(lp).all() for lp in sampled.log_probs)
