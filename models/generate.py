@@ -620,6 +620,23 @@ def _prefill_prompts(params, config, prompts, *, cache_config, max_len, room, ca
                    compile_s=t1 - t0, decode_compile_s=decode_compile_s)
 
 
+def _seeded_prefill(params, config, prompts, *, cache_config, max_len, room, cache_dtype,
+                    prefill_chunk, seed, calibration, mesh, decode_ahead=None) -> Prefill:
+    """The prefill of :func:`generate` and :func:`score`: ``prefill_chunk`` checked, the
+    codec parameters drawn from ``seed``."""
+    if prefill_chunk is not None and (not isinstance(prefill_chunk, int | np.integer)
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+    with warnings.catch_warnings():
+        # CPU backends cannot donate buffers and say so on every call
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return _prefill_prompts(
+            params, config, prompts, cache_config=cache_config, max_len=max_len, room=room,
+            cache_dtype=cache_dtype, chunk=prefill_chunk,
+            key=jax.random.fold_in(jax.random.PRNGKey(seed), 0), calibration=calibration,
+            mesh=mesh, decode_ahead=decode_ahead)
+
+
 def generate(
     params: Params,
     config: ModelConfig,
@@ -664,19 +681,12 @@ def generate(
     split over both; the same tokens as on one device.
     """
     max_len = _validate(config, prompts, max_new_tokens, temperature, top_p, max_len)
-    if prefill_chunk is not None and (not isinstance(prefill_chunk, int | np.integer)
-                                      or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-    with warnings.catch_warnings():
-        # CPU backends cannot donate buffers and say so on every call
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        # both programs compiled before the cache exists
-        pre = _prefill_prompts(
-            params, config, prompts, cache_config=cache_config, max_len=max_len,
-            room=max_new_tokens, cache_dtype=cache_dtype, chunk=prefill_chunk,
-            key=jax.random.fold_in(jax.random.PRNGKey(seed), 0), calibration=calibration,
-            mesh=mesh, decode_ahead=(max_new_tokens, temperature == 0,
-                                     len(_stop_tokens(config, eos_token_ids))))
+    # both programs compiled before the cache exists
+    pre = _seeded_prefill(params, config, prompts, cache_config=cache_config,
+                          max_len=max_len, room=max_new_tokens, cache_dtype=cache_dtype,
+                          prefill_chunk=prefill_chunk, seed=seed, calibration=calibration,
+                          mesh=mesh, decode_ahead=(max_new_tokens, temperature == 0,
+                                                   len(_stop_tokens(config, eos_token_ids))))
     if save_prompt is not None:
         save_prompt_cache(save_prompt, pre, params=params, config=config, prompts=prompts,
                           seed=seed, overwrite=True)
@@ -849,13 +859,12 @@ def score(
         if any(not 0 <= int(t) < config.vocab_size for t in c):
             raise ValueError(f"continuation token ids must be in 0..{config.vocab_size - 1}")
     max_len = max(len(p) for p in prompts) + width
+    pre = _seeded_prefill(params, config, prompts, cache_config=cache_config,
+                          max_len=max_len, room=width, cache_dtype=cache_dtype,
+                          prefill_chunk=prefill_chunk, seed=seed, calibration=calibration,
+                          mesh=mesh)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        pre = _prefill_prompts(
-            params, config, prompts, cache_config=cache_config, max_len=max_len,
-            room=width, cache_dtype=cache_dtype, chunk=prefill_chunk,
-            key=jax.random.fold_in(jax.random.PRNGKey(seed), 0), calibration=calibration,
-            mesh=mesh)
         first = jax.nn.log_softmax(pre.logits.astype(jnp.float32), axis=-1)
         batch = len(prompts)
         follow = np.zeros((batch, max(width - 1, 1)), np.int32)
