@@ -246,7 +246,8 @@ def attention_mass(q: jax.Array, keys: jax.Array, q_positions: jax.Array,
 def _percent(share: float) -> str:
     """The shortest percentage that parses back to ``share`` exactly."""
     for digits in range(1, 18):
-        text = f"{share * 100:.{digits}g}"
+        # written out in full: 50, not 5e+01
+        text = f"{decimal.Decimal(f'{share * 100:.{digits}g}'):f}"
         if _share_of(text) == share:
             return text
     # the share's own shortest decimal, a hundred times: exact in decimal arithmetic

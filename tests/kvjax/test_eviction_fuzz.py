@@ -53,6 +53,7 @@ def test_an_eviction_clause_parses_round_trips_and_keeps_what_it_says(index):
     policy = config.evict
     assert isinstance(policy, Eviction)
     assert parse_cache(config.spec) == config, (text, config.spec)
+    assert "e" not in config.evict.spec.split(":", 1)[-1].split(",")[0]  # 50%, not 5e+01%
     lengths = np.sort(g.integers(1, 2**16, 4))
     for n in lengths:
         cap = policy.capacity(int(n))
