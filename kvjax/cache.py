@@ -890,8 +890,19 @@ def _transform_keys(store: Store, x: jax.Array, step: Step) -> tuple[Store, jax.
     shift, scale = store.shift, store.scale
     if "first" in (store.center, store.smooth):
         weight = centering.first_chunk_weights(step.valid, x.shape[2])[:, None, :]
-        mean, rms, outlying = centering.robust_statistics(x, weight)
         first = ((step.start == 0) & (step.valid > 0))[:, None, None]
+
+        def unused(_):  # no row's first append: the statistics would be discarded
+            zero = jnp.zeros((*x.shape[:2], x.shape[3]), jnp.float32)
+            return zero, zero, jnp.zeros(x.shape[:2], bool)
+
+        # a chunk's statistics sort its tokens twice per channel: worth skipping on the
+        # chunks after a prompt's first; a single-token step's sort is free, and a
+        # conditional there would read its predicate on the host at every decode step
+        mean, rms, outlying = (
+            centering.robust_statistics(x, weight) if x.shape[2] == 1 else
+            jax.lax.cond(jnp.any(first), lambda _: centering.robust_statistics(x, weight),
+                         unused, None))
         flagged = jnp.any(outlying, axis=1) & first[:, 0, 0]
         store = dataclasses.replace(store, saturated=store.saturated | jnp.where(
             flagged, STATISTICS_OUTLIERS, 0).astype(store.saturated.dtype))

@@ -50,6 +50,7 @@ from models.llama import (
     Params,
     attention_observer,
     cache_shape,
+    forward,
     hidden_states,
     lm_logits,
     new_cache,
@@ -163,10 +164,10 @@ def _decode(params, config, mesh, max_new_tokens, greedy, logits, cache, eos, ke
         # write nothing to the cache; what they record lands past the columns returned
         done_now = done | is_eos(tok)
         out = out.at[:, i].set(jnp.where(done_now, -1, tok))
-        # the model's own distribution, before temperature and top-p
-        chosen = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
-                                     tok[:, None], axis=-1)[:, 0]
-        logp = logp.at[:, i].set(chosen)
+        # the model's own distribution, before temperature and top-p: one reduction over
+        # the vocabulary, no [B, V] array of log-probabilities
+        chosen = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0]
+        logp = logp.at[:, i].set(chosen - jax.nn.logsumexp(logits, axis=-1))
         # the token is fed back only if generation goes on after it; the last step's
         # forward is spent but keeps the loop body uniform
         feed = ~done_now & (i + 1 < max_new_tokens)
@@ -817,8 +818,8 @@ class Scores:
 
 
 def _forward_program(params, config, mesh, tokens, valid, cache):
-    h, cache = hidden_states(params, config, tokens, cache, valid, mesh=mesh)
-    return jax.nn.log_softmax(lm_logits(params, config, h), axis=-1), cache
+    logits, cache = forward(params, config, tokens, cache, valid, mesh=mesh)
+    return jax.nn.log_softmax(logits, axis=-1), cache
 
 
 _forward_jit = jax.jit(_forward_program, static_argnums=(1, 2), donate_argnums=5)
@@ -863,15 +864,14 @@ def score(
                           max_len=max_len, room=width, cache_dtype=cache_dtype,
                           prefill_chunk=prefill_chunk, seed=seed, calibration=calibration,
                           mesh=mesh)
+    first = jax.nn.log_softmax(pre.logits.astype(jnp.float32), axis=-1)
+    follow = np.zeros((len(prompts), max(width - 1, 1)), np.int32)
+    for i, c in enumerate(continuations):
+        follow[i, :len(c) - 1] = c[:-1]
+    valid = jnp.asarray([len(c) - 1 for c in continuations], jnp.int32)
+    placed = params if mesh is None else shard_params(params, config, mesh)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        first = jax.nn.log_softmax(pre.logits.astype(jnp.float32), axis=-1)
-        batch = len(prompts)
-        follow = np.zeros((batch, max(width - 1, 1)), np.int32)
-        for i, c in enumerate(continuations):
-            follow[i, :len(c) - 1] = c[:-1]
-        valid = jnp.asarray([len(c) - 1 for c in continuations], jnp.int32)
-        placed = params if mesh is None else shard_params(params, config, mesh)
         rest, cache = _forward_jit(placed, config, mesh, jnp.asarray(follow), valid,
                                    pre.cache)
     check(cache)
