@@ -61,8 +61,8 @@ SMOOTH_POWER = 0.5
 SMOOTH_FLOOR = 1e-2
 #: a first chunk's value further than this many robust deviations (1.4826 x the median
 #: absolute deviation, floored) from its channel's median is left out of the statistics.
-#: Real keys stay far inside: SmolLM2-135M's, over Shakespeare, reach 18 at most (first
-#: chunks of 32 to 512 tokens, every layer), so clean statistics are the plain ones
+#: Real keys stay far inside (``python experiments/key_deviations.py``: SmolLM2-135M's
+#: over Shakespeare, docs/outliers.md), so clean statistics are the plain ones
 ROBUST_LIMIT = 64.0
 #: the robust deviation of a channel is at least this fraction of the mean robust
 #: deviation of its head's channels: a channel all but constant over the chunk does not
@@ -102,20 +102,29 @@ def _weighted_median(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.where(count > 0, (low + high) / 2, 0.0)[..., 0, :]
 
 
+def robust_deviations(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(deviations, counted)`` of ``x[..., T, D]`` over the tokens ``weight[..., T]``
+    selects: each value's distance from its channel's median in robust deviations
+    (1.4826 x the median absolute deviation, floored at :data:`ROBUST_FLOOR` of the
+    head's mean), and which values count (selected and finite)."""
+    x = x.astype(jnp.float32)
+    counted = jnp.broadcast_to(weight[..., None], x.shape) & jnp.isfinite(x)
+    deviation = jnp.abs(x - _weighted_median(x, counted)[..., None, :])
+    spread = 1.4826 * _weighted_median(deviation, counted)
+    floor = ROBUST_FLOOR * jnp.mean(spread, axis=-1, keepdims=True)
+    spread = jnp.maximum(jnp.maximum(spread, floor), jnp.finfo(jnp.float32).tiny)
+    return deviation / spread[..., None, :], counted
+
+
 def robust_statistics(x: jax.Array, weight: jax.Array
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`statistics` of ``x[..., T, D]`` over the tokens ``weight[..., T]`` selects,
     leaving out every value further than :data:`ROBUST_LIMIT` robust deviations from its
-    channel's median, and non-finite values. Returns ``(mean, rms, outlying)``,
-    ``outlying[...]`` whether any value was left out."""
+    channel's median (:func:`robust_deviations`), and non-finite values. Returns
+    ``(mean, rms, outlying)``, ``outlying[...]`` whether any value was left out."""
     x = x.astype(jnp.float32)
-    counted = jnp.broadcast_to(weight[..., None], x.shape) & jnp.isfinite(x)
-    median = _weighted_median(x, counted)
-    deviation = jnp.abs(x - median[..., None, :])
-    spread = 1.4826 * _weighted_median(deviation, counted)
-    floor = ROBUST_FLOOR * jnp.mean(spread, axis=-1, keepdims=True)
-    spread = jnp.maximum(jnp.maximum(spread, floor), jnp.finfo(jnp.float32).tiny)
-    outlying = counted & (deviation > (ROBUST_LIMIT * spread)[..., None, :])
+    deviations, counted = robust_deviations(x, weight)
+    outlying = counted & (deviations > ROBUST_LIMIT)
     # left out, not clipped: a clipped value still moves a short chunk's mean by
     # ROBUST_LIMIT / tokens spreads; at least half the values lie within one spread
     inlying = counted & ~outlying
@@ -251,6 +260,7 @@ __all__ = [
     "KeyCalibration",
     "check_mode",
     "first_chunk_weights",
+    "robust_deviations",
     "robust_statistics",
     "smoothing_scale",
     "statistics",
