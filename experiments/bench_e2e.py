@@ -150,6 +150,22 @@ def capacity_with_programs(params, config, cache_config, *, context, chunk, new_
     return 0, 0, 0
 
 
+def capacity_summary(rows: list[dict]) -> list[str]:
+    """One line per cache run at its own largest batch: its decode throughput against
+    bf16's at bf16's largest batch (the comparison a compressed cache is for)."""
+    at_capacity = [r for r in rows if r.get("at_capacity")]
+    bf16 = next((r for r in at_capacity if r["codec"] == "bf16"), None)
+    lines = []
+    for r in at_capacity:
+        rows_vs = "" if bf16 is None else f", {r['batch'] / bf16['batch']:.2f}x bf16's rows"
+        speed_vs = ("" if bf16 is None else
+                    f", {r['decode_tok_per_s'] / bf16['decode_tok_per_s']:.2f}x bf16's "
+                    f"tok/s at its {bf16['batch']} rows")
+        lines.append(f"at capacity: {r['codec']}: {r['batch']} rows x {r['context']} tokens"
+                     f"{rows_vs}, {r['decode_tok_per_s']:.1f} tok/s{speed_vs}")
+    return lines
+
+
 def main(argv=None) -> int:
     """Run every (codec, batch) and print a markdown table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -172,6 +188,10 @@ def main(argv=None) -> int:
                    "for a quick look (decode time scales with the layer count)")
     p.add_argument("--at-capacity", action="store_true",
                    help="also run each codec at its largest batch")
+    p.add_argument("--capacity-only", action="store_true",
+                   help="with --at-capacity: run only each codec's largest batch (its "
+                   "programs are the ones compiled for the check, so none compiles "
+                   "again)")
     p.add_argument("--capacity-chunk", type=int, default=256,
                    help="prefill chunk of the runs at capacity and of --check-programs")
     p.add_argument("--check-programs", action="store_true",
@@ -204,6 +224,9 @@ def main(argv=None) -> int:
                             "--mesh")
     except ValueError as err:
         print(f"bench_e2e: error: {err}", file=sys.stderr)
+        return 2
+    if args.capacity_only and not args.at_capacity:
+        print("bench_e2e: error: --capacity-only goes with --at-capacity", file=sys.stderr)
         return 2
     contexts = sorted({context for _, context in points})
     if args.at_capacity and len(contexts) > 1:
@@ -253,11 +276,12 @@ def main(argv=None) -> int:
             print(f"{spec}: {checked[spec][0]} rows fit with the compiled programs' "
                   f"temporaries (prefill {checked[spec][1] / 2**30:.2f} GiB, decode "
                   f"{checked[spec][2] / 2**30:.2f} GiB)", file=sys.stderr, flush=True)
-        runs = [(batch, context, args.prefill_chunk) for batch, context in points]
+        runs = ([] if args.capacity_only else
+                [(batch, context, args.prefill_chunk) for batch, context in points])
         at_capacity = checked[spec][0] if spec in checked else max_batch[contexts[-1]]
         if args.at_capacity and at_capacity:
-            runs.append((at_capacity, contexts[-1], args.capacity_chunk))
-        for batch, context, chunk in runs:
+            runs.append((at_capacity, contexts[-1], args.capacity_chunk, True))
+        for batch, context, chunk, *capacity_run in runs:
             run = functools.partial(generate, params, config, cache_config=cache_config,
                                     max_new_tokens=args.new_tokens, eos_token_ids=(),
                                     max_len=context + args.new_tokens, prefill_chunk=chunk,
@@ -274,7 +298,7 @@ def main(argv=None) -> int:
             result = run(prompts)
             rows.append({
                 "codec": spec, "cache": cache_config.spec, "batch": batch,
-                "context": context, "weights": weights,
+                "context": context, "at_capacity": bool(capacity_run), "weights": weights,
                 "decode_tok_per_s": result.decode_tok_per_s,
                 "floor_tok_per_s": floor_tok_per_s(
                     held, result.cache_bytes if mesh is None
@@ -315,6 +339,8 @@ def main(argv=None) -> int:
               f"{of_bytes(r['max_batch_checked'], r['max_batch_bytes'])} | "
               f"{r['weights']} | {r['mesh']} | {short_sha(r['git'])} ({r['code'][:8]}) | "
               f"{r['device']} |")
+    for line in capacity_summary(rows):
+        print(line)
     if args.json:
         write_json(args.json, {"rows": rows}, source=source)
     return 0
