@@ -429,6 +429,8 @@ def _cmd_codecs() -> int:
         print(f"    {doc.replace('``', '')}")
         if cls.examples:
             print(f"    e.g. {', '.join(example.spec for example in cls.examples)}")
+        if cls.decode_note:
+            print(f"    decode speed: {cls.decode_note}")
     return 0
 
 

@@ -357,6 +357,9 @@ class Codec:
     examples: ClassVar[tuple[Example, ...]] = ()
     #: what the stored arrays can represent (see :meth:`in_range`)
     limits: ClassVar[Limits] = Limits()
+    #: for a layout that cannot be read fast on a GPU: why, as measured, and the
+    #: sibling spec to use for speed (``python -m kvjax codecs`` prints it)
+    decode_note: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -141,6 +141,17 @@ def test_codecs_command_lists_registered(capsys):
     out = capsys.readouterr().out
     for name in ("bf16", "fp8", "int", "kivi", "hqmq", "saw", "medC"):
         assert name in out
+    # a layout with no fast read says so under its codec, naming a fast sibling that
+    # the kernel registry does read
+    from kvjax.attention.fused import find_kernel
+    from kvjax.spec import parse_codec
+
+    hyperquant = out[out.index("\nhyperquant:"):out.index("\nint:")]
+    note = hyperquant.split("decode speed: ")[1]
+    assert "0.022x" in note and "hyperquant:e8,4bps,int8" in note
+    assert out.count("decode speed: ") == 1
+    sibling = parse_codec("hyperquant:e8,4bps,int8")
+    assert find_kernel(sibling, sibling, 128)[0].name == "int_decode"
 
 
 def test_module_entry_point_runs():
