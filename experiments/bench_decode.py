@@ -33,6 +33,7 @@ the bytes the path must read (the cache) over its time; ``floor ms`` is those by
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -94,17 +95,30 @@ def codec_kernel(spec: str, head_dim: int):
     return config, fused.find_kernel(config.k, config.v, head_dim)[0]
 
 
-def bench_codec(spec, q, batch, heads, group, slots, head_dim, inner, repeats, options):
+def parse_codec_variant(text: str) -> dict:
+    """``BLOCK_S:WARPS:STAGES`` as the kernel options it sets."""
+    try:
+        block_s, warps, stages = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--codec-variant takes BLOCK_S:WARPS:STAGES, got {text!r}") from None
+    if min(block_s, warps, stages) < 1 or warps & (warps - 1):
+        raise ValueError(f"--codec-variant {text!r}: positive sizes, warps a power of two")
+    return {"block_s": block_s, "num_warps": warps, "num_stages": stages}
+
+
+def bench_codec(spec, q, batch, heads, group, slots, head_dim, inner, repeats, options,
+                variants=()):
     """``{path: (compile s, s per call, bytes)}`` of the fused kernel that reads a cache
-    spec (:func:`kvjax.attention.fused.kernel_call`) and of its dequantize-then-cuDNN
-    path."""
+    spec (:func:`kvjax.attention.fused.kernel_call`), of the same kernel under each of
+    ``variants`` (kernel options; one that fails to compile is reported and skipped) and
+    of its dequantize-then-cuDNN path."""
     config = parse_cache(spec)
     call = fused.kernel_call(config.k, config.v, batch=batch, heads=heads, slots=slots,
                              head_dim=head_dim, key=jax.random.key(1),
                              distinct=DISTINCT_TOKENS)
     num_heads = heads * group
 
-    def kernel(q, arrays):
+    def kernel(q, arrays, options=options):
         qg = q.reshape(batch, heads, group, head_dim)
         return normalize(*call(qg, arrays, **options)).reshape(batch, num_heads, head_dim)
 
@@ -122,12 +136,23 @@ def bench_codec(spec, q, batch, heads, group, slots, head_dim, inner, repeats, o
         return out[:, 0]
 
     read = call.read_bytes
-    return {f"{spec} [{call.name}]": (*timed(kernel, (q, call.arrays), inner, repeats), read),
-            f"{spec} dequant": (*timed(dequant, (q, call.codecs), inner, repeats), read)}
+    results = {f"{spec} [{call.name}]": (*timed(kernel, (q, call.arrays), inner, repeats),
+                                         read)}
+    for variant in variants:
+        label = ":".join(str(variant[k]) for k in ("block_s", "num_warps", "num_stages"))
+        try:
+            results[f"{spec} [{call.name} {label}]"] = (
+                *timed(functools.partial(kernel, options={**options, **variant}),
+                       (q, call.arrays), inner, repeats), read)
+        except Exception as err:  # report, keep timing the other variants
+            print(f"  {spec} {label} failed: {str(err).splitlines()[0][:160]}",
+                  file=sys.stderr)
+    results[f"{spec} dequant"] = (*timed(dequant, (q, call.codecs), inner, repeats), read)
+    return results
 
 
 def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stages, peak,
-                variants=(), codecs=CODECS):
+                variants=(), codecs=CODECS, codec_variants=()):
     shape = model_shape(name)
     num_heads, heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
     group = num_heads // heads
@@ -198,7 +223,7 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
     for spec in codecs:
         try:
             results.update(bench_codec(spec, q, batch, heads, group, slots, head_dim,
-                                        inner, repeats, options))
+                                        inner, repeats, options, codec_variants))
         except Exception as err:  # report, keep benchmarking the other codecs
             print(f"  {spec} failed: {str(err).splitlines()[0][:160]}", file=sys.stderr)
     return {"shape": name, "batch": batch, "slots": slots, "splits": splits,
@@ -246,6 +271,10 @@ def main(argv=None) -> int:
                         "halves-h2:128:2:3 (programs of 2 kv heads), halves-sub:128:2:3 "
                         "(unbiased planes) or halves-jnp:64:4:2:66 (-jnp: unpack without "
                         "inline PTX)")
+    p.add_argument("--codec-variant", action="append", default=[],
+                   metavar="BLOCK_S:WARPS:STAGES",
+                   help="also time every --codec's kernel with these options, e.g. 32:4:2 "
+                        "(repeatable; the default configuration is always timed)")
     p.add_argument("--codec", action="append", metavar="SPEC",
                    help="cache specs read by a fused kernel "
                         f"(default: {', '.join(CODECS)})")
@@ -258,6 +287,7 @@ def main(argv=None) -> int:
             model_shape(name)
         for variant in args.variant:
             parse_variant(variant)
+        codec_variants = [parse_codec_variant(text) for text in args.codec_variant]
         points = [tuple(int(x) for x in text.split(":")) for text in args.point or ()]
         if any(len(point) != 2 for point in points):
             raise ValueError(f"--point takes B:S, got {args.point}")
@@ -277,7 +307,8 @@ def main(argv=None) -> int:
         for batch, slots in grid:
             rows.append(bench_shape(shape, batch, slots, args.inner, args.repeats,
                                     args.block_s, args.num_warps, args.num_stages,
-                                    args.peak_gbs, args.variant, codecs))
+                                    args.peak_gbs, args.variant, codecs,
+                                    codec_variants))
             print(table(rows[-1:]), file=sys.stderr)
     print(table(rows))
     if args.json:
