@@ -117,6 +117,14 @@ def _observed_prefill(params, config, mesh, tokens, valid, cache, weights, mass)
     return _last_logits(params, config, h, valid), cache, mass
 
 
+def token_log_prob(logits: jax.Array, tok: jax.Array) -> jax.Array:
+    """Each row's log-probability of ``tok [B]`` under ``logits [B, V]``: the model's own
+    distribution, before temperature and top-p; one reduction over the vocabulary, no
+    ``[B, V]`` array of log-probabilities."""
+    chosen = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0]
+    return chosen - jax.nn.logsumexp(logits, axis=-1)
+
+
 def _choose(logits, key, temperature, top_p, greedy: bool):
     """Next tokens ``[B]`` from logits ``[B, V]``: argmax, or nucleus sampling."""
     if greedy:
@@ -164,10 +172,7 @@ def _decode(params, config, mesh, max_new_tokens, greedy, logits, cache, eos, ke
         # write nothing to the cache; what they record lands past the columns returned
         done_now = done | is_eos(tok)
         out = out.at[:, i].set(jnp.where(done_now, -1, tok))
-        # the model's own distribution, before temperature and top-p: one reduction over
-        # the vocabulary, no [B, V] array of log-probabilities
-        chosen = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0]
-        logp = logp.at[:, i].set(chosen - jax.nn.logsumexp(logits, axis=-1))
+        logp = logp.at[:, i].set(token_log_prob(logits, tok))
         # the token is fed back only if generation goes on after it; the last step's
         # forward is spent but keeps the loop body uniform
         feed = ~done_now & (i + 1 < max_new_tokens)

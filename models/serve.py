@@ -51,6 +51,7 @@ from models.generate import (
     _placed,
     _stop_tokens,
     _validate_sampling,
+    token_log_prob,
 )
 from models.llama import Params, cache_shape, hidden_states, lm_logits, new_cache
 
@@ -82,11 +83,14 @@ class Completion:
 
     ``reason``: ``"stop"`` (a stop token came, not included) or ``"length"``
     (``max_new_tokens`` reached). ``token_times[i]``: when token ``i`` reached the
-    caller; the time to first token is ``token_times[0] - submitted``."""
+    caller; the time to first token is ``token_times[0] - submitted``.
+    ``log_probs[i]``: token ``i``'s log-probability under the model (before temperature
+    and top-p), as :func:`models.generate.generate` records it."""
 
     id: int
     request: Request
     tokens: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
     reason: str | None = None
     submitted: float = 0.0
     admitted: float | None = None
@@ -100,12 +104,13 @@ class Completion:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """What :meth:`Engine.step` reports: a new ``token`` of request ``id`` (None when
-    the event only says the request is ``done``)."""
+    """What :meth:`Engine.step` reports: a new ``token`` of request ``id`` and its
+    ``log_prob`` (both None when the event only says the request is ``done``)."""
 
     id: int
     token: int | None
     done: bool
+    log_prob: float | None = None
 
 
 @dataclasses.dataclass
@@ -142,8 +147,9 @@ def _decode_rows(params, config, steps, logits, cache, live, emitted, budget, st
                  temperature, top_p):
     """``steps`` decode steps of every ``live`` row: choose a token from its logits
     (argmax at temperature 0, else nucleus sampling with ``fold_in(key, emitted)``),
-    record it unless it is a stop token, feed it back while the row goes on. Returns
-    ``(tokens [B, steps] (-1: none), logits, cache, emitted, live)``."""
+    record it (and its log-probability) unless it is a stop token, feed it back while the
+    row goes on. Returns ``(tokens [B, steps] (-1: none), log_probs [B, steps], logits,
+    cache, emitted, live)``."""
     TRACE_COUNTS["engine_decode"] += 1
     batch = logits.shape[0]
 
@@ -159,21 +165,23 @@ def _decode_rows(params, config, steps, logits, cache, live, emitted, budget, st
         return jnp.where(temperature > 0, sampled, greedy)
 
     def step(i, state):
-        logits, cache, live, emitted, out = state
+        logits, cache, live, emitted, out, logp = state
         tok = sample(logits, emitted)
         stopped = jnp.any(tok[:, None] == stop, axis=-1)
         record = live & ~stopped
         out = out.at[:, i].set(jnp.where(record, tok, -1))
+        logp = logp.at[:, i].set(token_log_prob(logits, tok))
         emitted = emitted + record
         feed = record & (emitted < budget)
         h, cache = hidden_states(params, config, tok[:, None], cache, feed.astype(jnp.int32))
         logits = jnp.where(feed[:, None], lm_logits(params, config, h[:, 0]), logits)
-        return logits, cache, feed, emitted, out
+        return logits, cache, feed, emitted, out, logp
 
     out = jnp.full((batch, steps), -1, jnp.int32)
-    logits, cache, live, emitted, out = jax.lax.fori_loop(
-        0, steps, step, (logits, cache, live, emitted, out))
-    return out, logits, cache, emitted, live
+    logp = jnp.zeros((batch, steps), jnp.float32)
+    logits, cache, live, emitted, out, logp = jax.lax.fori_loop(
+        0, steps, step, (logits, cache, live, emitted, out, logp))
+    return out, logp, logits, cache, emitted, live
 
 
 _decode_rows_jit = jax.jit(_decode_rows, static_argnums=(1, 2), donate_argnums=(3, 4))
@@ -515,21 +523,23 @@ class Engine:
         decoding = np.array([slot is not None and not slot.prefilling
                              for slot in self._slots])
         if decoding.any():
-            out, self._logits, self.cache, emitted, live = self._decode(
+            out, logp, self._logits, self.cache, emitted, live = self._decode(
                 self.params, self._logits, self.cache, *map(jnp.asarray, (
                     decoding, self._emitted, self._budget, self._stop, self._keys,
                     self._temperature, self._top_p)))
-            out, emitted, live = np.asarray(out), np.asarray(emitted), np.asarray(live)
+            out, logp = np.asarray(out), np.asarray(logp)
+            emitted, live = np.asarray(emitted), np.asarray(live)
             now = self.clock()
             for r in np.nonzero(decoding)[0]:
                 row = self._slots[r]
                 done = self.completions[row.id]
-                for tok in out[r]:
+                for tok, lp in zip(out[r], logp[r], strict=True):
                     if tok < 0:
                         break
                     done.tokens.append(int(tok))
+                    done.log_probs.append(float(lp))
                     done.token_times.append(now)
-                    events.append(Event(row.id, int(tok), False))
+                    events.append(Event(row.id, int(tok), False, float(lp)))
                 self._emitted[r] = emitted[r]
                 if not live[r]:
                     self._retire(r, "length" if emitted[r] >= self._budget[r] else "stop",

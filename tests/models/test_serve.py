@@ -35,10 +35,14 @@ def _engine(params, spec, **kw):
     return Engine(params, CONFIG, parse_cache(spec), **kw)
 
 
-def _alone(params, spec, prompt, new, **kw):
+def _alone_result(params, spec, prompt, new, **kw):
     return gen.generate(params, CONFIG, [prompt], cache_config=parse_cache(spec),
                         max_new_tokens=new, max_len=MAX_LEN, prefill_chunk=CHUNK,
-                        cache_dtype=jnp.float32, **kw).tokens[0]
+                        cache_dtype=jnp.float32, **kw)
+
+
+def _alone(params, spec, prompt, new, **kw):
+    return _alone_result(params, spec, prompt, new, **kw).tokens[0]
 
 
 @pytest.mark.parametrize("spec", [
@@ -52,13 +56,18 @@ def test_each_request_gets_the_tokens_generate_gives_it_alone(params, spec):
     done = engine.run([Request(p, n, stop=()) for p, n in zip(PROMPTS, NEW, strict=True)],
                       on_event=events.append)
     for prompt, new, completion in zip(PROMPTS, NEW, done, strict=True):
-        assert completion.tokens == _alone(params, spec, prompt, new, eos_token_ids=())
+        alone = _alone_result(params, spec, prompt, new, eos_token_ids=())
+        assert completion.tokens == alone.tokens[0]
         assert completion.reason == "length" and len(completion.token_times) == new
+        # each token's log-probability as generate records it alone
+        np.testing.assert_allclose(completion.log_probs, alone.log_probs[0], atol=1e-4)
     # streamed in order, each request's done event after its tokens
     for completion in done:
         mine = [e for e in events if e.id == completion.id]
         assert [e.token for e in mine[:-1]] == completion.tokens
-        assert mine[-1].done and mine[-1].token is None
+        assert [e.log_prob for e in mine[:-1]] == completion.log_probs
+        assert all(lp <= 0 for lp in completion.log_probs)
+        assert mine[-1].done and mine[-1].token is None and mine[-1].log_prob is None
     # what stays held is the prompt prefixes kept for sharing, and nothing else
     assert engine.idle and engine.pages_used == engine.cached_pages
 
