@@ -96,14 +96,17 @@ def codec_kernel(spec: str, head_dim: int):
 
 
 def parse_codec_variant(text: str) -> dict:
-    """``BLOCK_S:WARPS:STAGES`` as the kernel options it sets."""
+    """``BLOCK_S:WARPS:STAGES[:SPLITS]`` as the kernel options it sets."""
     try:
-        block_s, warps, stages = (int(x) for x in text.split(":"))
+        block_s, warps, stages, *splits = (int(x) for x in text.split(":"))
     except ValueError:
-        raise ValueError(f"--codec-variant takes BLOCK_S:WARPS:STAGES, got {text!r}") from None
-    if min(block_s, warps, stages) < 1 or warps & (warps - 1):
+        raise ValueError(f"--codec-variant takes BLOCK_S:WARPS:STAGES[:SPLITS], got "
+                         f"{text!r}") from None
+    if (len(splits) > 1 or min(block_s, warps, stages, *splits) < 1
+            or warps & (warps - 1)):
         raise ValueError(f"--codec-variant {text!r}: positive sizes, warps a power of two")
-    return {"block_s": block_s, "num_warps": warps, "num_stages": stages}
+    return {"block_s": block_s, "num_warps": warps, "num_stages": stages,
+            **({"splits": splits[0]} if splits else {})}
 
 
 def bench_codec(spec, q, batch, heads, group, slots, head_dim, inner, repeats, options,
@@ -139,7 +142,8 @@ def bench_codec(spec, q, batch, heads, group, slots, head_dim, inner, repeats, o
     results = {f"{spec} [{call.name}]": (*timed(kernel, (q, call.arrays), inner, repeats),
                                          read)}
     for variant in variants:
-        label = ":".join(str(variant[k]) for k in ("block_s", "num_warps", "num_stages"))
+        label = ":".join(str(variant[k]) for k in ("block_s", "num_warps", "num_stages",
+                                                    "splits") if k in variant)
         try:
             results[f"{spec} [{call.name} {label}]"] = (
                 *timed(functools.partial(kernel, options={**options, **variant}),
@@ -272,9 +276,10 @@ def main(argv=None) -> int:
                         "(unbiased planes) or halves-jnp:64:4:2:66 (-jnp: unpack without "
                         "inline PTX)")
     p.add_argument("--codec-variant", action="append", default=[],
-                   metavar="BLOCK_S:WARPS:STAGES",
+                   metavar="BLOCK_S:WARPS:STAGES[:SPLITS]",
                    help="also time every --codec's kernel with these options, e.g. 32:4:2 "
-                        "(repeatable; the default configuration is always timed)")
+                        "or 64:2:2:16 (repeatable; the default configuration is always "
+                        "timed)")
     p.add_argument("--codec", action="append", metavar="SPEC",
                    help="cache specs read by a fused kernel "
                         f"(default: {', '.join(CODECS)})")
