@@ -241,16 +241,21 @@ class PagedSuite:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _needle_cache(config, heads, group, head_dim, seed=0):
-    """A one-layer cache of ``NEEDLE_LENGTHS`` rows after a prefill and one decode append
-    whose kv head ``k`` holds a needle at the first (k=0), middle (k=1) and last (k=2)
-    coded position of every row; returns ``(view, step, q [B, 1, N, D], needle values
-    as the cache decodes them [B, K, D], needle positions [B, 3])``. One compiled
+    """A one-layer cache of ``NEEDLE_LENGTHS`` rows (a paged spec's pages scrambled) after
+    a prefill and one decode append whose kv head ``k`` holds a needle at the first
+    (k=0), middle (k=1) and last (k=2) coded position of every row; returns ``(view,
+    step, q [B, 1, N, D], needle values as the cache decodes them [B, K, D], needle
+    positions [B, 3])``. One compiled
     program: built op by op, the cache alone took longer than the kernel."""
     lengths = jnp.asarray(NEEDLE_LENGTHS, jnp.int32)
     batch, total = len(NEEDLE_LENGTHS), max(NEEDLE_LENGTHS)
     cache = kc.init_cache(jax.random.key(seed), config, num_layers=1, batch=batch,
                           num_kv_heads=heads, head_dim=head_dim, max_len=total + 1,
                           dtype=jnp.bfloat16)
+    if cache.pages is not None:
+        # a paged spec: every row's pages in reverse order, in another row's place
+        pool = int(cache.pages.size)
+        cache = kc.with_pages(cache, pool - 1 - np.arange(pool).reshape(cache.pages.shape))
     n_sink, n_comp, _ = cache.segments[0].k.counts(lengths + 1)
     positions = jnp.stack([n_sink, n_sink + n_comp // 2, n_sink + n_comp - 1], axis=1)
     keys = jax.random.split(jax.random.key(seed + 1), 4)

@@ -48,7 +48,8 @@ class TestCodebookDecode(RotatedSuite):
     )
     DROP = (Case(1, 1, 4, 48, 128, "turboquant:b4", (48,)), [32])
     IMPL = "codebook_decode"
-    NEEDLE_SPECS = ("turboquant:b4 window=16 sinks=4", "turboquant:b3,qjl window=16")
+    NEEDLE_SPECS = ("turboquant:b4 window=16 sinks=4",
+                    "turboquant:b3,qjl window=16 page=64")  # the second through pages
 
     def test_reference_agrees_with_the_codecs(self):
         """The reference's scores and values are the codecs' own: its partial equals the

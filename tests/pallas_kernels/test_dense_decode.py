@@ -69,7 +69,7 @@ class TestDenseDecode(PagedSuite, KernelSuite):
     DROP = (Case(1, 1, 4, 64, 128, (64,)), [48])
     TOLERANCE: ClassVar[dict[str, float]] = {"out": 8e-3, "lse": 8e-3}
     IMPL = "dense_decode"
-    NEEDLE_SPECS = ("bf16", "bf16 window=16 sinks=4")
+    NEEDLE_SPECS = ("bf16", "bf16 window=16 sinks=4 page=64")  # the second through pages
     PAGED_ARRAYS: ClassVar[dict[str, int]] = {"keys": 1, "values": 1}
 
     def inputs(self, case: Case) -> dict:

@@ -125,7 +125,8 @@ class TestHqmqDecode(PagedSuite, KernelSuite):
     DROP = (Case(1, 1, 4, 48, 128, (48,)), [32])
     TOLERANCE: ClassVar[dict[str, float]] = {"out": 3e-3, "lse": 2e-3}
     IMPL = "hqmq_decode"
-    NEEDLE_SPECS = ("hqmq window=16 sinks=4", f"{MED} window=16 sinks=4")
+    NEEDLE_SPECS = ("hqmq window=16 sinks=4",
+                    f"{MED} window=16 sinks=4 page=64")  # the second through pages
 
     def inputs(self, case: Case) -> dict:
         def one(seed=0):

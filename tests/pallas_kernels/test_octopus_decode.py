@@ -61,7 +61,7 @@ class TestOctopusDecode(RotatedSuite):
     IMPL = "octopus_decode"
     # the QJL arrays reach the entry through the adapter code the codebook kernel's
     # needle covers
-    NEEDLE_SPECS = ("octopus:b3 window=16 sinks=4",)
+    NEEDLE_SPECS = ("octopus:b3 window=16 sinks=4", "octopus:b3 window=16 page=64")
 
     def test_reference_agrees_with_the_codecs(self):
         """The reference's scores and values are the codecs' own: its partial equals the

@@ -66,7 +66,7 @@ class TestPolarDecode(RotatedSuite):
     )
     DROP = (Case(2, 2, 4, 37, 128, "polarquant:b3", (37, 37), splits=3), [21, 37])
     IMPL = "polar_decode"
-    NEEDLE_SPECS = ("polarquant:b3 window=16 sinks=4",)
+    NEEDLE_SPECS = ("polarquant:b3 window=16 sinks=4", "polarquant:b3 window=16 page=64")
 
     def encoded(self, case: Case, seed: int = 0):
         """The case's corner of the :data:`CODED` encoding."""
