@@ -96,7 +96,17 @@ def codec_kernel(spec: str, head_dim: int):
 
 
 def parse_codec_variant(text: str) -> dict:
-    """``BLOCK_S:WARPS:STAGES[:SPLITS]`` as the kernel options it sets."""
+    """``BLOCK_S:WARPS:STAGES[:SPLITS]``, or ``KEY=VALUE[,KEY=VALUE...]`` (any option
+    of the kernel's entry, e.g. ``lookup=product-pairs``; whole numbers as ints), as the
+    kernel options it sets."""
+    if "=" in text:
+        options = {}
+        for item in text.split(","):
+            key, _, value = item.partition("=")
+            if not key.isidentifier() or not value:
+                raise ValueError(f"--codec-variant {text!r}: KEY=VALUE pairs, got {item!r}")
+            options[key] = int(value) if value.isdigit() else value
+        return options
     try:
         block_s, warps, stages, *splits = (int(x) for x in text.split(":"))
     except ValueError:
@@ -142,8 +152,10 @@ def bench_codec(spec, q, batch, heads, group, slots, head_dim, inner, repeats, o
     results = {f"{spec} [{call.name}]": (*timed(kernel, (q, call.arrays), inner, repeats),
                                          read)}
     for variant in variants:
-        label = ":".join(str(variant[k]) for k in ("block_s", "num_warps", "num_stages",
-                                                    "splits") if k in variant)
+        sizes = ("block_s", "num_warps", "num_stages", "splits")
+        label = (":".join(str(variant[k]) for k in sizes if k in variant)
+                 if set(variant) <= set(sizes) else
+                 ",".join(f"{k}={v}" for k, v in variant.items()))
         try:
             results[f"{spec} [{call.name} {label}]"] = (
                 *timed(functools.partial(kernel, options={**options, **variant}),
@@ -276,10 +288,10 @@ def main(argv=None) -> int:
                         "(unbiased planes) or halves-jnp:64:4:2:66 (-jnp: unpack without "
                         "inline PTX)")
     p.add_argument("--codec-variant", action="append", default=[],
-                   metavar="BLOCK_S:WARPS:STAGES[:SPLITS]",
-                   help="also time every --codec's kernel with these options, e.g. 32:4:2 "
-                        "or 64:2:2:16 (repeatable; the default configuration is always "
-                        "timed)")
+                   metavar="B:W:S[:SPLITS]|KEY=VALUE",
+                   help="also time every --codec's kernel with these options, e.g. 32:4:2, "
+                        "64:2:2:16 or lookup=product-pairs (repeatable; the default "
+                        "configuration is always timed)")
     p.add_argument("--codec", action="append", metavar="SPEC",
                    help="cache specs read by a fused kernel "
                         f"(default: {', '.join(CODECS)})")
