@@ -205,7 +205,9 @@ def test_no_sys_path_edits(package):
 
 #: experiment scripts with no program worth keeping: shapes from jax.eval_shape (and one
 #: `iota` of a few milliseconds)
-COMPILES_NOTHING = ("experiments.memory_table", "experiments.sharding_model")
+#: experiments that only count or trace (make_jaxpr compiles nothing)
+COMPILES_NOTHING = ("experiments.memory_table", "experiments.sharding_model",
+                    "experiments.kernel_ops")
 
 
 def test_every_experiment_that_compiles_takes_the_compile_cache():
