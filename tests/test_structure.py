@@ -204,8 +204,7 @@ def test_no_sys_path_edits(package):
 
 
 #: experiment scripts with no program worth keeping: shapes from jax.eval_shape (and one
-#: `iota` of a few milliseconds)
-#: experiments that only count or trace (make_jaxpr compiles nothing)
+#: `iota` of a few milliseconds), or programs traced to count their operations
 COMPILES_NOTHING = ("experiments.memory_table", "experiments.sharding_model",
                     "experiments.kernel_ops")
 
