@@ -123,8 +123,8 @@ def bench_codec(spec, q, batch, heads, group, slots, head_dim, inner, repeats, o
                 variants=()):
     """``{path: (compile s, s per call, bytes)}`` of the fused kernel that reads a cache
     spec (:func:`kvjax.attention.fused.kernel_call`), of the same kernel under each of
-    ``variants`` (kernel options; one that fails to compile is reported and skipped) and
-    of its dequantize-then-cuDNN path."""
+    ``variants`` (``{label: kernel options}``; one that fails to compile is reported and
+    skipped) and of its dequantize-then-cuDNN path."""
     config = parse_cache(spec)
     call = fused.kernel_call(config.k, config.v, batch=batch, heads=heads, slots=slots,
                              head_dim=head_dim, key=jax.random.key(1),
@@ -151,11 +151,7 @@ def bench_codec(spec, q, batch, heads, group, slots, head_dim, inner, repeats, o
     read = call.read_bytes
     results = {f"{spec} [{call.name}]": (*timed(kernel, (q, call.arrays), inner, repeats),
                                          read)}
-    for variant in variants:
-        sizes = ("block_s", "num_warps", "num_stages", "splits")
-        label = (":".join(str(variant[k]) for k in sizes if k in variant)
-                 if set(variant) <= set(sizes) else
-                 ",".join(f"{k}={v}" for k, v in variant.items()))
+    for label, variant in dict(variants).items():
         try:
             results[f"{spec} [{call.name} {label}]"] = (
                 *timed(functools.partial(kernel, options={**options, **variant}),
@@ -168,7 +164,7 @@ def bench_codec(spec, q, batch, heads, group, slots, head_dim, inner, repeats, o
 
 
 def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stages, peak,
-                variants=(), codecs=CODECS, codec_variants=()):
+                variants=(), codecs=CODECS, codec_variants=None):
     shape = model_shape(name)
     num_heads, heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
     group = num_heads // heads
@@ -239,7 +235,7 @@ def bench_shape(name, batch, slots, inner, repeats, block_s, num_warps, num_stag
     for spec in codecs:
         try:
             results.update(bench_codec(spec, q, batch, heads, group, slots, head_dim,
-                                        inner, repeats, options, codec_variants))
+                                        inner, repeats, options, codec_variants or {}))
         except Exception as err:  # report, keep benchmarking the other codecs
             print(f"  {spec} failed: {str(err).splitlines()[0][:160]}", file=sys.stderr)
     return {"shape": name, "batch": batch, "slots": slots, "splits": splits,
@@ -304,7 +300,8 @@ def main(argv=None) -> int:
             model_shape(name)
         for variant in args.variant:
             parse_variant(variant)
-        codec_variants = [parse_codec_variant(text) for text in args.codec_variant]
+        # each as the command line wrote it: the label of its rows
+        codec_variants = {text: parse_codec_variant(text) for text in args.codec_variant}
         points = [tuple(int(x) for x in text.split(":")) for text in args.point or ()]
         if any(len(point) != 2 for point in points):
             raise ValueError(f"--point takes B:S, got {args.point}")

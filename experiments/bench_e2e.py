@@ -277,11 +277,11 @@ def main(argv=None) -> int:
                   f"temporaries (prefill {checked[spec][1] / 2**30:.2f} GiB, decode "
                   f"{checked[spec][2] / 2**30:.2f} GiB)", file=sys.stderr, flush=True)
         runs = ([] if args.capacity_only else
-                [(batch, context, args.prefill_chunk) for batch, context in points])
+                [(batch, context, args.prefill_chunk, False) for batch, context in points])
         at_capacity = checked[spec][0] if spec in checked else max_batch[contexts[-1]]
         if args.at_capacity and at_capacity:
             runs.append((at_capacity, contexts[-1], args.capacity_chunk, True))
-        for batch, context, chunk, *capacity_run in runs:
+        for batch, context, chunk, capacity_run in runs:
             run = functools.partial(generate, params, config, cache_config=cache_config,
                                     max_new_tokens=args.new_tokens, eos_token_ids=(),
                                     max_len=context + args.new_tokens, prefill_chunk=chunk,
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
             result = run(prompts)
             rows.append({
                 "codec": spec, "cache": cache_config.spec, "batch": batch,
-                "context": context, "at_capacity": bool(capacity_run), "weights": weights,
+                "context": context, "at_capacity": capacity_run, "weights": weights,
                 "decode_tok_per_s": result.decode_tok_per_s,
                 "floor_tok_per_s": floor_tok_per_s(
                     held, result.cache_bytes if mesh is None

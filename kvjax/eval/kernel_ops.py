@@ -87,19 +87,6 @@ def _inner_jaxprs(eqn) -> Iterator:
                 yield inner if hasattr(inner, "eqns") else inner.jaxpr
 
 
-def _first(jaxpr, name: str):
-    """The first equation of primitive ``name`` in ``jaxpr`` and, depth first, the
-    programs inside its equations."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            return eqn
-        for inner in _inner_jaxprs(eqn):
-            found = _first(inner, name)
-            if found is not None:
-                return found
-    return None
-
-
 def _all(jaxpr, name: str) -> Iterator:
     """Every equation of primitive ``name`` in ``jaxpr`` and the programs inside it."""
     for eqn in jaxpr.eqns:
@@ -107,6 +94,11 @@ def _all(jaxpr, name: str) -> Iterator:
             yield eqn
         for inner in _inner_jaxprs(eqn):
             yield from _all(inner, name)
+
+
+def _first(jaxpr, name: str):
+    """The first of :func:`_all`, or None."""
+    return next(_all(jaxpr, name), None)
 
 
 def _count(jaxpr, counts: collections.Counter, by_primitive: collections.Counter,
