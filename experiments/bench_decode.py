@@ -97,7 +97,7 @@ def codec_kernel(spec: str, head_dim: int):
 
 def parse_codec_variant(text: str) -> dict:
     """``BLOCK_S:WARPS:STAGES[:SPLITS]``, or ``KEY=VALUE[,KEY=VALUE...]`` (any option
-    of the kernel's entry, e.g. ``lookup=product-pairs``; whole numbers as ints), as the
+    of the kernel's entry, e.g. ``lookup=table``; whole numbers as ints), as the
     kernel options it sets."""
     if "=" in text:
         options = {}
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     p.add_argument("--codec-variant", action="append", default=[],
                    metavar="B:W:S[:SPLITS]|KEY=VALUE",
                    help="also time every --codec's kernel with these options, e.g. 32:4:2, "
-                        "64:2:2:16 or lookup=product-pairs (repeatable; the default "
+                        "64:2:2:16 or lookup=table (repeatable; the default "
                         "configuration is always timed)")
     p.add_argument("--codec", action="append", metavar="SPEC",
                    help="cache specs read by a fused kernel "

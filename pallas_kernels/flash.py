@@ -53,16 +53,18 @@ GOOD_WAVES = 0.9
 MAX_WAVES = 4
 
 
-#: tokens per block unless a kernel says otherwise (:func:`default_blocking`)
+#: tokens per block and pipeline stages unless a kernel says otherwise
+#: (:func:`default_blocking`)
 BLOCK_S = 128
+NUM_STAGES = 3
 
 
 def default_blocking(block_s: int | None, num_stages: int | None,
                      block: int = BLOCK_S) -> tuple[int, int]:
     """Tokens per block and pipeline stages: ``block`` (the kernel's own choice; 128,
     measured best on the H200 at one row and 128k tokens as at 32 rows and 32k tokens
-    for the INT kernel, docs/kernels.md) and 3."""
-    return block_s or block, num_stages or 3
+    for the INT kernel, docs/kernels.md) and :data:`NUM_STAGES`."""
+    return block_s or block, num_stages or NUM_STAGES
 
 
 #: at most this many splits for a chunk's query blocks: each split holds a partial of

@@ -63,6 +63,10 @@ from kvjax.primitives.packing import unpack_bits
 from kvjax.primitives.rotations import random_signs, randomized_hadamard
 from pallas_kernels import group_values
 from pallas_kernels.flash import (
+    BLOCK_S,
+    MIN_DOT,
+    NUM_STAGES,
+    NUM_WARPS,
     OPERAND,
     Load,
     check_lengths,
@@ -107,6 +111,9 @@ class KeyReader:
     ``scores(refs, sm_scale=..., asm=...)``, called once per program with its
     :class:`KernelRefs`, gives the ``scores(load)`` callback of
     :func:`~pallas_kernels.flash.split_softmax`. ``name`` names the ``pallas_call``.
+    ``blocking``: the kernel's own ``(block_s, num_warps, num_stages)`` for a decode
+    step's programs (at most :data:`~pallas_kernels.flash.MIN_DOT` query rows), which a
+    call takes for each of them it leaves unset; a chunk's programs keep the library's.
     """
 
     name: str
@@ -116,6 +123,7 @@ class KeyReader:
     columns: np.ndarray
     views: Callable[[jax.Array], Sequence[jax.Array]]
     scores: Callable[..., Callable[[Load], jax.Array]]
+    blocking: tuple[int, int, int] = (BLOCK_S, NUM_WARPS, NUM_STAGES)
 
 
 # -- checks --------------------------------------------------------------------------
@@ -209,7 +217,7 @@ def kernel_query(q: jax.Array, columns: np.ndarray) -> jax.Array:
 def decode(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero, lengths, layer,
            k_signs, k_qjl, k_residual_norm, qjl_sketch, pages=None, *, value_bits: int,
            value_group: int, sm_scale: float, block_s: int | None, splits: int | None,
-           num_warps: int, num_stages: int | None, interpret: bool | None,
+           num_warps: int | None, num_stages: int | None, interpret: bool | None,
            page_tokens: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The pipeline of every entry, once its keys' options are checked and their
     ``reader`` made: the shared checks (:func:`check_arrays`), the query's rotation and
@@ -223,6 +231,10 @@ def decode(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero, leng
     batch, heads, group, head_dim = q.shape
     if slots == 0:
         return empty_partial(q)
+    own_block, own_warps, own_stages = reader.blocking if group <= MIN_DOT else (
+        BLOCK_S, NUM_WARPS, NUM_STAGES)
+    block_s, num_warps = block_s or own_block, num_warps or own_warps
+    num_stages = num_stages or own_stages
     block_s, num_stages, splits, interpret = schedule(
         batch, heads, slots, block_s=block_s, num_stages=num_stages, splits=splits,
         num_warps=num_warps, interpret=interpret, group=q.shape[2])

@@ -23,7 +23,6 @@ import jax
 
 from pallas_kernels import rotated
 from pallas_kernels.codebook_decode.kernel import reader
-from pallas_kernels.flash import NUM_WARPS
 
 #: key code widths the kernel reads: at most 8 magnitudes fit its register lookup
 KEY_BITS = (1, 2, 3, 4)
@@ -77,7 +76,7 @@ def codebook_decode(
     key_bits: int,                    # sign-magnitude code width, 1..4
     magnitudes: tuple[float, ...],    # the codebook's 2^(key_bits-1) magnitudes
     value_bits: int, value_group: int, sm_scale: float, block_s: int | None = None,
-    splits: int | None = None, num_warps: int = NUM_WARPS, num_stages: int | None = None,
+    splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     interpret: bool | None = None, page_tokens: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmax of the query rows over rotated scalar-codebook keys (TurboQuant).

@@ -63,13 +63,21 @@ def _scores(refs: rotated.KernelRefs, *, key_bits, magnitudes, sm_scale, asm):
     return scores
 
 
+#: ``(block_s, num_warps, num_stages)`` of a decode over 3-bit (split) codes: 0.85 ms
+#: against 1.09 for the library's 128:2:3 at B = 32, S = 32k, 0.23 against 0.28 at B = 1,
+#: S = 128k (H100, docs/kernels.md); 4-bit codes are fastest at 128:2:3 (0.69 ms against
+#: 0.76-0.99 for 32 to 128 tokens with 2 or 4 warps)
+SPLIT_BLOCKING = (32, 2, 3)
+
+
 def reader(head_dim: int, key_bits: int, magnitudes: tuple[float, ...]) -> rotated.KeyReader:
     """How the kernel reads ``key_bits``-bit codes at ``head_dim``: the planar words (3
     bits split) as 16-bit and as 8-bit units, the rotated query's columns in the order
     of their planes (:func:`~pallas_kernels.units.code_layout`)."""
-    _, planes, columns = code_layout(head_dim, key_bits)
+    layout, planes, columns = code_layout(head_dim, key_bits)
     return rotated.KeyReader(
         name="codebook_decode_attention", size=key_bits * head_dim // 32, dtype=jnp.uint32,
         width=head_dim // planes, columns=columns,
         views=lambda codes: (unit_view(codes, "halves"), unit_view(codes, "bytes")),
-        scores=functools.partial(_scores, key_bits=key_bits, magnitudes=magnitudes))
+        scores=functools.partial(_scores, key_bits=key_bits, magnitudes=magnitudes),
+        blocking=SPLIT_BLOCKING if layout == "split" else rotated.KeyReader.blocking)

@@ -20,11 +20,10 @@ from its index by comparisons (no table); ``"table"`` gathers the whole codeword
 head's ``24 S`` codewords (18 KB). Either table stays in the L1 cache, but a gather costs
 one L1 wavefront per distinct 128-byte line its lanes touch: ~29 for random indices
 into the large table, at most 6 into the small one, which is what the product's sixteen
-multiply-adds buy back. ``"product-pairs"`` and ``"table-pairs"`` read the same tables
-stored as float16 pairs in 32-bit words (:func:`paired_words`): two gathers per chunk
-instead of four, for two masks, a shift and four bitcasts (see docs/kernels.md, "The
-work each kernel asks for"). Operands of the dots are float16, accumulation float32;
-the reference is exact float32.
+multiply-adds buy back. (The same tables as float16 pairs in 32-bit words, two gathers
+per chunk instead of four for two masks, a shift and four bitcasts, measured slower:
+docs/kernels.md, "The work each kernel asks for".) Operands of the dots are float16,
+accumulation float32; the reference is exact float32.
 """
 
 from __future__ import annotations
@@ -51,9 +50,8 @@ from pallas_kernels.flash import (
 
 #: quaternion components
 COMPONENTS = 4
-#: how the kernel forms codewords (module doc); the first is the default. ``-pairs``:
-#: the same from a table of float16 pairs in 32-bit words, two gathers per chunk, not four
-LOOKUPS = ("product", "table", "product-pairs", "table-pairs")
+#: how the kernel forms codewords (module doc); the first is the default
+LOOKUPS = ("product", "table")
 
 
 def query_columns(chunks: int) -> np.ndarray:
@@ -93,35 +91,15 @@ def _unit_components(p: jax.Array) -> list:
 def _codewords(table_ref, index: jax.Array, lookup: str) -> list:
     """The four components (float32 tiles) of the codewords of joint indices ``index``:
     ``table_ref`` holds ``[4, 24 S]`` codewords (``"table"``) or ``[4, S]`` secondaries
-    (``"product"``), or the same as :func:`paired_words` (``-pairs``)."""
-    form, _, paired = lookup.partition("-")
+    (``"product"``)."""
 
     def gather(at):
-        if paired:
-            return _unpaired([table_ref[p, at] for p in range(COMPONENTS // 2)])
         return [table_ref[m, at].astype(jnp.float32) for m in range(COMPONENTS)]
 
-    if form == "table":
+    if lookup == "table":
         return gather(index)
     s = jax.lax.div(index, np.int32(NUM_HURWITZ))
     return hamilton_components(_unit_components(index - NUM_HURWITZ * s), gather(s))
-
-
-def paired_words(table: jax.Array) -> jax.Array:
-    """Codeword components ``[..., 4, N]`` as float16 pairs in 32-bit words ``[..., 2,
-    N]``: word ``p`` holds component ``2 p`` in its low half, ``2 p + 1`` in its high."""
-    bits = jax.lax.bitcast_convert_type(table.astype(OPERAND), jnp.uint16).astype(jnp.uint32)
-    return bits[..., 0::2, :] | bits[..., 1::2, :] << 16
-
-
-def _unpaired(words: list) -> list:
-    """The float32 components of :func:`paired_words`' words, in component order."""
-    out = []
-    for w in words:
-        for half in (w & np.uint32(0xFFFF), w >> np.uint32(16)):
-            out.append(jax.lax.bitcast_convert_type(half.astype(jnp.uint16), OPERAND)
-                       .astype(jnp.float32))
-    return out
 
 
 def _decoded(load, ref, table_ref, layout: HqmqLayout, columns, lookup: str):
@@ -273,14 +251,13 @@ def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_ta
                                sm_scale=sm_scale,
                                lookup=lookup, k_outliers=len(k_outliers or ()),
                                v_outliers=len(v_outliers or ()), page_tokens=page_tokens)
-    if lookup.startswith("product"):  # codeword 24 s is q_s times the unit 1
+    if lookup == "product":  # codeword 24 s is q_s times the unit 1
         k_table, v_table = k_table[..., ::NUM_HURWITZ], v_table[..., ::NUM_HURWITZ]
     args, in_specs = leading_inputs(n_comp, layer, q[..., perm], splits, pages)
     shared = pages is not None
     stream_spec = stacked_spec(layers, slots, k_stream.shape[4], shared=shared)
     scale_spec = stacked_spec(layers, slots, shared=shared)
-    table = paired_words if lookup.endswith("-pairs") else (lambda t: t.astype(OPERAND))
-    k_table, v_table = table(k_table), table(v_table)
+    k_table, v_table = k_table.astype(OPERAND), v_table.astype(OPERAND)
     table_spec = pl.BlockSpec((None, *k_table.shape[-2:]), lambda b, h, j: (h, 0, 0))
     args += [k_stream, k_scale, v_stream, v_scale, k_table, v_table]
     in_specs += [stream_spec, scale_spec, stream_spec, scale_spec, table_spec, table_spec]

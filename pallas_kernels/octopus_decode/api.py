@@ -24,7 +24,6 @@ import functools
 import jax
 
 from pallas_kernels import rotated
-from pallas_kernels.flash import NUM_WARPS
 from pallas_kernels.octopus_decode.kernel import LOOKUP, NIBBLE, reader
 
 #: the smallest head dim: whole value words and QJL sign words
@@ -91,7 +90,7 @@ def octopus_decode(
     norms: tuple[float, ...],         # the triplet norm levels
     layout,                           # kvjax.codecs.octopus.ByteLayout of the codes
     value_bits: int, value_group: int, sm_scale: float, block_s: int | None = None,
-    splits: int | None = None, num_warps: int = NUM_WARPS, num_stages: int | None = None,
+    splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     interpret: bool | None = None, page_tokens: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmax of the query rows over rotated OCTOPUS keys.

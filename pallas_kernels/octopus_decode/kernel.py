@@ -236,6 +236,12 @@ def _scores(refs: rotated.KernelRefs, *, plan, magnitudes, norms, sm_scale, asm)
     return scores
 
 
+#: ``(block_s, num_warps, num_stages)`` of a decode: 1.59 ms against 1.69-1.72 for the
+#: library's 128:2:3 at B = 32, S = 32k, 0.31 against 0.35 at B = 1, S = 128k
+#: (octopus:b3, H100, docs/kernels.md; three stages at 32 tokens took 2.0 ms)
+BLOCKING = (32, 2, 2)
+
+
 def reader(head_dim: int, layout, magnitudes: tuple[float, ...],
            norms: tuple[float, ...]) -> rotated.KeyReader:
     """How the kernel reads key bytes in ``layout`` (:func:`plan`): the bytes as they
@@ -245,4 +251,5 @@ def reader(head_dim: int, layout, magnitudes: tuple[float, ...],
         width=layout.width, columns=query_columns(layout, head_dim),
         views=lambda codes: (codes,),
         scores=functools.partial(_scores, plan=plan(layout), magnitudes=magnitudes,
-                                 norms=norms))
+                                 norms=norms),
+        blocking=BLOCKING)

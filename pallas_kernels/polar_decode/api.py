@@ -25,7 +25,6 @@ import functools
 import jax
 
 from pallas_kernels import rotated
-from pallas_kernels.flash import NUM_WARPS
 from pallas_kernels.polar_decode.kernel import plan, reader, uniform_error
 
 #: nominal angle widths ``B`` the kernel reads: a deeper level's cosines and sines are
@@ -132,7 +131,7 @@ def polar_decode(
     centroids: tuple[tuple[float, ...], ...],   # each level's centroids, level 1 first
     offsets: tuple[int, ...],                   # each angle's bit in a token's words
     value_bits: int, value_group: int, sm_scale: float, block_s: int | None = None,
-    splits: int | None = None, num_warps: int = NUM_WARPS, num_stages: int | None = None,
+    splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     interpret: bool | None = None, page_tokens: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmax of the query rows over PolarQuant keys at full depth.

@@ -21,8 +21,8 @@ def test_bad_arguments_exit_with_status_2(capsys):
     assert "takes BLOCK_S:WARPS:STAGES[:SPLITS]" in capsys.readouterr().err
     assert bench_decode.main(["--codec-variant", "32:4:2:0"]) == 2
     assert bench_decode.parse_codec_variant("64:2:2:16")["splits"] == 16
-    assert bench_decode.parse_codec_variant("lookup=table-pairs,block_s=32") == {
-        "lookup": "table-pairs", "block_s": 32}
+    assert bench_decode.parse_codec_variant("lookup=table,block_s=32") == {
+        "lookup": "table", "block_s": 32}
     assert bench_decode.main(["--codec-variant", "lookup="]) == 2
     assert bench_decode.parse_codec_variant("16:4:1") == {"block_s": 16, "num_warps": 4,
                                                           "num_stages": 1}
