@@ -30,11 +30,11 @@ options, then the same value, scale and schedule arguments (:data:`STATIC_ARGNAM
 - QJL, all three or none: ``k_qjl`` uint32 ``[B, K, S, D / 32]`` (``sign(G r)``),
   ``k_residual_norm [B, K, S]`` fp16 (``|r|``), ``qjl_sketch [K, D, D]`` (``G``);
 - ``value_bits`` (2, 3, 4 or 8), ``value_group`` (channels per value scale and zero),
-  ``sm_scale`` (logits are ``sm_scale * score``), ``block_s`` (tokens per block) and
-  ``num_stages`` (pipeline stages; both :func:`~pallas_kernels.flash.default_blocking`),
-  ``splits`` (slices of ``S``, one program each; :func:`~pallas_kernels.flash.
-  default_splits`), ``num_warps``, ``interpret`` (Pallas interpret mode; default: off a
-  GPU).
+  ``sm_scale`` (logits are ``sm_scale * score``), ``block_s`` (tokens per block),
+  ``num_warps`` and ``num_stages`` (pipeline stages; the three default to the key
+  reader's own decode blocking, :attr:`KeyReader.blocking`), ``splits`` (slices of
+  ``S``, one program each; :func:`~pallas_kernels.flash.default_splits`), ``interpret``
+  (Pallas interpret mode; default: off a GPU).
 
 It returns the partial softmax ``o [B, K, G, D]``, ``m [B, K, G]``, ``l [B, K, G]`` in
 float32 over the first ``lengths[b]`` coded tokens (:mod:`pallas_kernels.partial`; a row
