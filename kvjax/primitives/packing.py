@@ -61,6 +61,19 @@ def code_position(index, num_codes: int, bits: int):
     return index * bits // _WORD, index * bits % _WORD
 
 
+def _or_shifted(parts: jax.Array, width: int, axis: int) -> jax.Array:
+    """``parts`` (uint32) ORed along ``axis``, part ``i`` shifted left by ``i * width``
+    bits (the parts occupy disjoint bits). Shifts and ORs of slices, not a sum over the
+    axis: elementwise, so XLA fuses the packing into whatever computes the codes, where
+    a reduction is a GPU kernel of its own (two per layer in every decode step's append
+    of an INT cache)."""
+    parts = jnp.moveaxis(parts, axis, 0)
+    out = parts[0]
+    for i in range(1, parts.shape[0]):
+        out = out | (parts[i] << jnp.uint32(i * width))
+    return out
+
+
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     """Pack unsigned codes ``[..., n]`` (each ``< 2**bits``) into ``uint32[..., words]``.
 
@@ -74,10 +87,7 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     if is_planar(n, bits):
         per = _WORD // bits
         w = n // per
-        slots = c.reshape(*c.shape[:-1], per, w)
-        shifts = (jnp.arange(per, dtype=jnp.uint32) * bits)[:, None]
-        # slots occupy disjoint bits, so the sum is an OR
-        return jnp.sum(slots << shifts, axis=-2, dtype=jnp.uint32)
+        return _or_shifted(c.reshape(*c.shape[:-1], per, w), bits, axis=-2)
     return pack_fields([(c, bits)])
 
 
@@ -315,9 +325,7 @@ def from_units(units: jax.Array, total_bits: int, unit: int = 8) -> jax.Array:
     u = units.astype(jnp.uint32)
     u = jnp.pad(u, [(0, 0)] * (u.ndim - 1) + [(0, per * words - u.shape[-1])])
     u = u.reshape(*u.shape[:-1], words, per)
-    shifts = jnp.arange(per, dtype=jnp.uint32) * jnp.uint32(unit)
-    # the parts occupy disjoint bits, so the sum is an OR
-    return jnp.sum(u << shifts, axis=-1, dtype=jnp.uint32)
+    return _or_shifted(u, unit, axis=-1)
 
 
 def pack_field_bytes(fields: Sequence[tuple[jax.Array, int]]) -> jax.Array:
@@ -455,7 +463,7 @@ def pack_split(codes: jax.Array) -> jax.Array:
     # planar 2-bit: position s * words + w sits in word w, slot s; unit u = 2 w + k holds
     # slots 8 k .. 8 k + 7, so its top byte gathers slots 8 k + j at bit j
     top = ((c >> jnp.uint32(2)) & jnp.uint32(1)).reshape(*c.shape[:-1], 2, 8, words)
-    byte = jnp.sum(top << jnp.arange(8, dtype=jnp.uint32)[:, None], axis=-2, dtype=jnp.uint32)
+    byte = _or_shifted(top, 1, axis=-2)
     units = jnp.swapaxes(byte, -1, -2).reshape(*c.shape[:-1], n // 8)  # u = 2 w + k
     return jnp.concatenate([low, from_units(units.astype(jnp.uint8), n)], axis=-1)
 

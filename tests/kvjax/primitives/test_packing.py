@@ -67,6 +67,16 @@ def test_planar_layout_keeps_dims_contiguous_per_slot():
     np.testing.assert_array_equal(slot1, np.arange(16, 32) % 16)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_packing_is_elementwise(bits):
+    # a reduction over the slots would be a GPU kernel of its own in every decode step's
+    # append; shifts and ORs fuse into the quantizer that produces the codes
+    pack = pk.pack_split if bits == 3 else functools.partial(pk.pack_bits, bits=bits)
+    traced = jax.make_jaxpr(pack)(jax.ShapeDtypeStruct((2, 128), jnp.uint32))
+    names = {eqn.primitive.name for eqn in traced.jaxpr.eqns}
+    assert not any(n.startswith("reduce") for n in names), names
+
+
 def test_values_are_masked_to_width():
     words = pk.pack_bits(jnp.array([0x1F, 0x0], jnp.uint32), 4)
     np.testing.assert_array_equal(np.asarray(pk.unpack_bits(words, 4, 2)), [0xF, 0])
