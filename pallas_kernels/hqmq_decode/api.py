@@ -29,7 +29,13 @@ from pallas_kernels.flash import (
     page_block,
     schedule,
 )
-from pallas_kernels.hqmq_decode.kernel import COMPONENTS, LOOKUPS, codes_partial
+from pallas_kernels.hqmq_decode.kernel import (
+    COMPONENTS,
+    DIGITS,
+    LOOKUPS,
+    codes_partial,
+    digit_bytes,
+)
 from pallas_kernels.partial import empty_partial, merge_partials
 
 #: tokens per block: at 128 (the INT kernel's) the four component tiles of keys and
@@ -149,7 +155,7 @@ def pairs(k_flags, k_outliers, v_flags, v_outliers, k_start=None, v_start=None):
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "lookup", "page_tokens"),
+                     "interpret", "lookup", "digits", "page_tokens"),
 )
 def hqmq_decode(
     q: jax.Array,         # [B, K, G, D] float: the query rows that read kv head k
@@ -177,6 +183,7 @@ def hqmq_decode(
     num_stages: int | None = None,
     interpret: bool | None = None,  # Pallas interpret mode; default: off a GPU
     lookup: str = LOOKUPS[0],  # how codewords are formed (.kernel's doc)
+    digits: str = DIGITS[0],   # how the digit groups are read (.kernel's doc)
     page_tokens: int = 0,      # tokens of a page, with pages
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial softmax of the query rows over the first ``lengths[b]`` coded tokens:
@@ -205,6 +212,11 @@ def hqmq_decode(
                          f"block of {block} tokens at a time")
     if lookup not in LOOKUPS:
         raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
+    if digits not in DIGITS:
+        raise ValueError(f"digits must be one of {DIGITS}, got {digits!r}")
+    if digits == "matmul" and digit_bytes(layout) > layout.size:
+        raise NotImplementedError(f'digits="matmul" reads {digit_bytes(layout)} bytes of a '
+                                  f"token, whose stream holds {layout.size}")
     batch, heads, group, head_dim = q.shape
     if capacity == 0:
         return empty_partial(q)
@@ -222,6 +234,6 @@ def hqmq_decode(
         rows, k_stream, k_scale, v_stream, v_scale, lengths, k_table, v_table, layer,
         k_med, v_med, pages, layout=layout, sm_scale=sm_scale, block_s=block_s,
         splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        lookup=lookup, page_tokens=page_tokens)
+        lookup=lookup, digits=digits, page_tokens=page_tokens)
     return merge_partials((o[..., :group, :head_dim], m[..., :group], l[..., :group]),
                           axis=2)

@@ -10,7 +10,10 @@ way against the probabilities, into four ``[rows, C]`` accumulators.
 
 Per block and chunk the kernel rebuilds the joint index from the stream
 (:class:`kvjax.primitives.quaternion.HqmqLayout`): the chunk's mixed-radix group (one or two bytes,
-gathered by column) gives its digit by float arithmetic, ``floor((v + 1/2) / place)``
+gathered by column; with ``digits="matmul"`` the groups' bytes, the stream's first, are
+one contiguous load and a matmul with a 0/1/256 matrix spreads them to the chunks'
+columns, two gathers per chunk fewer for one small matmul) gives its digit by float
+arithmetic, ``floor((v + 1/2) / place)``
 modulo the odd base (exact: the quotient's error is far below the half-step margin); the
 low index bits are a window of bytes, the radius codes a window of nibbles interleaved
 in registers. A codeword ``q_p q_s`` is formed one of two ways (``lookup``): ``"product"``
@@ -38,6 +41,7 @@ from jax.experimental import pallas as pl
 from kvjax.primitives.packing import code_position
 from kvjax.primitives.quaternion import NUM_HURWITZ, HqmqLayout, hamilton_components
 from pallas_kernels.flash import (
+    MIN_DOT,
     OPERAND,
     decode_call,
     dot_nn,
@@ -52,6 +56,15 @@ from pallas_kernels.flash import (
 COMPONENTS = 4
 #: how the kernel forms codewords (module doc); the first is the default
 LOOKUPS = ("product", "table")
+#: how it reads each chunk's mixed-radix group (module doc); the first is the default
+DIGITS = ("gather", "matmul")
+
+
+def digit_bytes(layout: HqmqLayout) -> int:
+    """Bytes of the stream ``digits="matmul"`` loads per token: the digit groups' bytes
+    (the first of the stream), rounded up to a whole matmul depth."""
+    groups = -(-layout.chunks // layout.group)
+    return -(-2 * groups // MIN_DOT) * MIN_DOT
 
 
 def query_columns(chunks: int) -> np.ndarray:
@@ -102,13 +115,33 @@ def _codewords(table_ref, index: jax.Array, lookup: str) -> list:
     return hamilton_components(_unit_components(index - NUM_HURWITZ * s), gather(s))
 
 
-def _decoded(load, ref, table_ref, layout: HqmqLayout, columns, lookup: str):
+def _digit_spread(layout: HqmqLayout) -> jax.Array:
+    """``[digit_bytes, C]`` float16: column ``c`` holds 1 at its group's low byte and 256
+    at its high byte (zero for the last, one-byte group), so the stream's first bytes
+    times it are every chunk's group value. Exact: bytes and 256 are exact float16
+    operands, and the float32 sums of two such products are integers below 2^16."""
+    shape = (digit_bytes(layout), layout.chunks)
+    byte = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    column = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    low = 2 * (column // layout.group)
+    wide = column < layout.full * layout.group
+    return jnp.where(byte == low, 1.0,
+                     jnp.where(wide & (byte == low + 1), 256.0, 0.0)).astype(OPERAND)
+
+
+def _decoded(load, ref, table_ref, layout: HqmqLayout, columns, lookup: str, spread=None):
     """The block's four ``[block, C]`` float16 tiles ``k_c * w_m[c]`` of the tokens in
-    ``ref`` (a byte stream), codewords by ``lookup`` from ``table_ref``."""
+    ``ref`` (a byte stream), codewords by ``lookup`` from ``table_ref``; the digit
+    groups gathered by column, or with ``spread`` (:func:`_digit_spread`) one load of
+    the stream's first bytes and a matmul."""
     digit_byte, wide, inverse = columns
-    lo = load(ref, digit_byte).astype(jnp.float32)
-    hi = load(ref, digit_byte + 1).astype(jnp.float32)
-    v = lo + 256.0 * jnp.where(wide, hi, 0.0)
+    if spread is None:
+        lo = load(ref, digit_byte).astype(jnp.float32)
+        hi = load(ref, digit_byte + 1).astype(jnp.float32)
+        v = lo + 256.0 * jnp.where(wide, hi, 0.0)
+    else:
+        head = load(ref, pl.ds(0, spread.shape[0])).astype(OPERAND)
+        v = dot_nn(head, spread)
     quotient = jnp.floor((v + 0.5) * inverse)
     digit = quotient - layout.odd * jnp.floor((quotient + 0.5) * np.float32(1.0 / layout.odd))
     low = load(ref, pl.ds(layout.low_offset, layout.chunks)).astype(jnp.int32)
@@ -166,8 +199,8 @@ def _outlier_tiles(load, flags_ref, chunks_ref, start_ref=None, *, block: int,
 
 
 def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_ref, vt_ref,
-            *refs, layout, block_s, split_len, splits, sm_scale, lookup, k_outliers, v_outliers,
-            page_tokens):
+            *refs, layout, block_s, split_len, splits, sm_scale, lookup, digits, k_outliers,
+            v_outliers, page_tokens):
     o_ref, m_ref, l_ref = refs[-3:]
     extra = list(refs[:-3])
     k_med = [extra.pop(0) for _ in range(k_outliers)] or None
@@ -180,9 +213,10 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
     # outlier products read the query to ~22 bits: the outliers are the largest chunks
     q_parts = [_split(q.astype(jnp.float32)) for q in q_columns] if k_outliers else None
     columns = _chunk_columns(layout)
+    spread = _digit_spread(layout) if digits == "matmul" else None
 
     def scores(load):
-        tiles = _decoded(load, ks_ref, kt_ref, layout, columns, lookup)
+        tiles = _decoded(load, ks_ref, kt_ref, layout, columns, lookup, spread)
         dots = sum(dot_nt(q_slots[m], tiles[m]) for m in range(COMPONENTS))
         scale = load(kscale_ref).astype(jnp.float32) * (levels * sm_scale)
         s = dots * scale[None, :]
@@ -193,7 +227,7 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
         return s
 
     def accumulate(acc, p, correction, load):
-        tiles = _decoded(load, vs_ref, vt_ref, layout, columns, lookup)
+        tiles = _decoded(load, vs_ref, vt_ref, layout, columns, lookup, spread)
         scale = load(vscale_ref).astype(jnp.float32) * levels
         pv = (p * scale[None, :]).astype(OPERAND)
         out = [acc[m] * correction[:, None] + dot_nn(pv, tiles[m]) for m in range(COMPONENTS)]
@@ -218,13 +252,13 @@ def _kernel(n_ref, layer_ref, q_ref, ks_ref, kscale_ref, vs_ref, vscale_ref, kt_
 @functools.partial(
     jax.jit,
     static_argnames=("layout", "sm_scale", "block_s", "splits", "num_warps", "num_stages",
-                     "interpret", "lookup", "page_tokens"),
+                     "interpret", "lookup", "digits", "page_tokens"),
 )
 def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_table,
                   layer=None, k_outliers=None, v_outliers=None, pages=None, *,
                   layout: HqmqLayout, sm_scale: float, block_s: int, splits: int,
                   num_warps: int, num_stages: int, interpret: bool, lookup: str = LOOKUPS[0],
-                  page_tokens: int = 0):
+                  digits: str = DIGITS[0], page_tokens: int = 0):
     """Per-split partial softmaxes over the coded tokens: ``q [B, K, R, D]`` with ``R``
     query rows already padded (:func:`pallas_kernels.flash.pad_query_rows`), the streams
     and scales stacked ``[L, B, K, S, ...]`` (``layer`` None reads a stack of one), the
@@ -249,7 +283,7 @@ def codes_partial(q, k_stream, k_scale, v_stream, v_scale, n_comp, k_table, v_ta
     kernel = functools.partial(_kernel, layout=layout, block_s=block_s,
                                split_len=split_len(row_slots, splits, block_s), splits=splits,
                                sm_scale=sm_scale,
-                               lookup=lookup, k_outliers=len(k_outliers or ()),
+                               lookup=lookup, digits=digits, k_outliers=len(k_outliers or ()),
                                v_outliers=len(v_outliers or ()), page_tokens=page_tokens)
     if lookup == "product":  # codeword 24 s is q_s times the unit 1
         k_table, v_table = k_table[..., ::NUM_HURWITZ], v_table[..., ::NUM_HURWITZ]

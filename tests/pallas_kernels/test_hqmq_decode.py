@@ -21,7 +21,7 @@ from kvjax.attention.fused import hqmq_tables
 from kvjax.codec import HqmqFormat
 from kvjax.spec import parse_codec
 from pallas_kernels.hqmq_decode import api, reference
-from pallas_kernels.hqmq_decode.kernel import LOOKUPS
+from pallas_kernels.hqmq_decode.kernel import DIGITS, LOOKUPS
 from pallas_kernels.partial import normalize
 from tests.pallas_kernels.suite import KernelSuite, PagedSuite, Shape
 
@@ -235,6 +235,22 @@ def test_unknown_lookup_raises():
     kw = TestHqmqDecode().inputs(CASES[1])
     with pytest.raises(ValueError, match="lookup must be one of"):
         api.hqmq_decode(**kw, lookup="matmul")
+    with pytest.raises(ValueError, match="digits must be one of"):
+        api.hqmq_decode(**kw, digits="table")
+
+
+# D = 128 (32 chunks: 6 groups of two bytes, a last one of one) and D = 64 with Med-C
+# outliers in the same pass
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[9]], ids=lambda c: c.id)
+@pytest.mark.parametrize("digits", DIGITS)
+def test_each_digit_read_matches_the_reference(digits, case):
+    """The digit groups gathered by column, or loaded whole and spread by a matmul,
+    give the reference's partial."""
+    suite = TestHqmqDecode()
+    kw = suite.inputs(case)
+    want = normalize(*reference.hqmq_decode(**kw))
+    got = normalize(*api.hqmq_decode(**kw, digits=digits))
+    np.testing.assert_allclose(got, want, atol=suite.tolerance(case)["out"])
 
 
 def test_outlier_cases_hold_outliers_that_matter():

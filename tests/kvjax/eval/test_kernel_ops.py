@@ -36,6 +36,11 @@ def test_a_kernel_that_gathers_says_so():
     # per chunk and role: four codeword components and the digit group's two bytes
     # (32 chunks, keys and values)
     assert hqmq.ops["gather"] == 2 * 32 * (4 + 2)
+    # the digit groups as one load and a matmul: the two gathers per chunk go, and the
+    # arithmetic that joined the bytes with them; a [block, 16] x [16, 32] product per role
+    spread = kernel_ops("hqmq:s96,r4", digits="matmul")
+    assert spread.ops["gather"] == 2 * 32 * 4 and spread.total < hqmq.total
+    assert spread.mma - hqmq.mma == 2 * 16 * 32
 
 
 def test_ordering_of_the_rotated_family_and_bad_specs():
