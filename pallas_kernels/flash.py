@@ -57,6 +57,8 @@ MAX_WAVES = 4
 #: (:func:`default_blocking`)
 BLOCK_S = 128
 NUM_STAGES = 3
+#: the library's ``(block_s, num_warps, num_stages)``, which a kernel may replace by its own
+BLOCKING = (BLOCK_S, NUM_WARPS, NUM_STAGES)
 
 
 def default_blocking(block_s: int | None, num_stages: int | None,

@@ -63,10 +63,8 @@ from kvjax.primitives.packing import unpack_bits
 from kvjax.primitives.rotations import random_signs, randomized_hadamard
 from pallas_kernels import group_values
 from pallas_kernels.flash import (
-    BLOCK_S,
+    BLOCKING,
     MIN_DOT,
-    NUM_STAGES,
-    NUM_WARPS,
     OPERAND,
     Load,
     check_lengths,
@@ -123,7 +121,7 @@ class KeyReader:
     columns: np.ndarray
     views: Callable[[jax.Array], Sequence[jax.Array]]
     scores: Callable[..., Callable[[Load], jax.Array]]
-    blocking: tuple[int, int, int] = (BLOCK_S, NUM_WARPS, NUM_STAGES)
+    blocking: tuple[int, int, int] = BLOCKING
 
 
 # -- checks --------------------------------------------------------------------------
@@ -231,8 +229,7 @@ def decode(reader: KeyReader, q, k_codes, k_norm, v_codes, v_scale, v_zero, leng
     batch, heads, group, head_dim = q.shape
     if slots == 0:
         return empty_partial(q)
-    own_block, own_warps, own_stages = reader.blocking if group <= MIN_DOT else (
-        BLOCK_S, NUM_WARPS, NUM_STAGES)
+    own_block, own_warps, own_stages = reader.blocking if group <= MIN_DOT else BLOCKING
     block_s, num_warps = block_s or own_block, num_warps or own_warps
     num_stages = num_stages or own_stages
     block_s, num_stages, splits, interpret = schedule(

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import rotated
-from pallas_kernels.flash import OPERAND, dot_nt
+from pallas_kernels.flash import BLOCKING, OPERAND, dot_nt
 from pallas_kernels.units import code_layout, codebook_plane, sign_plane, unit_view
 
 
@@ -80,4 +80,4 @@ def reader(head_dim: int, key_bits: int, magnitudes: tuple[float, ...]) -> rotat
         width=head_dim // planes, columns=columns,
         views=lambda codes: (unit_view(codes, "halves"), unit_view(codes, "bytes")),
         scores=functools.partial(_scores, key_bits=key_bits, magnitudes=magnitudes),
-        blocking=SPLIT_BLOCKING if layout == "split" else rotated.KeyReader.blocking)
+        blocking=SPLIT_BLOCKING if layout == "split" else BLOCKING)

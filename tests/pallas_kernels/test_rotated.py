@@ -12,9 +12,8 @@ from kvjax.attention import fused
 from kvjax.eval.kernel_ops import _first, kernel_ops
 from kvjax.spec import parse_cache
 from pallas_kernels import codebook_decode, octopus_decode, polar_decode
-from pallas_kernels.flash import BLOCK_S, NUM_STAGES, NUM_WARPS
+from pallas_kernels.flash import BLOCKING as LIBRARY
 
-LIBRARY = (BLOCK_S, NUM_WARPS, NUM_STAGES)
 BLOCKINGS = [
     ("turboquant:b3", codebook_decode.kernel.SPLIT_BLOCKING),
     ("turboquant:b4", LIBRARY),
