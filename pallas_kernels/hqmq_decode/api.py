@@ -34,7 +34,6 @@ from pallas_kernels.hqmq_decode.kernel import (
     DIGITS,
     LOOKUPS,
     codes_partial,
-    digit_bytes,
 )
 from pallas_kernels.partial import empty_partial, merge_partials
 
@@ -214,9 +213,6 @@ def hqmq_decode(
         raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
     if digits not in DIGITS:
         raise ValueError(f"digits must be one of {DIGITS}, got {digits!r}")
-    if digits == "matmul" and digit_bytes(layout) > layout.size:
-        raise NotImplementedError(f'digits="matmul" reads {digit_bytes(layout)} bytes of a '
-                                  f"token, whose stream holds {layout.size}")
     batch, heads, group, head_dim = q.shape
     if capacity == 0:
         return empty_partial(q)

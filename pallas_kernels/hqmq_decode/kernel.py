@@ -62,7 +62,8 @@ DIGITS = ("gather", "matmul")
 
 def digit_bytes(layout: HqmqLayout) -> int:
     """Bytes of the stream ``digits="matmul"`` loads per token: the digit groups' bytes
-    (the first of the stream), rounded up to a whole matmul depth."""
+    (the first of the stream), rounded up to a whole matmul depth: within the token for
+    every layout the kernel reads, whose ``C`` low bytes and radius nibbles follow."""
     groups = -(-layout.chunks // layout.group)
     return -(-2 * groups // MIN_DOT) * MIN_DOT
 
